@@ -1,0 +1,22 @@
+"""User-facing errors.
+
+A :class:`RaydpError` is a problem with what the user asked for (a bad config, a missing column, an
+impossible budget). The CLI prints its message as one line and exits non-zero; it never prints a
+traceback for it. Anything else is a bug and keeps its traceback.
+"""
+
+
+class RaydpError(Exception):
+    """An error in the user's input, reported as one line."""
+
+
+class DataError(RaydpError):
+    """A dataset (CSV, mapping file, split directory) is missing, malformed or has a bad value."""
+
+
+class ModelError(RaydpError):
+    """A model name or path cannot be resolved or loaded."""
+
+
+class ConfigError(RaydpError):
+    """A configuration value is invalid."""
