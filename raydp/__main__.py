@@ -1,0 +1,5 @@
+import sys
+
+from raydp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,155 @@
+"""The ``raydp`` command line.
+
+``raydp data build|show`` builds and inspects a dataset; ``raydp train`` runs one fine-tuning.
+User errors (bad config, bad CSV, unknown model, unwritable output) are one line on stderr and exit
+status 2, with nothing half-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from raydp import __version__
+from raydp.errors import ConfigError, RaydpError
+
+
+def _add_data_source_args(parser: argparse.ArgumentParser, defaults: bool) -> None:
+    d = (lambda value: value) if defaults else (lambda value: None)
+    parser.add_argument("--source", dest="source", default=d("synthetic"),
+                        help="'synthetic' (embedded generator), a diabetic_data.csv path, or (train) a built dataset dir")
+    parser.add_argument("--ids-mapping", default=None, help="IDs_mapping.csv of the real dataset")
+    parser.add_argument("--n-records", type=int, default=d(2000), help="synthetic size / cap on CSV rows")
+    parser.add_argument("--data-seed", type=int, default=d(0), help="seed of generator and splits")
+    parser.add_argument("--n-canary", type=int, default=d(10), help="number of secret canaries in train")
+    parser.add_argument("--canary-seed", type=int, default=d(42))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raydp", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"raydp {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    data = commands.add_parser("data", help="build and inspect datasets")
+    data_cmds = data.add_subparsers(dest="data_command", required=True)
+    build = data_cmds.add_parser("build", help="build splits, canaries and manifest as Parquet")
+    build.add_argument("--output", "-o", required=True, help="dataset directory to create")
+    build.add_argument("--overwrite", action="store_true")
+    _add_data_source_args(build, defaults=True)
+    show = data_cmds.add_parser("show", help="print a dataset's manifest, sizes and a sample narrative")
+    show.add_argument("dataset", help="dataset directory")
+
+    train = commands.add_parser("train", help="run one fine-tuning, writing everything under --output")
+    train.add_argument("--output", "-o", required=True, help="run directory to create")
+    train.add_argument("--config", help="YAML file with TrainConfig fields (flags override it)")
+    train.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    train.add_argument("--quiet", action="store_true", help="no progress bars")
+    train.add_argument("--model", help="'embedded' (default), 'embedded-deep', a Hugging Face name or a local dir")
+    train.add_argument("--strategy", choices=["nonprivate"], help="training strategy (default nonprivate)")
+    train.add_argument("--epochs", type=float)
+    train.add_argument("--max-steps", type=int)
+    train.add_argument("--batch-size", type=int)
+    train.add_argument("--lr", type=float)
+    train.add_argument("--warmup-steps", type=int)
+    train.add_argument("--eval-every", type=int)
+    train.add_argument("--eval-max-records", type=int)
+    train.add_argument("--max-length", type=int)
+    train.add_argument("--seed", type=int)
+    train.add_argument("--device", help="auto (default), cpu, cuda, cuda:1, ...")
+    _add_data_source_args(train, defaults=False)
+    return parser
+
+
+def _load_yaml(path: str) -> dict:
+    import yaml
+
+    try:
+        with open(path) as handle:
+            values = yaml.safe_load(handle) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"config {path} must be a mapping of fields")
+    return values
+
+
+def train_config_from_args(args: argparse.Namespace):
+    from raydp.config import TrainConfig, validate_config
+
+    values = _load_yaml(args.config) if args.config else {}
+    for key in ("model", "strategy", "epochs", "max_steps", "batch_size", "lr", "warmup_steps", "eval_every",
+                "eval_max_records", "max_length", "seed", "device"):
+        if getattr(args, key) is not None:
+            values[key] = getattr(args, key)
+    data = dict(values.get("data") or {})
+    for flag, key in (("source", "source"), ("ids_mapping", "ids_mapping"), ("n_records", "n_records"),
+                      ("data_seed", "seed"), ("n_canary", "n_canary"), ("canary_seed", "canary_seed")):
+        if getattr(args, flag) is not None:
+            data[key] = getattr(args, flag)
+    if data:
+        values["data"] = data
+    return validate_config(TrainConfig, values)
+
+
+def cmd_data_build(args) -> int:
+    from raydp.data import build_dataset, describe_dataset
+
+    if args.n_records is not None and args.n_records <= 0:
+        raise ConfigError("--n-records must be positive")
+    build_dataset(args.output, source=args.source, n_records=args.n_records, seed=args.data_seed,
+                  n_canary=args.n_canary, canary_seed=args.canary_seed, ids_mapping=args.ids_mapping,
+                  overwrite=args.overwrite)
+    _print_dataset(describe_dataset(args.output), args.output)
+    return 0
+
+
+def _print_dataset(info: dict, path) -> None:
+    print(json.dumps({k: v for k, v in info.items() if k != "sample"}, indent=2, default=str))
+    if info.get("sample"):
+        print(f"\nsample narrative (eval split of {path}):\n{info['sample']}")
+
+
+def cmd_data_show(args) -> int:
+    from raydp.data import describe_dataset
+
+    _print_dataset(describe_dataset(args.dataset), args.dataset)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from raydp.runner.run import run_training
+
+    config = train_config_from_args(args)
+    summary = run_training(config, args.output, overwrite=args.overwrite, progress=not args.quiet)
+    print(f"run written to {Path(args.output).absolute()}")
+    keys = ("model", "strategy", "device", "n_adapter_pairs", "train_records", "steps",
+            "initial_eval_perplexity", "final_eval_perplexity", "best_eval_perplexity", "wall_seconds")
+    for key in keys:
+        print(f"  {key:<26} {summary[key]}")
+    if summary.get("data_note"):
+        print(f"  note: {summary['data_note']}")
+    return 0
+
+
+COMMANDS = {("data", "build"): cmd_data_build, ("data", "show"): cmd_data_show, ("train", None): cmd_train}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = COMMANDS[(args.command, getattr(args, "data_command", None))]
+    try:
+        return handler(args)
+    except RaydpError as exc:
+        print(f"raydp: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("raydp: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Records, verbaliser, splits, canaries and public corpus (RLDP Sec. 2.1).
+
+Synthetic records (``source="synthetic"``) describe no real patient.
+"""
+
+from raydp.data.canaries import PATTERN as CANARY_PATTERN
+from raydp.data.canaries import draw_canaries
+from raydp.data.csv_source import load_diabetes_csv, load_ids_mapping
+from raydp.data.public import public_corpus, public_records
+from raydp.data.schema import COLUMNS, MEDICATIONS, SCHEMA_VERSION, IdMaps, default_id_maps
+from raydp.data.splits import (
+    SPLITS,
+    build_dataset,
+    describe_dataset,
+    load_canaries,
+    load_manifest,
+    load_split,
+    load_texts,
+    split_sizes,
+)
+from raydp.data.synthetic import generate_records
+from raydp.data.verbalise import verbalise, verbalise_records
+
+__all__ = [
+    "CANARY_PATTERN",
+    "COLUMNS",
+    "MEDICATIONS",
+    "SCHEMA_VERSION",
+    "SPLITS",
+    "IdMaps",
+    "build_dataset",
+    "default_id_maps",
+    "describe_dataset",
+    "draw_canaries",
+    "generate_records",
+    "load_canaries",
+    "load_diabetes_csv",
+    "load_ids_mapping",
+    "load_manifest",
+    "load_split",
+    "load_texts",
+    "public_corpus",
+    "public_records",
+    "split_sizes",
+    "verbalise",
+    "verbalise_records",
+]

@@ -1,0 +1,344 @@
+"""Build, load and describe a dataset directory: attack/train/eval splits with canaries (Sec. 2.1).
+
+Split sizes (rounding half up): ``n_attack = round(0.2 * N)``, then of the remaining ``R = N -
+n_attack`` records ``n_eval = round(0.1 * R)`` and ``n_train = R - n_eval`` (20% / 72% / 8%; exactly
+20000 / 72000 / 8000 for N = 100000). Every split must be non-empty, so N >= 6. The split is a
+permutation drawn from ``SeedSequence([seed, SPLIT_STREAM])``; rows keep their source order
+within a split. The attack set is never trained on.
+
+Layout of ``out_dir``: ``train.parquet`` (``text``, the 50 record fields, ``has_canary``),
+``eval.parquet`` and ``attack.parquet`` (``text`` and the record fields), ``canaries.parquet``
+(``secret``, ``train_row``, ``encounter_id``) and ``manifest.json``. The directory is written to a
+temporary sibling and renamed into place, so a failed build leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import raydp
+from raydp.errors import DataError
+from raydp.data import canaries, schema
+from raydp.data.csv_source import load_diabetes_csv, load_ids_mapping
+from raydp.data.schema import IdMaps
+from raydp.data.synthetic import generate_records
+from raydp.data.verbalise import verbalise_records
+
+SPLITS = ("train", "eval", "attack")
+ATTACK_FRACTION = 0.2
+EVAL_FRACTION = 0.1
+SPLIT_STREAM = 0x53504C54  # "SPLT"
+SUBSAMPLE_STREAM = 0x53554253  # "SUBS"
+DEFAULT_SYNTHETIC_SIZE = 101_766  # the size of the real table
+SYNTHETIC_NOTE = "Synthetic records: they describe no real patient."
+REAL_NOTE = ("Records come from a user-supplied CSV and may describe real patients; treat every "
+             "file in this directory as sensitive.")
+MANIFEST = "manifest.json"
+
+
+def _round_half_up(x: float) -> int:
+    return int(np.floor(x + 0.5))
+
+
+def split_sizes(n: int) -> dict[str, int]:
+    """Sizes of the train/eval/attack splits of ``n`` records (see the module docstring)."""
+    n_attack = _round_half_up(ATTACK_FRACTION * n)
+    rest = n - n_attack
+    n_eval = _round_half_up(EVAL_FRACTION * rest)
+    return {"train": rest - n_eval, "eval": n_eval, "attack": n_attack}
+
+
+def split_indices(n: int, seed: int) -> dict[str, np.ndarray]:
+    """Disjoint sorted row indices of each split of ``n`` records, deterministic in ``seed``."""
+    sizes = split_sizes(n)
+    if min(sizes.values()) < 1:
+        raise DataError(f"{n} records are too few to split into non-empty train/eval/attack "
+                        f"sets (need at least 6)")
+    perm = np.random.default_rng(np.random.SeedSequence([seed, SPLIT_STREAM])).permutation(n)
+    a, e = sizes["attack"], sizes["eval"]
+    return {"attack": np.sort(perm[:a]), "eval": np.sort(perm[a:a + e]),
+            "train": np.sort(perm[a + e:])}
+
+
+def texts_sha256(texts_by_split: dict[str, list[str]]) -> str:
+    """sha256 over the given splits in SPLITS order: each split name, then its texts, NUL-separated.
+
+    ``texts_sha256(all three splits)`` is the manifest's ``content_sha256``;
+    ``texts_sha256({split: texts})`` is that split's entry in ``split_sha256``.
+    """
+    h = hashlib.sha256()
+    for split in SPLITS:
+        if split not in texts_by_split:
+            continue
+        h.update(split.encode() + b"\0")
+        for t in texts_by_split[split]:
+            h.update(t.encode("utf-8") + b"\0")
+    return h.hexdigest()
+
+
+def _check_seed(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise DataError(f"{name} must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
+def _resolve_id_maps(ids_mapping: str | os.PathLike | IdMaps | None) -> IdMaps:
+    if ids_mapping is None:
+        return schema.default_id_maps()
+    if isinstance(ids_mapping, IdMaps):
+        return ids_mapping
+    return load_ids_mapping(ids_mapping)
+
+
+def _load_source(source, n_records, seed, ids_mapping, progress):
+    if isinstance(source, str) and source == "synthetic":
+        n = DEFAULT_SYNTHETIC_SIZE if n_records is None else n_records
+        records = generate_records(n, seed, population="private", progress=progress)
+        info = {"source": "synthetic", "synthetic": True, "note": SYNTHETIC_NOTE}
+        return records, _resolve_id_maps(ids_mapping), info
+    if not isinstance(source, (str, os.PathLike)):
+        raise DataError(f"source must be 'synthetic' or a CSV path, got {source!r}")
+    path = Path(source)
+    records, _ = load_diabetes_csv(path)
+    if n_records is not None:
+        if isinstance(n_records, bool) or not isinstance(n_records, (int, np.integer)) \
+                or n_records < 1:
+            raise DataError(f"n_records must be an integer >= 1, got {n_records!r}")
+        if n_records < len(records):
+            rng = np.random.default_rng(np.random.SeedSequence([seed, SUBSAMPLE_STREAM]))
+            keep = np.sort(rng.choice(len(records), size=int(n_records), replace=False))
+            records = records.iloc[keep].reset_index(drop=True)
+    info = {"source": str(path.resolve()), "synthetic": False, "note": REAL_NOTE,
+            "source_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    return records, _resolve_id_maps(ids_mapping), info
+
+
+def _split_table(frame: pd.DataFrame, texts: list[str], extra: dict | None = None) -> pa.Table:
+    cols: dict[str, pa.Array] = {"text": pa.array(texts, type=pa.string())}
+    for field in schema.arrow_schema():
+        cols[field.name] = pa.array(frame[field.name].to_numpy(), type=field.type)
+    cols.update(extra or {})
+    return pa.table(cols)
+
+
+def _prepare_target(out: Path, overwrite: bool) -> list[Path]:
+    """Check ``out`` may be (re)written; create missing ancestors and return those created."""
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise DataError(f"dataset directory {out} exists and is not a directory")
+        if any(out.iterdir()) and not overwrite:
+            raise DataError(f"dataset directory {out} exists and is not empty "
+                            f"(pass overwrite=True to replace it)")
+    created: list[Path] = []
+    parent = out.parent
+    missing = []
+    while not parent.exists():
+        missing.append(parent)
+        parent = parent.parent
+    if not parent.is_dir():
+        raise DataError(f"cannot create dataset directory {out}: {parent} is not a directory")
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+            created.append(d)
+    except OSError as e:
+        _remove_created(created)
+        raise DataError(f"cannot create dataset directory {out}: {e.strerror or e}") from None
+    return created
+
+
+def _remove_created(created: list[Path]) -> None:
+    for d in reversed(created):
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+
+
+def build_dataset(
+    out_dir: str | os.PathLike,
+    *,
+    source: str | os.PathLike = "synthetic",
+    n_records: int | None = None,
+    seed: int = 0,
+    n_canary: int = 10,
+    canary_seed: int = 42,
+    ids_mapping: str | os.PathLike | IdMaps | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Build the split directory ``out_dir`` and return its manifest.
+
+    ``source`` is ``"synthetic"`` (``n_records`` records, default the real table's 101766) or the
+    path of ``diabetic_data.csv`` (``n_records`` then optionally caps it by a seeded subsample).
+    ``ids_mapping`` is an ``IDs_mapping.csv`` path or :class:`IdMaps`; default the embedded tables.
+    """
+    seed = _check_seed("seed", seed)
+    canary_seed = _check_seed("canary_seed", canary_seed)
+    out = Path(out_dir)
+    if out.exists() and out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise DataError(f"dataset directory {out} exists and is not empty "
+                        f"(pass overwrite=True to replace it)")
+
+    records, id_maps, info = _load_source(source, n_records, seed, ids_mapping, progress)
+    idx = split_indices(len(records), seed)
+    secrets, canary_rows = canaries.draw_canaries(n_canary, len(idx["train"]), canary_seed)
+    frames = {s: records.iloc[idx[s]].reset_index(drop=True) for s in SPLITS}
+    texts = {s: verbalise_records(frames[s], id_maps, progress=progress) for s in SPLITS}
+    has_canary = np.zeros(len(frames["train"]), dtype=bool)
+    for secret, row in zip(secrets, canary_rows):
+        texts["train"][row] += canaries.suffix(secret)
+        has_canary[row] = True
+
+    tables = {
+        "train": _split_table(frames["train"], texts["train"],
+                              {"has_canary": pa.array(has_canary, type=pa.bool_())}),
+        "eval": _split_table(frames["eval"], texts["eval"]),
+        "attack": _split_table(frames["attack"], texts["attack"]),
+    }
+    canary_table = pa.table({
+        "secret": pa.array(secrets, type=pa.string()),
+        "train_row": pa.array(canary_rows, type=pa.int64()),
+        "encounter_id": pa.array(frames["train"]["encounter_id"].to_numpy()[canary_rows],
+                                 type=pa.int64()),
+    })
+    manifest = {
+        "schema_version": schema.SCHEMA_VERSION,
+        "created_by": f"raydp {raydp.__version__}",
+        **info,
+        "ids_mapping": "embedded" if ids_mapping is None or isinstance(ids_mapping, IdMaps)
+        else str(Path(ids_mapping).resolve()),
+        "seed": seed,
+        "canary_seed": canary_seed,
+        "n_canary": int(n_canary),
+        "canary_format": "' secret_id=<10 characters of [A-Z0-9]>.' appended to a train text",
+        "n_records": int(len(records)),
+        "sizes": {s: len(texts[s]) for s in SPLITS},
+        "split_rule": "attack=round(0.2*N); eval=round(0.1*(N-attack)); train=rest; half up",
+        "content_sha256": texts_sha256(texts),
+        "split_sha256": {s: texts_sha256({s: texts[s]}) for s in SPLITS},
+        "files": [f"{s}.parquet" for s in SPLITS] + ["canaries.parquet", MANIFEST],
+    }
+    _write_atomically(out, overwrite, tables, canary_table, manifest)
+    return manifest
+
+
+def _write_files(tmp: Path, tables: dict[str, pa.Table], canary_table: pa.Table,
+                 manifest: dict) -> None:
+    for split, table in tables.items():
+        pq.write_table(table, tmp / f"{split}.parquet")
+    pq.write_table(canary_table, tmp / "canaries.parquet")
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+
+
+def _write_atomically(out: Path, overwrite: bool, tables, canary_table, manifest) -> None:
+    created = _prepare_target(out, overwrite)
+    tag = uuid.uuid4().hex[:12]
+    tmp = out.parent / f".{out.name}.tmp-{tag}"
+    old = out.parent / f".{out.name}.old-{tag}"
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        _remove_created(created)
+        raise DataError(f"cannot write dataset directory {out}: {e.strerror or e}") from None
+    try:
+        _write_files(tmp, tables, canary_table, manifest)
+        if out.exists() and any(out.iterdir()):
+            os.rename(out, old)
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                os.rename(old, out)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)  # replaces an empty directory in place
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_created(created)
+        if isinstance(e, OSError):
+            raise DataError(f"cannot write dataset directory {out}: "
+                            f"{' '.join(str(e.strerror or e).split())}") from None
+        raise
+
+
+def _dataset_file(dataset_dir: str | os.PathLike, name: str) -> Path:
+    d = Path(dataset_dir)
+    if not d.is_dir():
+        raise DataError(f"dataset directory {d} does not exist")
+    f = d / name
+    if not f.is_file():
+        raise DataError(f"dataset directory {d} has no {name}")
+    return f
+
+
+def load_manifest(dataset_dir: str | os.PathLike) -> dict[str, Any]:
+    """The ``manifest.json`` of a dataset directory."""
+    f = _dataset_file(dataset_dir, MANIFEST)
+    try:
+        manifest = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"manifest {f} cannot be read: {' '.join(str(e).split())}") from None
+    if not isinstance(manifest, dict) or "sizes" not in manifest:
+        raise DataError(f"manifest {f} is not a raydp dataset manifest")
+    return manifest
+
+
+def load_split(dataset_dir: str | os.PathLike, split: str) -> pd.DataFrame:
+    """One split (``train``, ``eval`` or ``attack``) as a DataFrame, or ``canaries``."""
+    if split not in (*SPLITS, "canaries"):
+        raise DataError(f"unknown split {split!r}; expected one of train, eval, attack")
+    f = _dataset_file(dataset_dir, f"{split}.parquet")
+    try:
+        return pq.read_table(f).to_pandas()
+    except (OSError, pa.ArrowException) as e:
+        raise DataError(f"split file {f} cannot be read: {' '.join(str(e).split())}") from None
+
+
+def load_texts(dataset_dir: str | os.PathLike, split: str) -> list[str]:
+    """The narratives of one split, in file order."""
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}; expected one of train, eval, attack")
+    f = _dataset_file(dataset_dir, f"{split}.parquet")
+    try:
+        return pq.read_table(f, columns=["text"]).column("text").to_pylist()
+    except (OSError, KeyError, pa.ArrowException) as e:
+        raise DataError(f"split file {f} cannot be read: {' '.join(str(e).split())}") from None
+
+
+def load_canaries(dataset_dir: str | os.PathLike) -> pd.DataFrame:
+    """The injected canaries: ``secret``, ``train_row``, ``encounter_id``."""
+    return load_split(dataset_dir, "canaries")
+
+
+def describe_dataset(dataset_dir: str | os.PathLike) -> dict[str, Any]:
+    """Sizes, mean characters/words per narrative, an eval sample and the canary count."""
+    manifest = load_manifest(dataset_dir)
+    texts = {s: load_texts(dataset_dir, s) for s in SPLITS}
+    every = [t for s in SPLITS for t in texts[s]]
+
+    def mean(xs: list[int]) -> float:
+        return float(np.mean(xs)) if xs else 0.0
+
+    return {
+        "source": manifest.get("source"),
+        "synthetic": manifest.get("synthetic"),
+        "sizes": {s: len(texts[s]) for s in SPLITS},
+        "mean_chars": mean([len(t) for t in every]),
+        "mean_words": mean([len(t.split()) for t in every]),
+        "mean_words_by_split": {s: mean([len(t.split()) for t in texts[s]]) for s in SPLITS},
+        "sample_eval_narrative": texts["eval"][0] if texts["eval"] else None,
+        "n_canary": len(load_canaries(dataset_dir)),
+        "content_sha256": manifest.get("content_sha256"),
+    }

@@ -1,0 +1,50 @@
+"""Token-level perplexity on a held-out split (RLDP Sec. 3.3).
+
+PPL = exp(total next-token NLL / number of predicted tokens) over the whole split, padding excluded.
+The utility the controller and the reports use is u = -log PPL.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from raydp.model.loss import token_nll
+from raydp.runner.batches import TokenizedSplit
+
+
+@dataclass(frozen=True)
+class PerplexityResult:
+    perplexity: float
+    nll_per_token: float
+    n_tokens: int
+    n_sequences: int
+
+    @property
+    def utility(self) -> float:
+        return -self.nll_per_token
+
+
+@torch.no_grad()
+def evaluate_perplexity(
+    model: torch.nn.Module, split: TokenizedSplit, device: torch.device, batch_size: int = 32,
+    max_sequences: int | None = None,
+) -> PerplexityResult:
+    """Perplexity of ``model`` on the first ``max_sequences`` sequences of ``split`` (all by default)."""
+    was_training = model.training
+    model.eval()
+    n = len(split) if max_sequences is None else min(len(split), max_sequences)
+    total_nll, total_tokens = 0.0, 0
+    try:
+        for start in range(0, n, batch_size):
+            batch = split.collate(list(range(start, min(start + batch_size, n))), device)
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            nll, mask = token_nll(logits, batch.input_ids, batch.attention_mask)
+            total_nll += float(nll.sum())
+            total_tokens += int(mask.sum())
+    finally:
+        model.train(was_training)
+    nll_per_token = total_nll / max(total_tokens, 1)
+    return PerplexityResult(math.exp(nll_per_token), nll_per_token, total_tokens, n)

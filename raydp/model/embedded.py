@@ -1,0 +1,174 @@
+"""The embedded default model: a small GPT-2 built from config, pre-trained briefly on public data.
+
+Nothing is downloaded. The tokenizer is a byte-level BPE trained on the public corpus (a synthetic
+population disjoint from every private split, see :func:`raydp.data.public_corpus`), and the model is
+a GPT-2-architecture network pre-trained non-privately on the same corpus so that private fine-tuning
+starts from a model that already speaks the narratives' language. Both are saved with
+``save_pretrained`` into a cache and loaded back through the same ``from_pretrained`` path as any
+Hugging Face model. Builds are deterministic per seed, cached by a hash of their spec, and written
+atomically (a directory appears in the cache only once complete).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from raydp.errors import ModelError
+from raydp.model.loss import per_sequence_nll
+from raydp.model.tokenizer import train_bpe_tokenizer
+
+EMBEDDED_FORMAT_VERSION = 1
+MARKER_FILE = "raydp_embedded.json"
+
+
+@dataclass(frozen=True)
+class EmbeddedModelSpec:
+    """Architecture and pre-training recipe of an embedded model."""
+
+    n_layer: int = 4
+    n_embd: int = 64
+    n_head: int = 4
+    n_positions: int = 512
+    vocab_size: int = 1024
+    public_records: int = 4000
+    tokenizer_records: int = 800  # BPE training is superlinear in corpus size; the template is repetitive
+    pretrain_steps: int = 200
+    pretrain_batch_size: int = 16
+    pretrain_lr: float = 2e-3
+    seed: int = 0
+
+    def cache_key(self) -> str:
+        payload = json.dumps({"format": EMBEDDED_FORMAT_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+#: Named embedded models. ``embedded`` is the default everywhere; ``embedded-deep`` has twice the
+#: layers (and so twice the LoRA pairs), for policy-transfer experiments.
+EMBEDDED_PRESETS: dict[str, EmbeddedModelSpec] = {
+    "embedded": EmbeddedModelSpec(),
+    "embedded-deep": EmbeddedModelSpec(n_layer=8),
+    "embedded-tiny": EmbeddedModelSpec(n_layer=2, n_embd=32, n_head=2, public_records=800, pretrain_steps=40),
+}
+
+
+def default_cache_dir() -> Path:
+    """``$RAYDP_CACHE`` if set, else ``~/.cache/raydp``."""
+    return Path(os.environ.get("RAYDP_CACHE", Path.home() / ".cache" / "raydp")).expanduser()
+
+
+def is_embedded_name(name: str) -> bool:
+    return name in EMBEDDED_PRESETS
+
+
+def ensure_embedded_model(
+    name: str = "embedded", cache_dir: str | Path | None = None, spec: EmbeddedModelSpec | None = None,
+    progress: bool = True,
+) -> Path:
+    """Return the directory of the embedded model ``name``, building and caching it if needed."""
+    if spec is None:
+        if name not in EMBEDDED_PRESETS:
+            raise ModelError(f"unknown embedded model {name!r}; known: {', '.join(EMBEDDED_PRESETS)}")
+        spec = EMBEDDED_PRESETS[name]
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / "models" / f"{name}-{spec.cache_key()}"
+    if (target / MARKER_FILE).exists():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelError(f"cannot create model cache {target.parent}: {exc.strerror}") from None
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        _build(spec, staging, progress=progress, name=name)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / MARKER_FILE).exists():  # not a concurrent builder winning the race
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _build(spec: EmbeddedModelSpec, out: Path, progress: bool, name: str) -> None:
+    from raydp.data import public_corpus
+
+    started = time.perf_counter()
+    texts = public_corpus(spec.public_records, seed=spec.seed)
+    tokenizer = train_bpe_tokenizer(texts[: spec.tokenizer_records], vocab_size=spec.vocab_size)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=spec.n_positions,
+        n_embd=spec.n_embd,
+        n_layer=spec.n_layer,
+        n_head=spec.n_head,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        # No dropout in the backbone: it is frozen during fine-tuning, and on CPU dropout's random
+        # masks cost as much as the matrix products of a model this small.
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+    )
+    torch.manual_seed(spec.seed)
+    model = GPT2LMHeadModel(config)
+    losses = _pretrain(model, tokenizer, texts, spec, progress=progress, name=name)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    marker = {
+        "name": name,
+        "spec": asdict(spec),
+        "format_version": EMBEDDED_FORMAT_VERSION,
+        "pretrain_loss_first": losses[0],
+        "pretrain_loss_last": losses[-1],
+        "build_seconds": round(time.perf_counter() - started, 2),
+        "note": "pre-trained on a synthetic public corpus that describes no real patient",
+    }
+    (out / MARKER_FILE).write_text(json.dumps(marker, indent=2))
+
+
+def _pretrain(model, tokenizer, texts, spec: EmbeddedModelSpec, progress: bool, name: str) -> list[float]:
+    """Brief non-private pre-training on the public corpus (mean per-sequence NLL, AdamW)."""
+    encoded = tokenizer(texts, truncation=True, max_length=spec.n_positions)["input_ids"]
+    generator = torch.Generator().manual_seed(spec.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.pretrain_lr, weight_decay=0.0)
+    warmup = max(1, spec.pretrain_steps // 10)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    model.train()
+    losses = []
+    bar = tqdm(range(spec.pretrain_steps), desc=f"pre-training {name} (public corpus)", disable=not progress)
+    for _ in bar:
+        idx = torch.randint(len(encoded), (spec.pretrain_batch_size,), generator=generator).tolist()
+        batch = tokenizer.pad({"input_ids": [encoded[i] for i in idx]}, return_tensors="pt")
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss = per_sequence_nll(logits, batch["input_ids"], batch["attention_mask"]).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    return losses
+
+
+__all__ = [
+    "EMBEDDED_PRESETS",
+    "EmbeddedModelSpec",
+    "default_cache_dir",
+    "ensure_embedded_model",
+    "is_embedded_name",
+]

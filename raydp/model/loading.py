@@ -1,0 +1,162 @@
+"""Loading causal LMs (embedded default or Hugging Face) and attaching LoRA (RLDP Sec. 2.2, 3.1).
+
+One path for every model: ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``
+on a hub name (``gpt2``, ``meta-llama/Llama-3.2-1B``, ``mistralai/Mistral-7B-v0.1``), a local
+directory, or an embedded preset name (built into the cache first, then loaded from there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from raydp.errors import ModelError
+from raydp.model.adapters import AdapterPair, discover_adapter_pairs
+from raydp.model.embedded import EMBEDDED_PRESETS, ensure_embedded_model, is_embedded_name
+
+#: LoRA targets per architecture (the attention q and v projections; GPT-2 fuses q, k, v in c_attn).
+LORA_TARGETS: dict[str, list[str]] = {
+    "gpt2": ["c_attn"],
+    "llama": ["q_proj", "v_proj"],
+    "mistral": ["q_proj", "v_proj"],
+}
+#: Architectures whose projections are ``Conv1D`` (weights stored transposed).
+FAN_IN_FAN_OUT = {"gpt2"}
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA hyper-parameters (paper Sec. 2.2: rank 8, alpha 16; dropout 0.05)."""
+
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.05
+    target_modules: tuple[str, ...] | None = None  # None: by architecture, see LORA_TARGETS
+
+
+@dataclass
+class LoadedModel:
+    """A LoRA-wrapped causal LM ready for fine-tuning."""
+
+    model: PeftModel
+    tokenizer: object
+    pairs: list[AdapterPair]
+    device: torch.device
+    source: str
+    model_type: str
+    max_positions: int
+    info: dict = field(default_factory=dict)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``auto``: CUDA when present, else CPU. Nothing in raydp requires a GPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ModelError(f"unknown device {device!r}") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"device {device!r} requested but CUDA is not available")
+    return resolved
+
+
+def check_model_name(name_or_path: str) -> None:
+    """Cheap checks of a model name before anything is built: embedded presets and local paths."""
+    if name_or_path.startswith("embedded") and not is_embedded_name(name_or_path):
+        raise ModelError(f"unknown embedded model {name_or_path!r}; known: {', '.join(EMBEDDED_PRESETS)}")
+    if not is_embedded_name(name_or_path):
+        _local_model_dir(name_or_path)
+
+
+def _local_model_dir(name_or_path: str) -> Path | None:
+    path = Path(name_or_path).expanduser()
+    if name_or_path.startswith((".", "/", "~")) or path.exists():
+        if not (path / "config.json").exists():
+            raise ModelError(f"model path {name_or_path!r} is not a model directory (no config.json)")
+        return path
+    return None
+
+
+def resolve_model_source(name_or_path: str, cache_dir: str | Path | None = None, progress: bool = True) -> str:
+    """Map an embedded preset to its cached directory; check that a local path is a model directory."""
+    if is_embedded_name(name_or_path):
+        return str(ensure_embedded_model(name_or_path, cache_dir=cache_dir, progress=progress))
+    check_model_name(name_or_path)
+    local = _local_model_dir(name_or_path)
+    return str(local) if local is not None else name_or_path
+
+
+def load_model(
+    name_or_path: str = "embedded",
+    device: str = "auto",
+    lora: LoraSettings | None = None,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer and attach LoRA to the attention q/v projections.
+
+    On CUDA the frozen base weights load in bf16 where supported; LoRA parameters stay fp32 (PEFT's
+    ``autocast_adapter_dtype``). On CPU everything is fp32.
+    """
+    torch_device = resolve_device(device)
+    source = resolve_model_source(name_or_path, cache_dir=cache_dir, progress=progress)
+    dtype = torch.float32
+    if torch_device.type == "cuda" and torch.cuda.is_bf16_supported():
+        dtype = torch.bfloat16
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        base = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"cannot load model {name_or_path!r}: {first_line}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    model_type = getattr(base.config, "model_type", "unknown")
+    peft_model = apply_lora(base, model_type, lora or LoraSettings())
+    peft_model.to(torch_device)
+    pairs = discover_adapter_pairs(peft_model)
+    max_positions = int(
+        getattr(base.config, "n_positions", None) or getattr(base.config, "max_position_embeddings", 1024)
+    )
+    return LoadedModel(
+        model=peft_model,
+        tokenizer=tokenizer,
+        pairs=pairs,
+        device=torch_device,
+        source=source,
+        model_type=model_type,
+        max_positions=max_positions,
+        info={"base_dtype": str(dtype).removeprefix("torch."), "n_pairs": len(pairs)},
+    )
+
+
+def apply_lora(model: torch.nn.Module, model_type: str, settings: LoraSettings) -> PeftModel:
+    """Freeze ``model`` and attach LoRA adapters (only A and B are trainable)."""
+    targets = list(settings.target_modules) if settings.target_modules else LORA_TARGETS.get(model_type)
+    if not targets:
+        raise ModelError(
+            f"no default LoRA targets for model type {model_type!r}; known: {', '.join(LORA_TARGETS)}"
+            " (set lora target_modules explicitly)"
+        )
+    config = LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=targets,
+        fan_in_fan_out=model_type in FAN_IN_FAN_OUT,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:
+        raise ModelError(f"cannot attach LoRA to {targets} on {model_type!r}: {str(exc).splitlines()[0]}") from None

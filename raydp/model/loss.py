@@ -1,0 +1,36 @@
+"""Per-sequence language-model loss.
+
+Privacy needs the loss of each sequence to depend on that sequence alone. The Hugging Face
+``labels=`` loss averages over every non-padding token of the *batch*, so a sample's weight depends on
+the lengths of the other samples in the batch; we never use it. Instead each sequence's loss is the
+mean next-token NLL over its own non-padding tokens, and a batch loss is a mean (or, under DP, a sum
+divided by the expected batch size) over sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def token_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """Next-token NLL of every position and the mask of positions that count.
+
+    Returns ``(nll, mask)``, both of shape ``[batch, seq_len - 1]``: position ``t`` scores the
+    prediction of token ``t + 1`` and counts only when that token is not padding.
+    """
+    shift_logits = logits[:, :-1, :].float()
+    targets = input_ids[:, 1:]
+    mask = attention_mask[:, 1:].to(shift_logits.dtype)
+    nll = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)), targets.reshape(-1), reduction="none"
+    ).view_as(targets)
+    return nll * mask, mask
+
+
+def per_sequence_nll(
+    logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """Mean next-token NLL of each sequence over its own non-padding tokens, shape ``[batch]``."""
+    nll, mask = token_nll(logits, input_ids, attention_mask)
+    return nll.sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)

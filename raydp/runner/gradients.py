@@ -1,0 +1,37 @@
+"""Gradient computations: the part of a training step that differs between strategies.
+
+A gradient computation takes the model and a batch, leaves the gradient to apply in each trainable
+parameter's ``.grad``, and returns what the step may report (loss, batch size, ...). The training
+loop does the rest (sampling, optimiser update, evaluation), so private strategies plug in here
+without copying the loop.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from raydp.model.loss import per_sequence_nll
+from raydp.runner.batches import Batch
+
+
+class GradientComputation(Protocol):
+    """Fills ``.grad`` of the trainable parameters for one batch and returns metrics of the step."""
+
+    name: str
+
+    def compute(self, model: torch.nn.Module, batch: Batch) -> dict: ...
+
+
+class NonPrivateGradient:
+    """Plain mini-batch gradient of the mean per-sequence loss (no privacy)."""
+
+    name = "nonprivate"
+
+    def compute(self, model: torch.nn.Module, batch: Batch) -> dict:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        losses = per_sequence_nll(logits, batch.input_ids, batch.attention_mask)
+        loss = losses.mean()
+        loss.backward()
+        return {"loss": float(loss.detach()), "batch_size": batch.size}

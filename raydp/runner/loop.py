@@ -1,0 +1,135 @@
+"""The fine-tuning loop, as separate steps: sample, compute gradients, update, evaluate.
+
+RLDP Sec. 3.1 training setup: AdamW (betas 0.9/0.999, no weight decay), learning rate 5e-4 after a
+linear warm-up of 100 steps, then constant; held-out perplexity every 48 steps and at each epoch end
+(Sec. 3.3). What differs between strategies is the gradient computation (and, under DP, the sampler);
+the loop is shared.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from raydp.evaluation.perplexity import PerplexityResult, evaluate_perplexity
+from raydp.runner.batches import TokenizedSplit
+from raydp.runner.gradients import GradientComputation
+from raydp.runner.history import MetricHistory
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    lr: float = 5e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    warmup_steps: int = 100
+
+
+def warmup_then_constant(warmup_steps: int):
+    """LR multiplier: linear from 1/warmup to 1 over ``warmup_steps`` updates, then 1."""
+    return lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+
+
+def evaluation_steps(total_steps: int, steps_per_epoch: float, eval_every: int) -> set[int]:
+    """Steps (1-based, after the update) at which to evaluate: every ``eval_every``, each epoch end, the last."""
+    steps = set(range(eval_every, total_steps + 1, eval_every)) if eval_every > 0 else set()
+    n_epochs = math.ceil(total_steps / steps_per_epoch - 1e-9)
+    steps |= {min(total_steps, round(e * steps_per_epoch)) for e in range(1, n_epochs + 1)}
+    steps.add(total_steps)
+    return steps
+
+
+class Trainer:
+    """Runs ``total_steps`` updates of the trainable (LoRA) parameters of ``model``."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        train: TokenizedSplit,
+        evaluation: TokenizedSplit,
+        sampler,
+        gradient: GradientComputation,
+        device: torch.device,
+        optimizer: OptimizerSettings = OptimizerSettings(),
+        eval_every: int = 48,
+        eval_max_sequences: int | None = None,
+        progress: bool = True,
+    ):
+        self.model = model
+        self.train_split = train
+        self.eval_split = evaluation
+        self.sampler = sampler
+        self.gradient = gradient
+        self.device = device
+        self.eval_every = eval_every
+        self.eval_max_sequences = eval_max_sequences
+        self.progress = progress
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=optimizer.lr, betas=optimizer.betas, weight_decay=optimizer.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_then_constant(optimizer.warmup_steps))
+        self.history = MetricHistory()
+        self.step_count = 0
+
+    # -- the separate steps -------------------------------------------------------------------
+    def sample(self):
+        return self.train_split.collate(self.sampler.next_indices(), self.device)
+
+    def compute_gradients(self, batch) -> dict:
+        return self.gradient.compute(self.model, batch)
+
+    def update(self) -> None:
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def evaluate(self) -> PerplexityResult:
+        return evaluate_perplexity(self.model, self.eval_split, self.device, max_sequences=self.eval_max_sequences)
+
+    # -- the loop --------------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        started = time.perf_counter()
+        batch = self.sample()
+        metrics = self.compute_gradients(batch)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.update()
+        self.step_count += 1
+        metrics.update(step=self.step_count, lr=lr, seconds=time.perf_counter() - started)
+        return metrics
+
+    def record_evaluation(self) -> PerplexityResult:
+        result = self.evaluate()
+        self.history.log_eval(
+            step=self.step_count,
+            epoch=self.step_count / self.sampler.steps_per_epoch,
+            perplexity=result.perplexity,
+            nll_per_token=result.nll_per_token,
+            utility=result.utility,
+            n_tokens=result.n_tokens,
+        )
+        return result
+
+    def run(self, total_steps: int) -> MetricHistory:
+        """Evaluate once before training (step 0), then train ``total_steps`` steps with scheduled evaluations."""
+        if self.step_count == 0 and not self.history.eval_rows:
+            self.record_evaluation()
+        eval_at = evaluation_steps(total_steps, self.sampler.steps_per_epoch, self.eval_every)
+        self.model.train()
+        bar = tqdm(total=total_steps, initial=self.step_count, desc=f"fine-tuning ({self.gradient.name})",
+                   disable=not self.progress, unit="step")
+        last_ppl = self.history.eval_rows[-1]["perplexity"]
+        while self.step_count < total_steps:
+            metrics = self.train_step()
+            metrics["epoch"] = self.step_count / self.sampler.steps_per_epoch
+            self.history.log_train(**metrics)
+            if self.step_count in eval_at:
+                last_ppl = self.record_evaluation().perplexity
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", eval_ppl=f"{last_ppl:.2f}")
+        bar.close()
+        return self.history

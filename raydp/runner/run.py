@@ -1,0 +1,111 @@
+"""One fine-tuning run end to end: data, model, loop, outputs (``raydp train``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from raydp import __version__
+from raydp.config import TrainConfig
+from raydp.data import build_dataset, load_manifest, load_texts
+from raydp.model import LoraSettings, load_model
+from raydp.model.loading import check_model_name
+from raydp.runner.batches import TokenizedSplit
+from raydp.runner.gradients import NonPrivateGradient
+from raydp.runner.loop import OptimizerSettings, Trainer
+from raydp.runner.output import staged_output
+from raydp.runner.sampling import ShuffledBatchSampler
+
+SYNTHETIC_NOTE = "synthetic records: they describe no real patient"
+
+
+def prepare_dataset(config: TrainConfig, workdir: Path, progress: bool = True) -> Path:
+    """Use a built dataset directory as is, or build one from a CSV or the synthetic generator."""
+    source = Path(config.data.source).expanduser()
+    if config.data.source != "synthetic" and source.is_dir():
+        load_manifest(source)  # validates that it is a dataset directory
+        return source
+    out = workdir / "dataset"
+    build_dataset(
+        out,
+        source="synthetic" if config.data.source == "synthetic" else str(source),
+        n_records=config.data.n_records,
+        seed=config.data.seed,
+        n_canary=config.data.n_canary,
+        canary_seed=config.data.canary_seed,
+        ids_mapping=config.data.ids_mapping,
+    )
+    return out
+
+
+def planned_steps(config: TrainConfig, steps_per_epoch: float) -> int:
+    """Steps derived from data size, epochs and batch size (ERRATA E10), capped by ``max_steps``."""
+    steps = max(1, round(config.epochs * steps_per_epoch))
+    return min(steps, config.max_steps) if config.max_steps else steps
+
+
+def run_training(config: TrainConfig, output: str | Path, overwrite: bool = False, progress: bool = True) -> dict:
+    """Run one fine-tuning and write everything it produces under ``output``; returns the summary."""
+    started = time.perf_counter()
+    check_model_name(config.model)  # fail on a bad model before building anything
+    with staged_output(output, overwrite=overwrite) as staging:
+        dataset_dir = prepare_dataset(config, staging, progress=progress)
+        manifest = load_manifest(dataset_dir)
+        torch.manual_seed(config.seed)
+        loaded = load_model(
+            config.model,
+            device=config.device,
+            lora=LoraSettings(**config.lora.model_dump()),
+            progress=progress,
+        )
+        max_length = config.max_length or min(loaded.max_positions, 512)
+        train = TokenizedSplit(load_texts(dataset_dir, "train"), loaded.tokenizer, max_length)
+        evaluation = TokenizedSplit(load_texts(dataset_dir, "eval"), loaded.tokenizer, max_length)
+        sampler = ShuffledBatchSampler(len(train), config.batch_size, seed=config.seed)
+        total_steps = planned_steps(config, sampler.steps_per_epoch)
+        trainer = Trainer(
+            loaded.model,
+            train,
+            evaluation,
+            sampler,
+            NonPrivateGradient(),
+            loaded.device,
+            optimizer=OptimizerSettings(lr=config.lr, warmup_steps=config.warmup_steps),
+            eval_every=config.eval_every,
+            eval_max_sequences=config.eval_max_records,
+            progress=progress,
+        )
+        history = trainer.run(total_steps)
+        history.write(staging)
+        loaded.model.save_pretrained(staging / "adapter")
+        evals = [row["perplexity"] for row in history.eval_rows]
+        summary = {
+            "raydp_version": __version__,
+            "model": config.model,
+            "model_source": loaded.source,
+            "model_type": loaded.model_type,
+            "device": str(loaded.device),
+            "n_adapter_pairs": len(loaded.pairs),
+            "adapter_pairs": [pair.describe() for pair in loaded.pairs],
+            "strategy": config.strategy,
+            "privacy": {"mechanism": "none", "epsilon": None},
+            "data_source": manifest.get("source"),
+            "data_note": SYNTHETIC_NOTE if manifest.get("synthetic") else None,
+            "train_records": len(train),
+            "eval_records": len(evaluation),
+            "mean_train_tokens": round(train.mean_length(), 1),
+            "truncated_train_sequences": train.n_truncated,
+            "max_length": max_length,
+            "steps": trainer.step_count,
+            "steps_per_epoch": sampler.steps_per_epoch,
+            "initial_eval_perplexity": evals[0],
+            "final_eval_perplexity": evals[-1],
+            "best_eval_perplexity": min(evals),
+            "wall_seconds": round(time.perf_counter() - started, 2),
+        }
+        (staging / "config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
+        (staging / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
