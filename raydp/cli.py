@@ -47,7 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     train.add_argument("--quiet", action="store_true", help="no progress bars")
     train.add_argument("--model", help="'embedded' (default), 'embedded-deep', a Hugging Face name or a local dir")
-    train.add_argument("--strategy", choices=["nonprivate"], help="training strategy (default nonprivate)")
+    train.add_argument("--strategy", choices=["nonprivate", "static", "dp-lora", "static-pairwise"],
+                       help="nonprivate (default) or a DP strategy")
+    train.add_argument("--epsilon", type=float, help="target epsilon of a DP strategy")
+    train.add_argument("--delta", type=float, help="target delta (default 1e-5; must be < 1/N_train)")
+    train.add_argument("--accountant", choices=["pld", "prv", "rdp"],
+                       help="upper-bound accountant that calibrates sigma_0 and enforces the budget (default pld)")
+    train.add_argument("--clip", type=float, help="clip radius of a static strategy")
     train.add_argument("--epochs", type=float)
     train.add_argument("--max-steps", type=int)
     train.add_argument("--batch-size", type=int)
@@ -81,7 +87,7 @@ def train_config_from_args(args: argparse.Namespace):
     from raydp.config import TrainConfig, validate_config
 
     values = _load_yaml(args.config) if args.config else {}
-    for key in ("model", "strategy", "epochs", "max_steps", "batch_size", "lr", "warmup_steps", "eval_every",
+    for key in ("model", "strategy", "epsilon", "delta", "accountant", "clip", "epochs", "max_steps", "batch_size", "lr", "warmup_steps", "eval_every",
                 "eval_max_records", "max_length", "seed", "device"):
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)
@@ -130,6 +136,17 @@ def cmd_train(args) -> int:
             "initial_eval_perplexity", "final_eval_perplexity", "best_eval_perplexity", "wall_seconds")
     for key in keys:
         print(f"  {key:<26} {summary[key]}")
+    privacy = summary["privacy"]
+    if privacy.get("epsilon") is not None:
+        print(f"  sigma_0                    {privacy['sigma_0']:.4f} (q={privacy['q']:.4g}, "
+              f"{privacy['planned_steps']} planned steps, {privacy['neighbouring_relation']})")
+        for name, eps in privacy["epsilon_by_accountant"].items():
+            kind = "enforcing, upper bound" if name == privacy["enforcing_accountant"] else (
+                "approximation" if name == "gdp" else "upper bound")
+            print(f"  epsilon[{name}]{'':<{17 - len(name)}} {eps:.4f}  ({kind})")
+        print(f"  verdict                    {privacy['verdict']}")
+    if summary.get("stopped_early"):
+        print(f"  stopped early: {summary['stopped_early']}")
     if summary.get("data_note"):
         print(f"  note: {summary['data_note']}")
     return 0

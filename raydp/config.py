@@ -42,7 +42,11 @@ class TrainConfig(StrictModel):
     model: str = Field("embedded", description="embedded preset, Hugging Face name, or local model dir")
     data: DataConfig = DataConfig()
     lora: LoraConfigModel = LoraConfigModel()
-    strategy: Literal["nonprivate"] = "nonprivate"
+    strategy: Literal["nonprivate", "static", "dp-lora", "static-pairwise"] = "nonprivate"
+    epsilon: float | None = Field(None, gt=0, description="target epsilon (required for DP strategies)")
+    delta: float = Field(1e-5, gt=0, lt=1, description="target delta; must be < 1/N_train")
+    accountant: Literal["pld", "prv", "rdp"] = Field("pld", description="upper-bound accountant that calibrates and enforces")
+    clip: float | None = Field(None, gt=0, description="static clip radius (default 1.0 flat, 0.1 per pair)")
     seed: int = Field(0, ge=0, description="training seed (initialisation, sampling, dropout)")
     epochs: float = Field(3.0, gt=0)
     max_steps: int | None = Field(None, gt=0, description="cap on the number of steps")
@@ -58,7 +62,13 @@ class TrainConfig(StrictModel):
     def _consistent(self):
         if self.data.source == "synthetic" and self.data.n_records is None:
             raise ValueError("data.n_records is required for synthetic data")
+        if self.strategy != "nonprivate" and self.epsilon is None:
+            raise ValueError(f"strategy {self.strategy!r} needs a target epsilon")
         return self
+
+    @property
+    def is_private(self) -> bool:
+        return self.strategy != "nonprivate"
 
 
 def validate_config(cls: type[BaseModel], values: dict) -> BaseModel:

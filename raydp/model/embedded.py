@@ -11,6 +11,7 @@ atomically (a directory appears in the cache only once complete).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.utils import logging as hf_logging
 
 from raydp.errors import ModelError
 from raydp.model.loss import per_sequence_nll
@@ -125,7 +127,8 @@ def _build(spec: EmbeddedModelSpec, out: Path, progress: bool, name: str) -> Non
     torch.manual_seed(spec.seed)
     model = GPT2LMHeadModel(config)
     losses = _pretrain(model, tokenizer, texts, spec, progress=progress, name=name)
-    model.save_pretrained(out)
+    with _quiet_transformers(progress):
+        model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     marker = {
         "name": name,
@@ -137,6 +140,18 @@ def _build(spec: EmbeddedModelSpec, out: Path, progress: bool, name: str) -> Non
         "note": "pre-trained on a synthetic public corpus that describes no real patient",
     }
     (out / MARKER_FILE).write_text(json.dumps(marker, indent=2))
+
+
+@contextlib.contextmanager
+def _quiet_transformers(progress: bool):
+    if progress:
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 def _pretrain(model, tokenizer, texts, spec: EmbeddedModelSpec, progress: bool, name: str) -> list[float]:
@@ -159,7 +174,7 @@ def _pretrain(model, tokenizer, texts, spec: EmbeddedModelSpec, progress: bool, 
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     model.eval()
     return losses

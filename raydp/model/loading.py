@@ -7,12 +7,14 @@ directory, or an embedded preset name (built into the cache first, then loaded f
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from raydp.errors import ModelError
 from raydp.model.adapters import AdapterPair, discover_adapter_pairs
@@ -107,6 +109,8 @@ def load_model(
     ``autocast_adapter_dtype``). On CPU everything is fp32.
     """
     torch_device = resolve_device(device)
+    if not progress:
+        hf_logging.disable_progress_bar()
     source = resolve_model_source(name_or_path, cache_dir=cache_dir, progress=progress)
     dtype = torch.float32
     if torch_device.type == "cuda" and torch.cuda.is_bf16_supported():
@@ -157,6 +161,8 @@ def apply_lora(model: torch.nn.Module, model_type: str, settings: LoraSettings) 
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, config)
+        with warnings.catch_warnings():  # PEFT calls a transformers method deprecated in 5.x
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return get_peft_model(model, config)
     except ValueError as exc:
         raise ModelError(f"cannot attach LoRA to {targets} on {model_type!r}: {str(exc).splitlines()[0]}") from None

@@ -23,6 +23,9 @@ class GradientComputation(Protocol):
 
     def compute(self, model: torch.nn.Module, batch: Batch) -> dict: ...
 
+    def after_update(self, model: torch.nn.Module) -> None:
+        """Called after the optimiser applied the gradient (e.g. to show a strategy its update)."""
+
 
 class NonPrivateGradient:
     """Plain mini-batch gradient of the mean per-sequence loss (no privacy)."""
@@ -35,3 +38,6 @@ class NonPrivateGradient:
         loss = losses.mean()
         loss.backward()
         return {"loss": float(loss.detach()), "batch_size": batch.size}
+
+    def after_update(self, model: torch.nn.Module) -> None:
+        pass

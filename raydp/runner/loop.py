@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from raydp.evaluation.perplexity import PerplexityResult, evaluate_perplexity
+from raydp.privacy.guard import BudgetExhausted
 from raydp.runner.batches import TokenizedSplit
 from raydp.runner.gradients import GradientComputation
 from raydp.runner.history import MetricHistory
@@ -41,6 +42,15 @@ def evaluation_steps(total_steps: int, steps_per_epoch: float, eval_every: int) 
     steps |= {min(total_steps, round(e * steps_per_epoch)) for e in range(1, n_epochs + 1)}
     steps.add(total_steps)
     return steps
+
+
+def _progress_fields(metrics: dict, eval_ppl: float) -> dict:
+    fields = {"eval_ppl": f"{eval_ppl:.3f}"}
+    if "loss" in metrics:
+        fields["loss"] = f"{metrics['loss']:.3f}"
+    if "sigma" in metrics:
+        fields["sigma"] = f"{metrics['sigma']:.3f}"
+    return fields
 
 
 class Trainer:
@@ -75,6 +85,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_then_constant(optimizer.warmup_steps))
         self.history = MetricHistory()
         self.step_count = 0
+        self.stopped_early: str | None = None
 
     # -- the separate steps -------------------------------------------------------------------
     def sample(self):
@@ -87,6 +98,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.gradient.after_update(self.model)  # DP strategies observe the update they caused
 
     def evaluate(self) -> PerplexityResult:
         return evaluate_perplexity(self.model, self.eval_split, self.device, max_sequences=self.eval_max_sequences)
@@ -124,12 +136,18 @@ class Trainer:
                    disable=not self.progress, unit="step")
         last_ppl = self.history.eval_rows[-1]["perplexity"]
         while self.step_count < total_steps:
-            metrics = self.train_step()
+            try:
+                metrics = self.train_step()
+            except BudgetExhausted as stop:  # the guard refuses to overspend: stop cleanly
+                self.stopped_early = str(stop)
+                if self.history.eval_rows[-1]["step"] != self.step_count:
+                    self.record_evaluation()
+                break
             metrics["epoch"] = self.step_count / self.sampler.steps_per_epoch
             self.history.log_train(**metrics)
             if self.step_count in eval_at:
                 last_ppl = self.record_evaluation().perplexity
             bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", eval_ppl=f"{last_ppl:.2f}")
+            bar.set_postfix(_progress_fields(metrics, last_ppl))
         bar.close()
         return self.history

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -17,7 +18,9 @@ from raydp.runner.batches import TokenizedSplit
 from raydp.runner.gradients import NonPrivateGradient
 from raydp.runner.loop import OptimizerSettings, Trainer
 from raydp.runner.output import staged_output
+from raydp.runner.privacy_setup import plan_private_run, privacy_summary, setup_private_run
 from raydp.runner.sampling import ShuffledBatchSampler
+from raydp.privacy.ledger import LEDGER_FILENAME
 
 SYNTHETIC_NOTE = "synthetic records: they describe no real patient"
 
@@ -43,7 +46,7 @@ def prepare_dataset(config: TrainConfig, workdir: Path, progress: bool = True) -
 
 def planned_steps(config: TrainConfig, steps_per_epoch: float) -> int:
     """Steps derived from data size, epochs and batch size (ERRATA E10), capped by ``max_steps``."""
-    steps = max(1, round(config.epochs * steps_per_epoch))
+    steps = max(1, math.ceil(config.epochs * steps_per_epoch - 1e-9))
     return min(steps, config.max_steps) if config.max_steps else steps
 
 
@@ -54,6 +57,8 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
     with staged_output(output, overwrite=overwrite) as staging:
         dataset_dir = prepare_dataset(config, staging, progress=progress)
         manifest = load_manifest(dataset_dir)
+        train_texts = load_texts(dataset_dir, "train")
+        plan = plan_private_run(config, len(train_texts)) if config.is_private else None
         torch.manual_seed(config.seed)
         loaded = load_model(
             config.model,
@@ -62,16 +67,21 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             progress=progress,
         )
         max_length = config.max_length or min(loaded.max_positions, 512)
-        train = TokenizedSplit(load_texts(dataset_dir, "train"), loaded.tokenizer, max_length)
+        train = TokenizedSplit(train_texts, loaded.tokenizer, max_length)
         evaluation = TokenizedSplit(load_texts(dataset_dir, "eval"), loaded.tokenizer, max_length)
-        sampler = ShuffledBatchSampler(len(train), config.batch_size, seed=config.seed)
-        total_steps = planned_steps(config, sampler.steps_per_epoch)
+        private = None
+        if config.is_private:
+            private = setup_private_run(config, plan, loaded.model, loaded.pairs, len(train), loaded.device)
+            sampler, gradient, total_steps = private.sampler, private.step, private.planned_steps
+        else:
+            sampler = ShuffledBatchSampler(len(train), config.batch_size, seed=config.seed)
+            gradient, total_steps = NonPrivateGradient(), planned_steps(config, sampler.steps_per_epoch)
         trainer = Trainer(
             loaded.model,
             train,
             evaluation,
             sampler,
-            NonPrivateGradient(),
+            gradient,
             loaded.device,
             optimizer=OptimizerSettings(lr=config.lr, warmup_steps=config.warmup_steps),
             eval_every=config.eval_every,
@@ -80,6 +90,8 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
         )
         history = trainer.run(total_steps)
         history.write(staging)
+        if private is not None:
+            private.ledger.save(staging / LEDGER_FILENAME)
         loaded.model.save_pretrained(staging / "adapter")
         evals = [row["perplexity"] for row in history.eval_rows]
         summary = {
@@ -91,7 +103,8 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             "n_adapter_pairs": len(loaded.pairs),
             "adapter_pairs": [pair.describe() for pair in loaded.pairs],
             "strategy": config.strategy,
-            "privacy": {"mechanism": "none", "epsilon": None},
+            "privacy": privacy_summary(private, config) if private else {"mechanism": "none", "epsilon": None},
+            "stopped_early": trainer.stopped_early,
             "data_source": manifest.get("source"),
             "data_note": SYNTHETIC_NOTE if manifest.get("synthetic") else None,
             "train_records": len(train),

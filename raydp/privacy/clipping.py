@@ -1,0 +1,107 @@
+"""Per-sample gradients of the LoRA pairs, pairwise (or flat) clipping and noising (RLDP Eq. 3-6).
+
+Per-sample gradients come from Opacus's ``GradSampleModule`` in hooks mode: PEFT's LoRA ``A`` and
+``B`` are plain ``nn.Linear`` layers, for which Opacus computes exact per-sample gradients; frozen
+weights get none. Everything after that is ours, because the noise calibration must follow the clip
+vector at every step (ERRATA E1: Opacus's per-layer optimizer fixes ||C||_2 at construction).
+
+Clip groups: ``pairwise`` clips each pair ``(A_i, B_i)`` jointly to its own radius C_i (Eq. 4-5);
+``flat`` clips the concatenation of all LoRA gradients to one radius C (vanilla DP-SGD on LoRA).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+from opacus import GradSampleModule
+
+from raydp.model.adapters import AdapterPair
+from raydp.model.loss import per_sequence_nll
+
+#: Eq. 5's stabiliser in min(1, C / (norm + 1e-6)).
+CLIP_EPS = 1e-6
+CLIP_MODES = ("pairwise", "flat")
+
+
+@dataclass
+class PerSampleGrads:
+    """Per-sample gradients of every pair: ``a[i]`` has shape ``[batch, *A_i.shape]``, likewise ``b[i]``."""
+
+    a: list[torch.Tensor]
+    b: list[torch.Tensor]
+    losses: torch.Tensor  # per-sequence losses, [batch]
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.losses.shape[0])
+
+
+class PerSampleGradientComputer:
+    """Wraps a PEFT model in Opacus's ``GradSampleModule`` (hooks) and returns per-sample LoRA gradients."""
+
+    def __init__(self, model: torch.nn.Module, pairs: list[AdapterPair]):
+        self.pairs = pairs
+        self.module = GradSampleModule(model, batch_first=True, loss_reduction="sum")
+
+    def compute(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PerSampleGrads:
+        """Forward, backward of the summed per-sequence losses, then collect and reset ``grad_sample``."""
+        self._reset()  # a gradient-enabled forward through the model elsewhere may have left state
+        logits = self.module(input_ids=input_ids, attention_mask=attention_mask).logits
+        losses = per_sequence_nll(logits, input_ids, attention_mask)
+        with warnings.catch_warnings():  # Opacus's hooks on LoRA layers whose inputs need no grad
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            losses.sum().backward()
+        a, b = [], []
+        for pair in self.pairs:
+            a.append(pair.a.grad_sample)
+            b.append(pair.b.grad_sample)
+        self._reset()
+        return PerSampleGrads(a, b, losses.detach())
+
+    def _reset(self) -> None:
+        for p in self.module.parameters():
+            if p.requires_grad:
+                p.grad_sample = None
+                p.grad = None
+        for module in self.module.modules():
+            if getattr(module, "activations", None):
+                module.activations = []
+
+
+def pair_norms(grads: PerSampleGrads) -> torch.Tensor:
+    """Joint L2 norm of (g_A_i, g_B_i) per sample and pair, shape ``[batch, n_pairs]`` (Eq. 4)."""
+    squared = [
+        ga.flatten(1).pow(2).sum(1) + gb.flatten(1).pow(2).sum(1) for ga, gb in zip(grads.a, grads.b)
+    ]
+    return torch.stack(squared, dim=1).sqrt()
+
+
+def group_norms(norms: torch.Tensor, mode: str) -> torch.Tensor:
+    """Norms of the clip groups: the pair norms (pairwise) or the whole-gradient norm ``[batch, 1]`` (flat)."""
+    if mode == "pairwise":
+        return norms
+    if mode == "flat":
+        return norms.pow(2).sum(dim=1, keepdim=True).sqrt()
+    raise ValueError(f"unknown clip mode {mode!r}")
+
+
+def clip_factors(norms: torch.Tensor, clips: torch.Tensor) -> torch.Tensor:
+    """lambda = min(1, C / (norm + 1e-6)) per sample and group (Eq. 5)."""
+    return torch.clamp(clips.unsqueeze(0) / (norms + CLIP_EPS), max=1.0)
+
+
+def clipped_sums(grads: PerSampleGrads, factors: torch.Tensor, mode: str) -> tuple[list, list]:
+    """Sum over the batch of the clipped per-sample gradients of each pair (Eq. 5, before noise)."""
+    sums_a, sums_b = [], []
+    for i, (ga, gb) in enumerate(zip(grads.a, grads.b)):
+        f = factors[:, i if mode == "pairwise" else 0].to(ga.dtype)
+        sums_a.append(torch.einsum("b,b...->...", f, ga))
+        sums_b.append(torch.einsum("b,b...->...", f, gb))
+    return sums_a, sums_b
+
+
+def pair_noise_stds(group_stds: torch.Tensor, n_pairs: int, mode: str) -> torch.Tensor:
+    """Per-pair noise std: a pair's own group std (pairwise) or the single flat std for every pair."""
+    return group_stds if mode == "pairwise" else group_stds.expand(n_pairs)

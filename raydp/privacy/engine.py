@@ -1,0 +1,145 @@
+"""The DP step: per-sample gradients, clipping, correctly calibrated noise, ledger, guard (RLDP Sec. 2.3).
+
+:class:`DPStep` is the gradient computation of every DP strategy (it plugs into
+:class:`raydp.runner.Trainer`). Per step, in order:
+
+1. the strategy proposes the dials (clip per group, sigma); the budget guard may raise sigma (E4);
+2. per-sample gradients of the LoRA pairs (Opacus ``GradSampleModule``, hooks);
+3. pairwise (Eq. 4-5) or flat clipping and the sum over the Poisson batch;
+4. Gaussian noise with per-group std s_g from the allocation, so that the mechanism's true multiplier
+   sigma_eff = (sum_g C_g^2 / s_g^2)^(-1/2) equals the sigma charged to the ledger (E1);
+5. normalisation by the expected batch size q*N, never the actual one (E5);
+6. the ledger records (q, sigma_eff, clip vector, allocation) for the step (add/remove-one, E6).
+
+After the optimiser update the strategy observes the release (noisy sums, their norms, the update).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from raydp.privacy.clipping import (
+    PerSampleGradientComputer,
+    clip_factors,
+    clipped_sums,
+    group_norms,
+    pair_noise_stds,
+    pair_norms,
+)
+from raydp.privacy.guard import BudgetGuard
+from raydp.privacy.ledger import PrivacyLedger, allocate_noise, gradient_release
+from raydp.strategies.base import Dials, StepRelease, Strategy
+
+
+#: Relative amount by which the charged noise std is lowered below the std used (float32 noise).
+NOISE_ROUNDING_MARGIN = 1e-6
+
+
+class DPStep:
+    """Gradient computation of a DP run; owns the per-sample machinery, the noise RNG and the ledger."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pairs,
+        strategy: Strategy,
+        ledger: PrivacyLedger,
+        guard: BudgetGuard,
+        q: float,
+        expected_batch_size: float,
+        planned_steps: int,
+        noise_seed: int,
+        device: torch.device,
+    ):
+        self.pairs = pairs
+        self.strategy = strategy
+        self.ledger = ledger
+        self.guard = guard
+        self.q = q
+        self.expected_batch_size = float(expected_batch_size)
+        self.planned_steps = planned_steps
+        self.device = device
+        self.name = f"dp:{strategy.name}"
+        self.per_sample = PerSampleGradientComputer(model, pairs)
+        self.generator = torch.Generator(device=device).manual_seed(noise_seed)
+        self._last_guarded: tuple[float, float, bool] | None = None
+        self._pending: StepRelease | None = None
+        self._before_update: list[torch.Tensor] = []
+        self.clamp_events: list[dict] = []
+
+    # -- budget guard ------------------------------------------------------------------------------
+    def guarded_sigma(self, proposed: float) -> tuple[float, bool]:
+        """The sigma to use: the proposal if the plan stays within budget, else the guard's minimum.
+
+        The guard is consulted only when the proposal changes: the sigma chosen for an earlier, equal
+        proposal and used at every step since still keeps ledger + remaining steps within budget.
+        """
+        if self._last_guarded is not None and self._last_guarded[0] == proposed:
+            return self._last_guarded[1], self._last_guarded[2]
+        remaining = self.planned_steps - len(self.ledger)
+        sigma, clamped = self.guard.clamp(proposed, self.ledger, remaining)
+        if clamped:
+            self.clamp_events.append({"step": len(self.ledger), "proposed": proposed, "sigma": sigma})
+        self._last_guarded = (proposed, sigma, clamped)
+        return sigma, clamped
+
+    # -- the step ----------------------------------------------------------------------------------
+    def compute(self, model: torch.nn.Module, batch) -> dict:
+        step = len(self.ledger)
+        proposal = self.strategy.dials(step)
+        sigma, clamped = self.guarded_sigma(proposal.sigma)
+        dials = Dials(clip=tuple(float(c) for c in proposal.clip), sigma=sigma)
+        mode = self.strategy.clip_mode
+        if mode == "flat" and len(dials.clip) != 1:
+            raise ValueError(f"flat clipping takes one clip radius, got {len(dials.clip)}")
+        if mode == "pairwise" and len(dials.clip) != len(self.pairs):
+            raise ValueError(f"pairwise clipping takes {len(self.pairs)} radii, got {len(dials.clip)}")
+        clips = torch.tensor(dials.clip, dtype=torch.float32, device=self.device)
+
+        if batch.size > 0:
+            grads = self.per_sample.compute(batch.input_ids, batch.attention_mask)
+            factors = clip_factors(group_norms(pair_norms(grads), mode), clips)
+            sums_a, sums_b = clipped_sums(grads, factors, mode)
+        else:  # an empty Poisson batch still releases noise
+            sums_a = [torch.zeros_like(p.a) for p in self.pairs]
+            sums_b = [torch.zeros_like(p.b) for p in self.pairs]
+
+        group_stds = allocate_noise(sigma, dials.clip, self.strategy.allocation)
+        stds = pair_noise_stds(torch.as_tensor(group_stds, dtype=torch.float64), len(self.pairs), mode).tolist()
+        noisy_a = [s + std * torch.randn(s.shape, generator=self.generator, device=self.device)
+                   for s, std in zip(sums_a, stds)]
+        noisy_b = [s + std * torch.randn(s.shape, generator=self.generator, device=self.device)
+                   for s, std in zip(sums_b, stds)]
+        for pair, ga, gb in zip(self.pairs, noisy_a, noisy_b):
+            pair.a.grad = (ga / self.expected_batch_size).to(pair.a.dtype)
+            pair.b.grad = (gb / self.expected_batch_size).to(pair.b.dtype)
+
+        # The noise is drawn in float32 (relative rounding ~6e-8): charge a std a hair below the one
+        # used so the ledger never credits more noise than was added.
+        charged_stds = np.asarray(group_stds) * (1.0 - NOISE_ROUNDING_MARGIN)
+        sigma_eff = self.ledger.record(
+            self.q, [gradient_release(dials.clip, charged_stds)], clip=dials.clip, allocation=self.strategy.allocation
+        )
+        noisy_norms = np.array([math.sqrt(float(a.pow(2).sum() + b.pow(2).sum())) for a, b in zip(noisy_a, noisy_b)])
+        self._pending = StepRelease(step, dials, sigma_eff, clamped, noisy_a, noisy_b, noisy_norms)
+        self._before_update = [t.detach().clone() for p in self.pairs for t in (p.a, p.b)]
+        # Only post-processing of the release is reported: no raw loss, no actual batch size (E3, E5).
+        return {
+            "sigma": sigma,
+            "sigma_eff": sigma_eff,
+            "clamped": clamped,
+            "clip_mean": float(np.mean(dials.clip)),
+            "noisy_grad_norm": float(np.linalg.norm(noisy_norms)) / self.expected_batch_size,
+        }
+
+    def after_update(self, model: torch.nn.Module) -> None:
+        """Hand the release (now with the parameter update) to the strategy."""
+        if self._pending is None:
+            return
+        after = [t.detach() for p in self.pairs for t in (p.a, p.b)]
+        self._pending.update = [new - old for new, old in zip(after, self._before_update)]
+        self.strategy.observe(self._pending, self.ledger)
+        self._pending, self._before_update = None, []

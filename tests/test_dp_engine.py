@@ -1,0 +1,160 @@
+"""DP step against independent computations: a naive per-example loop and the noise allocation."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from raydp.model.loading import LoraSettings, apply_lora
+from raydp.model.adapters import discover_adapter_pairs
+from raydp.model.loss import per_sequence_nll
+from raydp.privacy import BudgetGuard, PrivacyLedger
+from raydp.privacy.clipping import PerSampleGradientComputer, clip_factors, clipped_sums, group_norms, pair_norms
+from raydp.privacy.engine import DPStep
+from raydp.runner.batches import Batch
+from raydp.runner.sampling import PoissonSampler
+from raydp.strategies.base import Dials, Strategy, StrategyContext
+
+
+def tiny_lora_model(seed=0, n_layer=3):
+    torch.manual_seed(seed)
+    base = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=n_layer, n_head=2,
+                                      embd_pdrop=0, attn_pdrop=0, resid_pdrop=0))
+    model = apply_lora(base, "gpt2", LoraSettings(r=4, alpha=8, dropout=0.0))
+    pairs = discover_adapter_pairs(model)
+    with torch.no_grad():  # B starts at zero in LoRA; make both A and B gradients non-trivial
+        for pair in pairs:
+            pair.b.normal_(0, 0.5)
+    model.train()
+    return model, pairs
+
+
+def padded_batch(seed=1, lengths=(9, 5, 12, 3, 7)):
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, :n] = torch.randint(1, 50, (n,), generator=g)
+        mask[row, :n] = 1
+    return ids, mask
+
+
+def naive_clipped_sums(model, pairs, ids, mask, clips, mode):
+    """One example at a time, unpadded, with autograd: the textbook per-example clipping."""
+    sums_a = [torch.zeros_like(p.a) for p in pairs]
+    sums_b = [torch.zeros_like(p.b) for p in pairs]
+    norms = []
+    for row in range(ids.shape[0]):
+        n = int(mask[row].sum())
+        model.zero_grad()
+        logits = model(input_ids=ids[row : row + 1, :n], attention_mask=mask[row : row + 1, :n]).logits
+        per_sequence_nll(logits, ids[row : row + 1, :n], mask[row : row + 1, :n]).sum().backward()
+        ga = [p.a.grad.detach().clone() for p in pairs]
+        gb = [p.b.grad.detach().clone() for p in pairs]
+        pair_norm = [math.sqrt(float(a.pow(2).sum() + b.pow(2).sum())) for a, b in zip(ga, gb)]
+        norms.append(pair_norm)
+        if mode == "flat":
+            total = math.sqrt(sum(x * x for x in pair_norm))
+            factors = [min(1.0, clips[0] / (total + 1e-6))] * len(pairs)
+        else:
+            factors = [min(1.0, c / (x + 1e-6)) for c, x in zip(clips, pair_norm)]
+        for i in range(len(pairs)):
+            sums_a[i] += factors[i] * ga[i]
+            sums_b[i] += factors[i] * gb[i]
+    model.zero_grad()
+    return sums_a, sums_b, np.array(norms)
+
+
+@pytest.mark.parametrize("mode, clips", [("pairwise", [0.05, 0.2, 1e3]), ("flat", [0.1])])
+def test_clipped_sums_equal_naive_per_example_loop(mode, clips):
+    model, pairs = tiny_lora_model()
+    ids, mask = padded_batch()
+    expected_a, expected_b, expected_norms = naive_clipped_sums(model, pairs, ids, mask, clips, mode)
+    computer = PerSampleGradientComputer(model, pairs)
+    grads = computer.compute(ids, mask)
+    norms = pair_norms(grads)
+    assert torch.allclose(norms, torch.tensor(expected_norms, dtype=norms.dtype), atol=1e-6, rtol=1e-5)
+    factors = clip_factors(group_norms(norms, mode), torch.tensor(clips))
+    sums_a, sums_b = clipped_sums(grads, factors, mode)
+    for got, want in zip(sums_a + sums_b, expected_a + expected_b):
+        assert (got - want).abs().max().item() <= 1e-6
+    if mode == "pairwise":  # the first pair is clipped, the last (huge radius) is not
+        assert (factors[:, 0] < 1).all() and (factors[:, 2] == 1).all()
+
+
+class FixedDials(Strategy):
+    """Test strategy: fixed, distinct per-pair clips and a fixed sigma."""
+
+    name = "fixed"
+
+    def __init__(self, clips, sigma, allocation):
+        self.clips, self.sigma, self.allocation = tuple(clips), sigma, allocation
+
+    def dials(self, step):
+        return Dials(self.clips, self.sigma)
+
+
+@pytest.mark.parametrize("allocation", ["proportional", "uniform"])
+def test_noise_std_per_pair_matches_allocation(allocation):
+    model, pairs = tiny_lora_model(n_layer=3)
+    clips, sigma = [0.05, 0.2, 0.8], 1.3
+    n = len(pairs)
+    strategy = FixedDials(clips, sigma, allocation)
+    strategy.setup(StrategyContext(n, (0.0, 0.5, 1.0), q=0.5, planned_steps=400, sigma_0=sigma,
+                                   epsilon_target=1e6, delta=1e-5))
+    ledger = PrivacyLedger(delta=1e-5, epsilon_target=1e6)
+    guard = BudgetGuard("rdp", epsilon_target=1e6, delta=1e-5, planned_steps=400, q=0.5)
+    expected_batch = 2.5
+    ids, mask = padded_batch()
+    want_a, want_b, _ = naive_clipped_sums(model, pairs, ids, mask, clips, "pairwise")
+    step = DPStep(model, pairs, strategy, ledger, guard, q=0.5, expected_batch_size=expected_batch,
+                  planned_steps=400, noise_seed=7, device=torch.device("cpu"))
+    residuals = [[] for _ in range(n)]
+    for _ in range(40):
+        step.compute(model, Batch(list(range(ids.shape[0])), ids, mask))
+        for i, pair in enumerate(pairs):
+            # grad * E[B] - clipped sum is the noise alone: checks sum, normalisation and noise together.
+            noise = torch.cat([(pair.a.grad * expected_batch - want_a[i]).flatten(),
+                               (pair.b.grad * expected_batch - want_b[i]).flatten()])
+            residuals[i].append(noise)
+    c = np.array(clips)
+    expected_std = sigma * math.sqrt(n) * c if allocation == "proportional" else np.full(n, sigma * np.linalg.norm(c))
+    for i in range(n):
+        sample = torch.cat(residuals[i]).double()
+        assert abs(sample.mean().item()) < 4 * expected_std[i] / math.sqrt(sample.numel())
+        assert sample.std().item() == pytest.approx(expected_std[i], rel=0.03)
+    # The ledger charged exactly sigma (E1): sigma_eff = (sum C_i^2 / s_i^2)^-1/2, computed directly.
+    direct = sum(ci * ci / (si * si) for ci, si in zip(c, expected_std)) ** -0.5
+    assert direct == pytest.approx(sigma, rel=1e-12)
+    assert np.allclose(ledger.sigma_eff, direct, rtol=1e-5) and len(ledger) == 40
+    assert (ledger.sigma_eff <= direct).all()  # never credits more noise than was added
+
+
+def test_empty_poisson_batch_releases_noise_and_counts_a_step():
+    model, pairs = tiny_lora_model(n_layer=2)
+    strategy = FixedDials([1.0], 2.0, "flat")
+    strategy.clip_mode = "flat"
+    strategy.setup(StrategyContext(len(pairs), (0.0, 1.0), q=0.01, planned_steps=10, sigma_0=2.0,
+                                   epsilon_target=1e6, delta=1e-5))
+    ledger = PrivacyLedger(delta=1e-5, epsilon_target=1e6)
+    guard = BudgetGuard("rdp", epsilon_target=1e6, delta=1e-5, planned_steps=10, q=0.01)
+    step = DPStep(model, pairs, strategy, ledger, guard, q=0.01, expected_batch_size=1.0, planned_steps=10,
+                  noise_seed=3, device=torch.device("cpu"))
+    empty = Batch([], torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long))
+    metrics = step.compute(model, empty)
+    assert len(ledger) == 1 and ledger.q[0] == 0.01
+    assert all(p.a.grad is not None and p.a.grad.abs().sum() > 0 for p in pairs)
+    assert "loss" not in metrics and "batch_size" not in metrics  # nothing unprivatized is reported
+
+
+def test_poisson_sampler_is_poisson():
+    sampler = PoissonSampler(1000, 0.02, seed=0)
+    sizes = [len(sampler.next_indices()) for _ in range(3000)]
+    assert np.mean(sizes) == pytest.approx(20, rel=0.03)
+    assert np.var(sizes) == pytest.approx(1000 * 0.02 * 0.98, rel=0.1)  # binomial, not fixed-size
+    assert sampler.expected_batch_size == 20 and sampler.steps_per_epoch == 50
+    tiny = PoissonSampler(10, 0.01, seed=1)
+    assert sum(len(tiny.next_indices()) == 0 for _ in range(200)) > 150  # empty batches happen

@@ -1,0 +1,99 @@
+"""End-to-end: a short non-private run through the CLI, and bad input that must leave nothing behind."""
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from raydp.cli import main
+from raydp.model.embedded import EMBEDDED_PRESETS, ensure_embedded_model
+from raydp.runner.loop import evaluation_steps
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory, raydp_cache):
+    out = tmp_path_factory.mktemp("runs") / "short"
+    code = main(["train", "--output", str(out), "--quiet", "--n-records", "600", "--epochs", "2",
+                 "--eval-every", "16", "--warmup-steps", "10", "--lr", "2e-3"])
+    assert code == 0
+    return out
+
+
+def test_short_run_lowers_eval_perplexity(short_run):
+    summary = json.loads((short_run / "summary.json").read_text())
+    evals = pq.read_table(short_run / "eval_metrics.parquet").to_pylist()
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == summary["steps"]
+    assert summary["final_eval_perplexity"] < 0.99 * summary["initial_eval_perplexity"]
+    assert summary["truncated_train_sequences"] == 0  # canaries at the end are never cut off
+    train = pq.read_table(short_run / "train_metrics.parquet").to_pylist()
+    assert len(train) == summary["steps"] and train[0]["lr"] == pytest.approx(2e-3 / 10)
+
+
+def test_outputs_are_complete_and_adapters_reload(short_run):
+    for name in ("config.json", "summary.json", "train_metrics.parquet", "eval_metrics.parquet",
+                 "dataset/manifest.json", "adapter/adapter_config.json"):
+        assert (short_run / name).exists(), name
+    assert not list(short_run.parent.glob(".short.partial-*"))
+    base = AutoModelForCausalLM.from_pretrained(ensure_embedded_model("embedded"))
+    reloaded = PeftModel.from_pretrained(base, short_run / "adapter")
+    assert sum(p.numel() for n, p in reloaded.named_parameters() if "lora_" in n) > 0
+
+
+def test_embedded_model_is_cached_and_deterministic(raydp_cache, tmp_path):
+    first = ensure_embedded_model("embedded-tiny", cache_dir=tmp_path / "a", progress=False)
+    again = ensure_embedded_model("embedded-tiny", cache_dir=tmp_path / "a", progress=False)
+    other = ensure_embedded_model("embedded-tiny", cache_dir=tmp_path / "b", progress=False)
+    assert first == again
+    a = AutoModelForCausalLM.from_pretrained(first).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(other).state_dict()
+    assert all((a[k] == b[k]).all() for k in a)
+    assert EMBEDDED_PRESETS["embedded-deep"].n_layer > EMBEDDED_PRESETS["embedded"].n_layer
+
+
+def test_evaluation_schedule_every_48_and_epoch_ends():
+    assert evaluation_steps(200, 90.0, 48) == {48, 90, 96, 144, 180, 192, 200}
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--model", "embedded-huge"], "unknown embedded model"),
+        (["--model", "./no/such/model"], "not a model directory"),
+        (["--n-records", "0"], "n_records"),
+        (["--batch-size", "-3"], "batch_size"),
+        (["--epochs", "0"], "epochs"),
+        (["--source", "/no/such/diabetic_data.csv"], "diabetic_data.csv"),
+    ],
+)
+def test_bad_input_is_one_line_and_leaves_nothing(extra, message, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["train", "--output", str(out), "--quiet", *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("raydp: error:") and message in err and "\n" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_broken_csv_fails_before_training(tmp_path, capsys):
+    csv = tmp_path / "diabetic_data.csv"
+    csv.write_text("encounter_id,race\n1,Caucasian\n")
+    out = tmp_path / "run"
+    assert main(["train", "--output", str(out), "--quiet", "--source", str(csv)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "missing column" in err and "\n" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["diabetic_data.csv"]
+
+
+def test_unwritable_output(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main(["train", "--output", str(blocker / "run"), "--quiet"]) == 2
+    assert "cannot write output directory" in capsys.readouterr().err
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "keep.txt").write_text("mine")
+    assert main(["train", "--output", str(occupied), "--quiet"]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert [p.name for p in occupied.iterdir()] == ["keep.txt"]
