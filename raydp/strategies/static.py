@@ -16,20 +16,29 @@ from __future__ import annotations
 from raydp.strategies.base import Dials, Strategy
 
 
-class StaticStrategy(Strategy):
-    """Flat clip C over all LoRA parameters, constant sigma_0."""
+class ConstantDials(Strategy):
+    """Fixed clip radius for every clip group and constant sigma_0."""
+
+    default_clip: float = 1.0
+
+    def __init__(self, clip: float | None = None):
+        clip = self.default_clip if clip is None else float(clip)
+        if not clip > 0:
+            raise ValueError("clip must be > 0")
+        self.clip = clip
+
+    def dials(self, step: int) -> Dials:
+        groups = 1 if self.clip_mode == "flat" else self.context.n_pairs
+        return Dials(clip=(self.clip,) * groups, sigma=self.context.sigma_0)
+
+
+class StaticStrategy(ConstantDials):
+    """Flat clip C = 1.0 over all LoRA parameters, constant sigma_0."""
 
     name = "static"
     clip_mode = "flat"
     allocation = "flat"
-
-    def __init__(self, clip: float = 1.0):
-        if not clip > 0:
-            raise ValueError("clip must be > 0")
-        self.clip = float(clip)
-
-    def dials(self, step: int) -> Dials:
-        return Dials(clip=(self.clip,), sigma=self.context.sigma_0)
+    default_clip = 1.0
 
 
 class DPLoRAStrategy(StaticStrategy):
@@ -38,17 +47,10 @@ class DPLoRAStrategy(StaticStrategy):
     name = "dp-lora"
 
 
-class StaticPairwiseStrategy(Strategy):
-    """Pairwise clipping with a fixed radius per pair and constant sigma_0 (proportional noise)."""
+class StaticPairwiseStrategy(ConstantDials):
+    """Pairwise clipping with C_i = 0.1 per pair and constant sigma_0 (proportional noise)."""
 
     name = "static-pairwise"
     clip_mode = "pairwise"
     allocation = "proportional"
-
-    def __init__(self, clip: float = 0.1):
-        if not clip > 0:
-            raise ValueError("clip must be > 0")
-        self.clip = float(clip)
-
-    def dials(self, step: int) -> Dials:
-        return Dials(clip=(self.clip,) * self.context.n_pairs, sigma=self.context.sigma_0)
+    default_clip = 0.1
