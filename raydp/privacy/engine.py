@@ -29,12 +29,12 @@ from raydp.privacy.clipping import (
     pair_noise_stds,
     pair_norms,
 )
-from raydp.privacy.guard import BudgetGuard
+from raydp.privacy.guard import BudgetExhausted, BudgetGuard
 from raydp.privacy.ledger import PrivacyLedger, allocate_noise, gradient_release
 from raydp.strategies.base import Dials, StepRelease, Strategy
 
 
-#: Relative amount by which the charged noise std is lowered below the std used (float32 noise).
+#: The noise added is for sigma / (1 - margin): slightly more than the sigma charged (float32 noise).
 NOISE_ROUNDING_MARGIN = 1e-6
 
 
@@ -89,6 +89,12 @@ class DPStep:
     # -- the step ----------------------------------------------------------------------------------
     def compute(self, model: torch.nn.Module, batch) -> dict:
         step = len(self.ledger)
+        if step >= self.planned_steps:  # sigma_0 and the guard's plan cover exactly the planned steps
+            raise BudgetExhausted(
+                f"the {self.planned_steps} planned steps are done; the budget was calibrated for them",
+                spent=self.guard.spent(self.ledger), epsilon_target=self.guard.epsilon_target,
+                steps_done=step, remaining_steps=0,
+            )
         proposal = self.strategy.dials(step)
         sigma, clamped = self.guarded_sigma(proposal.sigma)
         dials = Dials(clip=tuple(float(c) for c in proposal.clip), sigma=sigma)
@@ -107,7 +113,10 @@ class DPStep:
             sums_a = [torch.zeros_like(p.a) for p in self.pairs]
             sums_b = [torch.zeros_like(p.b) for p in self.pairs]
 
-        group_stds = allocate_noise(sigma, dials.clip, self.strategy.allocation)
+        # Noise is drawn in float32 (relative rounding ~6e-8): add noise for a sigma a hair above the
+        # one the guard approved and the ledger charges, so the charge never exceeds the noise added.
+        charged_stds = allocate_noise(sigma, dials.clip, self.strategy.allocation)
+        group_stds = charged_stds / (1.0 - NOISE_ROUNDING_MARGIN)
         stds = pair_noise_stds(torch.as_tensor(group_stds, dtype=torch.float64), len(self.pairs), mode).tolist()
         noisy_a = [s + std * torch.randn(s.shape, generator=self.generator, device=self.device)
                    for s, std in zip(sums_a, stds)]
@@ -117,9 +126,6 @@ class DPStep:
             pair.a.grad = (ga / self.expected_batch_size).to(pair.a.dtype)
             pair.b.grad = (gb / self.expected_batch_size).to(pair.b.dtype)
 
-        # The noise is drawn in float32 (relative rounding ~6e-8): charge a std a hair below the one
-        # used so the ledger never credits more noise than was added.
-        charged_stds = np.asarray(group_stds) * (1.0 - NOISE_ROUNDING_MARGIN)
         sigma_eff = self.ledger.record(
             self.q, [gradient_release(dials.clip, charged_stds)], clip=dials.clip, allocation=self.strategy.allocation
         )
