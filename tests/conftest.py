@@ -10,7 +10,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def raydp_cache(tmp_path_factory) -> Path:
     """One model cache for the whole test session (embedded models are built once)."""
     cache = Path(os.environ.get("RAYDP_TEST_CACHE") or tmp_path_factory.mktemp("raydp-cache"))
