@@ -1,4 +1,4 @@
-"""The ``raydp`` command line.
+"""raydp: differentially private LLM fine-tuning on Ray with an RL controller for the privacy dials.
 
 ``raydp data build|show`` builds and inspects a dataset; ``raydp train`` runs one fine-tuning.
 User errors (bad config, bad CSV, unknown model, unwritable output) are one line on stderr and exit
@@ -114,9 +114,11 @@ def cmd_data_build(args) -> int:
 
 
 def _print_dataset(info: dict, path) -> None:
-    print(json.dumps({k: v for k, v in info.items() if k != "sample"}, indent=2, default=str))
-    if info.get("sample"):
-        print(f"\nsample narrative (eval split of {path}):\n{info['sample']}")
+    info = dict(info)
+    sample = info.pop("sample_eval_narrative", None)
+    print(json.dumps(info, indent=2, default=str))
+    if sample:
+        print(f"\nsample narrative (eval split of {path}):\n{sample}")
 
 
 def cmd_data_show(args) -> int:
