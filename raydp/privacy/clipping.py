@@ -44,6 +44,8 @@ class PerSampleGradientComputer:
     def __init__(self, model: torch.nn.Module, pairs: list[AdapterPair]):
         self.pairs = pairs
         self.module = GradSampleModule(model, batch_first=True, loss_reduction="sum")
+        self._params = [t for pair in pairs for t in (pair.a, pair.b)]
+        self._hooked = [m for m in self.module.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
 
     def compute(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PerSampleGrads:
         """Forward, backward of the summed per-sequence losses, then collect and reset ``grad_sample``."""
@@ -61,11 +63,10 @@ class PerSampleGradientComputer:
         return PerSampleGrads(a, b, losses.detach())
 
     def _reset(self) -> None:
-        for p in self.module.parameters():
-            if p.requires_grad:
-                p.grad_sample = None
-                p.grad = None
-        for module in self.module.modules():
+        for p in self._params:
+            p.grad_sample = None
+            p.grad = None
+        for module in self._hooked:
             if getattr(module, "activations", None):
                 module.activations = []
 

@@ -99,9 +99,11 @@ def setup_private_run(
 def privacy_summary(run: PrivateRun, config: TrainConfig) -> dict:
     """The epsilon of every accountant from the full ledger, and the enforcing accountant's verdict."""
     final = run.guard.final_check(run.ledger)
-    epsilons = {}
+    epsilons = {config.accountant: final.epsilon}
     for name in REPORTED_ACCOUNTANTS:
-        epsilons[name] = get_accountant(name).epsilon(run.ledger, config.delta) if len(run.ledger) else 0.0
+        if name not in epsilons:  # same discretisation as the enforcing accountant (set by the target)
+            accountant = get_accountant(name).for_target(config.epsilon)
+            epsilons[name] = accountant.epsilon(run.ledger, config.delta) if len(run.ledger) else 0.0
     return {
         "mechanism": f"Poisson-subsampled Gaussian, {run.strategy.clip_mode} clipping, {run.strategy.allocation} noise",
         "neighbouring_relation": NEIGHBOURING_RELATION,
