@@ -44,7 +44,7 @@ def prepare_dataset(config: TrainConfig, workdir: Path, progress: bool = True) -
     return out
 
 
-def planned_steps(config: TrainConfig, steps_per_epoch: float) -> int:
+def nonprivate_steps(config: TrainConfig, steps_per_epoch: float) -> int:
     """Steps derived from data size, epochs and batch size (ERRATA E10), capped by ``max_steps``."""
     steps = max(1, math.ceil(config.epochs * steps_per_epoch - 1e-9))
     return min(steps, config.max_steps) if config.max_steps else steps
@@ -75,7 +75,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             sampler, gradient, total_steps = private.sampler, private.step, private.planned_steps
         else:
             sampler = ShuffledBatchSampler(len(train), config.batch_size, seed=config.seed)
-            gradient, total_steps = NonPrivateGradient(), planned_steps(config, sampler.steps_per_epoch)
+            gradient, total_steps = NonPrivateGradient(), nonprivate_steps(config, sampler.steps_per_epoch)
         trainer = Trainer(
             loaded.model,
             train,
