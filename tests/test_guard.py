@@ -4,7 +4,6 @@ epsilon_target when measured by an accountant used directly here (Opacus / dp_ac
 from __future__ import annotations
 
 import math
-import time
 import warnings
 
 import numpy as np
@@ -199,18 +198,15 @@ def test_guard_refuses_gdp_and_bad_input():
 
 
 @pytest.mark.parametrize("name", ["pld", "prv"])
-def test_realistic_guard_call_is_fast(name):
+def test_realistic_guarded_run_stays_within_budget(name):
+    """A 3,600-step plan with sigma proposals every 112 steps (guard timing: bench/bench_accounting.py)."""
     q, eps, planned = 1 / 1200, 2.0, 3600
     sigma0 = calibrate_sigma(eps, DELTA, q, planned, name).sigma
     guard = BudgetGuard(name, epsilon_target=eps, delta=DELTA, planned_steps=planned, q=q, sigma_hint=sigma0)
     ledger = PrivacyLedger()
     rng = np.random.default_rng(3)
-    times = []
     for block in range(8):
-        t = time.perf_counter()
         sigma, _ = guard.clamp(sigma0 * float(rng.uniform(0.5, 2.0)), ledger)
-        times.append(time.perf_counter() - t)
         for _ in range(112):
             ledger.record_gaussian(q, sigma)
-    assert np.median(times[1:]) < 1.5  # typically 0.1-0.5 s; generous for a loaded CI machine
     assert guard.final_check(ledger).within_budget
