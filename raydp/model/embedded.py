@@ -11,7 +11,6 @@ atomically (a directory appears in the cache only once complete).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -24,9 +23,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 from transformers import GPT2Config, GPT2LMHeadModel
-from transformers.utils import logging as hf_logging
 
 from raydp.errors import ModelError
+from raydp.model.hf_progress import transformers_progress
 from raydp.model.loss import per_sequence_nll
 from raydp.model.tokenizer import train_bpe_tokenizer
 
@@ -127,7 +126,7 @@ def _build(spec: EmbeddedModelSpec, out: Path, progress: bool, name: str) -> Non
     torch.manual_seed(spec.seed)
     model = GPT2LMHeadModel(config)
     losses = _pretrain(model, tokenizer, texts, spec, progress=progress, name=name)
-    with _quiet_transformers(progress):
+    with transformers_progress(progress):
         model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     marker = {
@@ -140,18 +139,6 @@ def _build(spec: EmbeddedModelSpec, out: Path, progress: bool, name: str) -> Non
         "note": "pre-trained on a synthetic public corpus that describes no real patient",
     }
     (out / MARKER_FILE).write_text(json.dumps(marker, indent=2))
-
-
-@contextlib.contextmanager
-def _quiet_transformers(progress: bool):
-    if progress:
-        yield
-        return
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.enable_progress_bar()
 
 
 def _pretrain(model, tokenizer, texts, spec: EmbeddedModelSpec, progress: bool, name: str) -> list[float]:

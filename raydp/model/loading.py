@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.utils import logging as hf_logging
 
 from raydp.errors import ModelError
 from raydp.model.adapters import AdapterPair, discover_adapter_pairs
+from raydp.model.hf_progress import transformers_progress
 from raydp.model.embedded import EMBEDDED_PRESETS, ensure_embedded_model, is_embedded_name
 
 #: LoRA targets per architecture (the attention q and v projections; GPT-2 fuses q, k, v in c_attn).
@@ -109,15 +109,14 @@ def load_model(
     ``autocast_adapter_dtype``). On CPU everything is fp32.
     """
     torch_device = resolve_device(device)
-    if not progress:
-        hf_logging.disable_progress_bar()
     source = resolve_model_source(name_or_path, cache_dir=cache_dir, progress=progress)
     dtype = torch.float32
     if torch_device.type == "cuda" and torch.cuda.is_bf16_supported():
         dtype = torch.bfloat16
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        base = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        with transformers_progress(progress):
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            base = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     except (OSError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"cannot load model {name_or_path!r}: {first_line}") from None

@@ -103,6 +103,6 @@ def clipped_sums(grads: PerSampleGrads, factors: torch.Tensor, mode: str) -> tup
     return sums_a, sums_b
 
 
-def pair_noise_stds(group_stds: torch.Tensor, n_pairs: int, mode: str) -> torch.Tensor:
+def pair_noise_stds(group_stds, n_pairs: int, mode: str) -> list[float]:
     """Per-pair noise std: a pair's own group std (pairwise) or the single flat std for every pair."""
-    return group_stds if mode == "pairwise" else group_stds.expand(n_pairs)
+    return [float(s) for s in group_stds] if mode == "pairwise" else [float(group_stds[0])] * n_pairs

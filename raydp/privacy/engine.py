@@ -117,7 +117,7 @@ class DPStep:
         # one the guard approved and the ledger charges, so the charge never exceeds the noise added.
         charged_stds = allocate_noise(sigma, dials.clip, self.strategy.allocation)
         group_stds = charged_stds / (1.0 - NOISE_ROUNDING_MARGIN)
-        stds = pair_noise_stds(torch.as_tensor(group_stds, dtype=torch.float64), len(self.pairs), mode).tolist()
+        stds = pair_noise_stds(group_stds, len(self.pairs), mode)
         noisy_a = [s + std * torch.randn(s.shape, generator=self.generator, device=self.device)
                    for s, std in zip(sums_a, stds)]
         noisy_b = [s + std * torch.randn(s.shape, generator=self.generator, device=self.device)

@@ -51,7 +51,8 @@ def sampling_rate(batch_size: int, n_train: int) -> float:
     return q
 
 
-def check_delta(delta: float, n_train: int) -> None:
+def check_delta_below_inverse_n(delta: float, n_train: int) -> None:
+    """delta must be < 1/N_train: a larger delta permits releasing a record outright."""
     if delta >= 1.0 / n_train:
         raise ConfigError(f"delta={delta:g} must be < 1/N_train = {1.0 / n_train:.3g} (N_train = {n_train})")
 
@@ -65,7 +66,7 @@ def planned_dp_steps(config: TrainConfig, q: float) -> int:
 def plan_private_run(config: TrainConfig, n_train: int) -> PrivacyPlan:
     """Check the request against the data and calibrate sigma_0; needs no model, so it runs first."""
     q = sampling_rate(config.batch_size, n_train)
-    check_delta(config.delta, n_train)
+    check_delta_below_inverse_n(config.delta, n_train)
     steps = planned_dp_steps(config, q)
     calibration = calibrate_sigma(config.epsilon, config.delta, q, steps, config.accountant)
     return PrivacyPlan(q=q, planned_steps=steps, sigma_0=calibration.sigma)
