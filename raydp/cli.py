@@ -1,6 +1,8 @@
 """raydp: differentially private LLM fine-tuning on Ray with an RL controller for the privacy dials.
 
-``raydp data build|show`` builds and inspects a dataset; ``raydp train`` runs one fine-tuning.
+``raydp data build|show`` builds and inspects a dataset; ``raydp train`` runs one fine-tuning (an RLDP
+run as a Ray actor controlled by a live RLlib SAC policy); ``raydp policy list|show|export`` manages
+saved policies.
 User errors (bad config, bad CSV, unknown model, unwritable output) are one line on stderr and exit
 status 2, with nothing half-written.
 """
@@ -47,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     train.add_argument("--quiet", action="store_true", help="no progress bars")
     train.add_argument("--model", help="'embedded' (default), 'embedded-deep', a Hugging Face name or a local dir")
-    train.add_argument("--strategy", choices=["nonprivate", "static", "dp-lora", "static-pairwise"],
+    train.add_argument("--strategy", choices=["nonprivate", "static", "dp-lora", "static-pairwise", "rldp"],
                        help="nonprivate (default) or a DP strategy")
     train.add_argument("--epsilon", type=float, help="target epsilon of a DP strategy")
     train.add_argument("--delta", type=float, help="target delta (default 1e-5; must be < 1/N_train)")
@@ -64,7 +66,36 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-length", type=int)
     train.add_argument("--seed", type=int)
     train.add_argument("--device", help="auto (default), cpu, cuda, cuda:1, ...")
+    train.add_argument("--cpus", type=int, help="CPU threads of the run (default: all)")
     _add_data_source_args(train, defaults=False)
+    rl = train.add_argument_group("RLDP controller (--strategy rldp)")
+    rl.add_argument("--privacy-mode", choices=["strict", "paper"],
+                    help="strict (default): the controller sees only DP releases; paper: raw statistics, labelled")
+    rl.add_argument("--t-warm", type=int, help="steps before the controller acts (default 50)")
+    rl.add_argument("--t-rl", type=int, help="steps between decisions, T_RL (default 112)")
+    rl.add_argument("--b-sac", type=int, help="transitions per SAC update, B_SAC (default 4)")
+    rl.add_argument("--k", type=int, help="SAC updates per decision, K (default 2)")
+    rl.add_argument("--r-max", type=float, help="reward lower bound R_max (default 5)")
+    rl.add_argument("--policy-arch", choices=["shared", "paper"],
+                    help="shared (default, transfers across model sizes) or paper (Eq. 22-27, fixed n)")
+    rl.add_argument("--policy", help="start from a saved policy (name under --policy-dir, or a path)")
+    rl.add_argument("--frozen", action="store_true", default=None, help="act with --policy without training it")
+    rl.add_argument("--save-policy", help="save the trained policy as POLICY_DIR/NAME")
+    rl.add_argument("--policy-dir", help="directory of named policies (default: policies)")
+    rl.add_argument("--overwrite-policy", action="store_true", help="replace an existing --save-policy")
+
+    policy = commands.add_parser("policy", help="list, show and export saved RLDP policies")
+    policy_cmds = policy.add_subparsers(dest="policy_command", required=True)
+    plist = policy_cmds.add_parser("list", help="the saved policies")
+    plist.add_argument("--policy-dir", default="policies")
+    pshow = policy_cmds.add_parser("show", help="a policy's manifest")
+    pshow.add_argument("name", help="policy name (under --policy-dir) or path")
+    pshow.add_argument("--policy-dir", default="policies")
+    pexport = policy_cmds.add_parser("export", help="write a policy as a portable .tar.gz")
+    pexport.add_argument("name", help="policy name (under --policy-dir) or path")
+    pexport.add_argument("--to", required=True, help="archive to write (.tar.gz)")
+    pexport.add_argument("--policy-dir", default="policies")
+    pexport.add_argument("--overwrite", action="store_true")
     return parser
 
 
@@ -87,8 +118,8 @@ def train_config_from_args(args: argparse.Namespace):
     from raydp.config import TrainConfig, validate_config
 
     values = _load_yaml(args.config) if args.config else {}
-    for key in ("model", "strategy", "epsilon", "delta", "accountant", "clip", "epochs", "max_steps", "batch_size", "lr", "warmup_steps", "eval_every",
-                "eval_max_records", "max_length", "seed", "device"):
+    for key in ("model", "strategy", "epsilon", "delta", "accountant", "clip", "epochs", "max_steps", "batch_size",
+                "lr", "warmup_steps", "eval_every", "eval_max_records", "max_length", "seed", "device", "cpus"):
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)
     data = dict(values.get("data") or {})
@@ -98,6 +129,14 @@ def train_config_from_args(args: argparse.Namespace):
             data[key] = getattr(args, flag)
     if data:
         values["data"] = data
+    rldp = dict(values.get("rldp") or {})
+    for flag, key in (("privacy_mode", "privacy_mode"), ("t_warm", "t_warm"), ("t_rl", "t_rl"), ("b_sac", "b_sac"),
+                      ("k", "k"), ("r_max", "r_max"), ("policy_arch", "architecture"), ("policy", "policy"),
+                      ("frozen", "frozen"), ("save_policy", "save_policy"), ("policy_dir", "policy_dir")):
+        if getattr(args, flag) is not None:
+            rldp[key] = getattr(args, flag)
+    if rldp:
+        values["rldp"] = rldp
     return validate_config(TrainConfig, values)
 
 
@@ -129,10 +168,11 @@ def cmd_data_show(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from raydp.runner.run import run_training
+    from raydp.runner.launch import train
 
     config = train_config_from_args(args)
-    summary = run_training(config, args.output, overwrite=args.overwrite, progress=not args.quiet)
+    summary = train(config, args.output, overwrite=args.overwrite, progress=not args.quiet,
+                    overwrite_policy=args.overwrite_policy)
     print(f"run written to {Path(args.output).absolute()}")
     keys = ("model", "strategy", "device", "n_adapter_pairs", "train_records", "steps",
             "initial_eval_perplexity", "final_eval_perplexity", "best_eval_perplexity", "wall_seconds")
@@ -147,6 +187,18 @@ def cmd_train(args) -> int:
                 "approximation" if name == "gdp" else "upper bound")
             print(f"  epsilon[{name}]{'':<{17 - len(name)}} {eps:.4f}  ({kind})")
         print(f"  verdict                    {privacy['verdict']}")
+        if privacy.get("privacy_label"):
+            print(f"  LABEL: {privacy['privacy_label']}")
+    controller = summary.get("controller")
+    if controller:
+        print(f"  controller                 {controller['decisions']} decisions, {controller['transitions']} "
+              f"transitions, median action round trip {controller['action_latency_ms_median'] or 0:.1f} ms")
+        service = summary.get("policy_service") or {}
+        if service:
+            print(f"  SAC                        {service['train_calls']} train() calls, "
+                  f"{service['module_steps_trained']} transitions sampled in updates")
+        if summary.get("saved_policy"):
+            print(f"  policy saved to            {summary['saved_policy']}")
     if summary.get("stopped_early"):
         print(f"  stopped early: {summary['stopped_early']}")
     if summary.get("data_note"):
@@ -154,12 +206,50 @@ def cmd_train(args) -> int:
     return 0
 
 
-COMMANDS = {("data", "build"): cmd_data_build, ("data", "show"): cmd_data_show, ("train", None): cmd_train}
+def cmd_policy_list(args) -> int:
+    from raydp.control.store import list_policies
+
+    policies = list_policies(args.policy_dir)
+    if not policies:
+        print(f"no saved policies in {args.policy_dir}")
+        return 0
+    print(f"{'name':<28} {'arch':<7} {'trained on':<34} {'transitions':>11}  final ppl")
+    for p in policies:
+        t, r = p.get("trained_on") or {}, p.get("results") or {}
+        on = f"{t.get('model')} ({t.get('n_adapter_pairs')} pairs, eps {t.get('epsilon')})"
+        ppl = r.get("final_eval_perplexity")
+        print(f"{p['name']:<28} {p['architecture']:<7} {on:<34} {p.get('transitions') or 0:>11}  "
+              f"{'' if ppl is None else f'{ppl:.4f}'}")
+    return 0
+
+
+def cmd_policy_show(args) -> int:
+    from raydp.control.store import load_manifest, resolve_policy
+
+    path = resolve_policy(args.name, args.policy_dir)
+    print(json.dumps({"path": str(path), **load_manifest(path)}, indent=2))
+    return 0
+
+
+def cmd_policy_export(args) -> int:
+    from raydp.control.store import export_policy, load_manifest, resolve_policy
+
+    path = resolve_policy(args.name, args.policy_dir)
+    load_manifest(path)
+    archive = export_policy(path, Path(args.to), overwrite=args.overwrite)
+    print(f"policy {path.name} exported to {archive.absolute()}")
+    return 0
+
+
+COMMANDS = {("data", "build"): cmd_data_build, ("data", "show"): cmd_data_show, ("train", None): cmd_train,
+            ("policy", "list"): cmd_policy_list, ("policy", "show"): cmd_policy_show,
+            ("policy", "export"): cmd_policy_export}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = COMMANDS[(args.command, getattr(args, "data_command", None))]
+    sub = getattr(args, "data_command", None) or getattr(args, "policy_command", None)
+    handler = COMMANDS[(args.command, sub)]
     try:
         return handler(args)
     except RaydpError as exc:

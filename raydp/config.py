@@ -36,13 +36,54 @@ class LoraConfigModel(StrictModel):
     target_modules: tuple[str, ...] | None = None
 
 
+class RLDPConfig(StrictModel):
+    """The RLDP controller (RLDP Sec. 2.4, Alg. 1, Sec. 3.1-3.2; ERRATA E3/E4)."""
+
+    privacy_mode: Literal["strict", "paper"] = Field(
+        "strict", description="strict: the controller sees only DP releases; paper: raw statistics (labelled)")
+    t_warm: int = Field(50, ge=0, description="steps before the controller acts (Alg. 1 line 13)")
+    t_rl: int = Field(112, gt=0, description="steps between decisions (T_RL)")
+    b_sac: int = Field(4, gt=0, description="transitions per SAC update (B_SAC)")
+    k: int = Field(2, gt=0, description="SAC updates per decision (K)")
+    r_max: float = Field(5.0, gt=0, description="reward lower bound -R_max (Eq. 20)")
+    initial_clip: float = Field(0.1, gt=0, le=1.0, description="C_0 per pair before the controller acts")
+    clip_floor: float = Field(1e-3, gt=0, lt=1.0, description="lower bound on decoded clip radii")
+    histogram_bins: int = Field(24, ge=2, description="bins of the DP norm histogram (strict mode)")
+    histogram_decades: float = Field(6.0, gt=0, description="log10 width of the histogram, centred on the public norm")
+    histogram_noise: float = Field(4.0, gt=0, description="histogram noise std per unit sigma and sensitivity")
+    loss_noise: float = Field(4.0, gt=0, description="loss-sum noise std per unit sigma and sensitivity")
+    public_probe_records: int = Field(32, gt=0, description="public records that set the bins and loss bound")
+    architecture: Literal["shared", "paper"] = Field(
+        "shared", description="shared: size-agnostic (transfers across models); paper: Eq. 22-27 for fixed n")
+    n_max: int = Field(64, gt=0, description="adapter slots of a shared policy")
+    hidden: int = Field(128, gt=0)
+    gamma: float = Field(0.99, ge=0, lt=1)
+    tau: float = Field(0.01, gt=0, le=1)
+    actor_lr: float = Field(2e-4, gt=0)
+    critic_lr: float = Field(1e-4, gt=0)
+    alpha: float = Field(0.04, gt=0, description="fixed entropy temperature")
+    replay_capacity: int = Field(10_000, gt=0)
+    policy: str | None = Field(None, description="start from a saved policy (name under policy_dir, or a path)")
+    frozen: bool = Field(False, description="act with the saved policy without training it")
+    save_policy: str | None = Field(None, description="also save the trained policy as policy_dir/NAME")
+    policy_dir: str = Field("policies", description="where named policies live")
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.frozen and not self.policy:
+            raise ValueError("a frozen policy needs --policy NAME")
+        if self.frozen and self.save_policy:
+            raise ValueError("a frozen policy is not trained; there is nothing new to save")
+        return self
+
+
 class TrainConfig(StrictModel):
     """One fine-tuning run (RLDP Sec. 3.1 defaults)."""
 
     model: str = Field("embedded", description="embedded preset, Hugging Face name, or local model dir")
     data: DataConfig = DataConfig()
     lora: LoraConfigModel = LoraConfigModel()
-    strategy: Literal["nonprivate", "static", "dp-lora", "static-pairwise"] = "nonprivate"
+    strategy: Literal["nonprivate", "static", "dp-lora", "static-pairwise", "rldp"] = "nonprivate"
     epsilon: float | None = Field(None, gt=0, description="target epsilon (required for DP strategies)")
     delta: float = Field(1e-5, gt=0, lt=1, description="target delta; must be < 1/N_train")
     accountant: Literal["pld", "prv", "rdp"] = Field("pld", description="upper-bound accountant that calibrates and enforces")
@@ -57,6 +98,8 @@ class TrainConfig(StrictModel):
     eval_max_records: int | None = Field(256, gt=0, description="evaluate on at most this many eval records")
     max_length: int | None = Field(None, gt=1, description="token cap per sequence (default: model's, at most 512)")
     device: str = "auto"
+    rldp: RLDPConfig = RLDPConfig()
+    cpus: int | None = Field(None, gt=0, description="CPU threads of the run (default: all of this machine's)")
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -60,6 +60,8 @@ EMBEDDED_PRESETS: dict[str, EmbeddedModelSpec] = {
     "embedded": EmbeddedModelSpec(),
     "embedded-deep": EmbeddedModelSpec(n_layer=8),
     "embedded-tiny": EmbeddedModelSpec(n_layer=2, n_embd=32, n_head=2, public_records=800, pretrain_steps=40),
+    # twice the adapters of embedded-tiny: tests policy transfer to a model with more adapter pairs
+    "embedded-tiny-deep": EmbeddedModelSpec(n_layer=4, n_embd=32, n_head=2, public_records=800, pretrain_steps=40),
 }
 
 

@@ -165,3 +165,24 @@ def apply_lora(model: torch.nn.Module, model_type: str, settings: LoraSettings) 
             return get_peft_model(model, config)
     except ValueError as exc:
         raise ModelError(f"cannot attach LoRA to {targets} on {model_type!r}: {str(exc).splitlines()[0]}") from None
+
+
+def expected_adapter_pairs(name_or_path: str, lora: LoraSettings | None = None) -> int:
+    """Number of LoRA pairs the model will get, from its config alone (no weights loaded): layers x
+    targeted projections per layer. Raises ModelError if the config cannot be read."""
+    from transformers import AutoConfig
+
+    if is_embedded_name(name_or_path):
+        n_layers, model_type = EMBEDDED_PRESETS[name_or_path].n_layer, "gpt2"
+    else:
+        source = resolve_model_source(name_or_path, progress=False)
+        try:
+            cfg = AutoConfig.from_pretrained(source)
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot read the config of {name_or_path!r}: {exc}") from None
+        model_type = cfg.model_type
+        n_layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer")
+    targets = (lora.target_modules if lora and lora.target_modules else None) or LORA_TARGETS.get(model_type)
+    if not targets:
+        raise ModelError(f"no default LoRA targets for model type {model_type!r}; set lora.target_modules")
+    return int(n_layers) * len(targets)

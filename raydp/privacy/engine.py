@@ -9,7 +9,9 @@
 4. Gaussian noise with per-group std s_g from the allocation, so that the mechanism's true multiplier
    sigma_eff = (sum_g C_g^2 / s_g^2)^(-1/2) equals the sigma charged to the ledger (E1);
 5. normalisation by the expected batch size q*N, never the actual one (E5);
-6. the ledger records (q, sigma_eff, clip vector, allocation) for the step (add/remove-one, E6).
+6. the strategy's own statistics (:mod:`raydp.privacy.statistics`) are released on the same sample with
+   noise scaled by sigma, and the ledger records all of the step's releases as one Gaussian mechanism
+   with (q, sigma_eff, clip vector, allocation) (add/remove-one, E6; ERRATA E3).
 
 After the optimiser update the strategy observes the release (noisy sums, their norms, the update).
 """
@@ -30,7 +32,7 @@ from raydp.privacy.clipping import (
     pair_norms,
 )
 from raydp.privacy.guard import BudgetExhausted, BudgetGuard
-from raydp.privacy.ledger import PrivacyLedger, allocate_noise, gradient_release
+from raydp.privacy.ledger import PrivacyLedger, Release, allocate_noise, gradient_release
 from raydp.strategies.base import Dials, StepRelease, Strategy
 
 
@@ -69,6 +71,23 @@ class DPStep:
         self._pending: StepRelease | None = None
         self._before_update: list[torch.Tensor] = []
         self.clamp_events: list[dict] = []
+        self._statistics: tuple | None = None
+
+    @property
+    def statistics(self) -> tuple:
+        """The strategy's per-step releases; fixed at the first step (the guard's sigma map assumes them)."""
+        if self._statistics is None:
+            self._statistics = tuple(self.strategy.private_statistics())
+            declared = sorted(self.strategy.release_noise_multipliers())
+            if sorted(s.noise_multiplier for s in self._statistics) != declared:
+                raise ValueError("the strategy's statistics do not match the noise multipliers it declared "
+                                 "for calibration")
+        return self._statistics
+
+    def public_probe(self, batch) -> tuple[np.ndarray, np.ndarray]:
+        """Per-sample pair norms and losses of a batch of PUBLIC records (no release, nothing charged)."""
+        grads = self.per_sample.compute(batch.input_ids, batch.attention_mask)
+        return pair_norms(grads).detach().cpu().numpy(), grads.losses.detach().cpu().numpy()
 
     # -- budget guard ------------------------------------------------------------------------------
     def guarded_sigma(self, proposed: float) -> tuple[float, bool]:
@@ -107,9 +126,12 @@ class DPStep:
 
         if batch.size > 0:
             grads = self.per_sample.compute(batch.input_ids, batch.attention_mask)
-            factors = clip_factors(group_norms(pair_norms(grads), mode), clips)
+            norms, losses = pair_norms(grads), grads.losses
+            factors = clip_factors(group_norms(norms, mode), clips)
             sums_a, sums_b = clipped_sums(grads, factors, mode)
         else:  # an empty Poisson batch still releases noise
+            norms = torch.zeros(0, len(self.pairs), device=self.device)
+            losses = torch.zeros(0, device=self.device)
             sums_a = [torch.zeros_like(p.a) for p in self.pairs]
             sums_b = [torch.zeros_like(p.b) for p in self.pairs]
 
@@ -126,11 +148,23 @@ class DPStep:
             pair.a.grad = (ga / self.expected_batch_size).to(pair.a.dtype)
             pair.b.grad = (gb / self.expected_batch_size).to(pair.b.dtype)
 
-        sigma_eff = self.ledger.record(
-            self.q, [gradient_release(dials.clip, charged_stds)], clip=dials.clip, allocation=self.strategy.allocation
-        )
+        releases = [gradient_release(dials.clip, charged_stds)]
+        statistics, statistics_std = {}, {}
+        for stat in self.statistics:  # the strategy's own releases, on the same sample (ERRATA E3)
+            sensitivity = stat.sensitivity(len(self.pairs))
+            charged = stat.noise_multiplier * sigma * sensitivity
+            value = stat.raw(norms, losses)
+            noise = torch.randn(value.shape, generator=self.generator, device=self.device, dtype=value.dtype)
+            statistics[stat.name] = (value + noise * charged / (1.0 - NOISE_ROUNDING_MARGIN)).cpu().numpy()
+            statistics_std[stat.name] = charged
+            releases.append(Release(stat.name, sensitivity, charged))
+        sigma_eff = self.ledger.record(self.q, releases, clip=dials.clip, allocation=self.strategy.allocation)
         noisy_norms = np.array([math.sqrt(float(a.pow(2).sum() + b.pow(2).sum())) for a, b in zip(noisy_a, noisy_b)])
-        self._pending = StepRelease(step, dials, sigma_eff, clamped, noisy_a, noisy_b, noisy_norms)
+        self._pending = StepRelease(step, dials, sigma_eff, clamped, noisy_a, noisy_b, noisy_norms,
+                                    statistics=statistics, statistics_noise_std=statistics_std)
+        if self.strategy.privacy_mode == "paper":  # unprivatized, labelled (ERRATA E3)
+            self._pending.raw_pair_norms = norms.detach().cpu().numpy()
+            self._pending.raw_losses = losses.detach().cpu().numpy()
         self._before_update = [t.detach().clone() for p in self.pairs for t in (p.a, p.b)]
         # Only post-processing of the release is reported: no raw loss, no actual batch size (E3, E5).
         return {

@@ -6,6 +6,7 @@ delta >= 1/N_train, q > 1, a target no sigma reaches) is a one-line error before
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -13,10 +14,12 @@ import torch
 from raydp.config import TrainConfig
 from raydp.errors import ConfigError
 from raydp.privacy import BudgetGuard, PrivacyLedger, calibrate_sigma, get_accountant, planned_steps
+from raydp.privacy.calibration import SigmaEffMap
 from raydp.privacy.engine import DPStep
 from raydp.privacy.ledger import NEIGHBOURING_RELATION
 from raydp.runner.sampling import PoissonSampler
 from raydp.strategies import Strategy, StrategyContext, make_strategy
+from raydp.strategies.base import PAPER_MODE_LABEL
 
 #: Accountants reported in every DP summary; only upper bounds may enforce (ERRATA E2, E9).
 REPORTED_ACCOUNTANTS = ("pld", "prv", "rdp", "gdp")
@@ -24,11 +27,15 @@ REPORTED_ACCOUNTANTS = ("pld", "prv", "rdp", "gdp")
 
 @dataclass(frozen=True)
 class PrivacyPlan:
-    """The checked request: sampling rate, planned steps and the calibrated sigma_0 (Alg. 1 line 1)."""
+    """The checked request: sampling rate, planned steps and the calibrated sigma_0 (Alg. 1 line 1).
+
+    ``sigma_map`` maps the gradient sigma to the step's sigma_eff when the strategy adds its own releases
+    (strict-mode statistics, ERRATA E3); sigma_0 is calibrated through it."""
 
     q: float
     planned_steps: int
     sigma_0: float
+    sigma_map: SigmaEffMap = SigmaEffMap()
 
 
 @dataclass
@@ -63,20 +70,41 @@ def planned_dp_steps(config: TrainConfig, q: float) -> int:
     return min(steps, config.max_steps) if config.max_steps else steps
 
 
-def plan_private_run(config: TrainConfig, n_train: int) -> PrivacyPlan:
-    """Check the request against the data and calibrate sigma_0; needs no model, so it runs first."""
+def build_strategy(config: TrainConfig, controller=None) -> Strategy:
+    """The configured strategy (RLDP also takes its controller settings and a policy client)."""
+    if config.strategy == "rldp":
+        from raydp.strategies.rldp import RLDPStrategy
+
+        return RLDPStrategy(config.rldp, client=controller)
+    return make_strategy(config.strategy, **({"clip": config.clip} if config.clip else {}))
+
+
+def plan_private_run(config: TrainConfig, n_train: int, strategy: Strategy | None = None) -> PrivacyPlan:
+    """Check the request against the data and calibrate sigma_0; needs no model, so it runs first.
+
+    A strategy with its own releases is calibrated with them (ERRATA E3), so the run still lands on
+    its target epsilon."""
     q = sampling_rate(config.batch_size, n_train)
     check_delta_below_inverse_n(config.delta, n_train)
     steps = planned_dp_steps(config, q)
-    calibration = calibrate_sigma(config.epsilon, config.delta, q, steps, config.accountant)
-    return PrivacyPlan(q=q, planned_steps=steps, sigma_0=calibration.sigma)
+    multipliers = strategy.release_noise_multipliers() if strategy is not None else ()
+    sigma_map = SigmaEffMap(relative_precision=math.fsum(1.0 / (k * k) for k in multipliers))
+    calibration = calibrate_sigma(config.epsilon, config.delta, q, steps, config.accountant, sigma_eff=sigma_map)
+    return PrivacyPlan(q=q, planned_steps=steps, sigma_0=calibration.sigma, sigma_map=sigma_map)
 
 
 def setup_private_run(
-    config: TrainConfig, plan: PrivacyPlan, model: torch.nn.Module, pairs, n_train: int, device
+    config: TrainConfig, plan: PrivacyPlan, model: torch.nn.Module, pairs, n_train: int, device,
+    strategy: Strategy | None = None, public_batch=None,
 ) -> PrivateRun:
+    """Ledger, guard, sampler and DP step for a planned run; ``public_batch`` feeds a strategy that
+    calibrates on public records (RLDP's histogram bins and loss bound)."""
     q, steps, sigma_0 = plan.q, plan.planned_steps, plan.sigma_0
-    strategy = make_strategy(config.strategy, **({"clip": config.clip} if config.clip else {}))
+    strategy = strategy if strategy is not None else build_strategy(config)
+    ledger = PrivacyLedger(delta=config.delta, epsilon_target=config.epsilon, accountant=config.accountant)
+    guard = BudgetGuard(config.accountant, epsilon_target=config.epsilon, delta=config.delta,
+                        planned_steps=steps, q=q, sigma_eff=plan.sigma_map, sigma_hint=sigma_0)
+    sampler = PoissonSampler(n_train, q, seed=config.seed)
     strategy.setup(
         StrategyContext(
             n_pairs=len(pairs),
@@ -86,14 +114,16 @@ def setup_private_run(
             sigma_0=sigma_0,
             epsilon_target=config.epsilon,
             delta=config.delta,
+            expected_batch_size=sampler.expected_batch_size,
+            privacy_spent=lambda: guard.spent(ledger),
         )
     )
-    ledger = PrivacyLedger(delta=config.delta, epsilon_target=config.epsilon, accountant=config.accountant)
-    guard = BudgetGuard(config.accountant, epsilon_target=config.epsilon, delta=config.delta,
-                        planned_steps=steps, q=q, sigma_hint=sigma_0)
-    sampler = PoissonSampler(n_train, q, seed=config.seed)
     step = DPStep(model, pairs, strategy, ledger, guard, q=q, expected_batch_size=sampler.expected_batch_size,
                   planned_steps=steps, noise_seed=config.seed + 1_000_003, device=device)
+    if strategy.needs_public_probe:
+        if public_batch is None:
+            raise ConfigError(f"strategy {strategy.name!r} needs a public probe batch")
+        strategy.calibrate_public(*step.public_probe(public_batch))
     return PrivateRun(sampler, step, strategy, ledger, guard, q, steps, sigma_0)
 
 
@@ -114,6 +144,8 @@ def privacy_summary(run: PrivateRun, config: TrainConfig) -> dict:
         "planned_steps": run.planned_steps,
         "steps_charged": len(run.ledger),
         "sigma_0": run.sigma_0,
+        "releases_per_step": ["gradient", *(s.name for s in run.step.statistics)],
+        "sigma_eff_0": run.guard.sigma_map(run.sigma_0),
         "enforcing_accountant": config.accountant,
         "epsilon": final.epsilon,
         "within_budget": final.within_budget,
@@ -122,4 +154,6 @@ def privacy_summary(run: PrivateRun, config: TrainConfig) -> dict:
         "gdp_note": "GDP (CLT) is an approximation reported for comparison with the paper; it enforces nothing",
         "guard_clamps": len(run.step.clamp_events),
         "strategy": run.strategy.describe(),
+        "privacy_mode": run.strategy.privacy_mode,
+        "privacy_label": PAPER_MODE_LABEL if run.strategy.privacy_mode == "paper" else None,
     }

@@ -11,18 +11,20 @@ import torch
 
 from raydp import __version__
 from raydp.config import TrainConfig
-from raydp.data import build_dataset, load_manifest, load_texts
+from raydp.data import build_dataset, load_manifest, load_texts, public_corpus
+from raydp.errors import ConfigError
 from raydp.model import LoraSettings, load_model
 from raydp.model.loading import check_model_name
 from raydp.runner.batches import TokenizedSplit
 from raydp.runner.gradients import NonPrivateGradient
 from raydp.runner.loop import OptimizerSettings, Trainer
 from raydp.runner.output import staged_output
-from raydp.runner.privacy_setup import plan_private_run, privacy_summary, setup_private_run
+from raydp.runner.privacy_setup import build_strategy, plan_private_run, privacy_summary, setup_private_run
 from raydp.runner.sampling import ShuffledBatchSampler
 from raydp.privacy.ledger import LEDGER_FILENAME
 
 SYNTHETIC_NOTE = "synthetic records: they describe no real patient"
+PUBLIC_PROBE_SEED = 7_777
 
 
 def prepare_dataset(config: TrainConfig, workdir: Path, progress: bool = True) -> Path:
@@ -50,15 +52,28 @@ def nonprivate_steps(config: TrainConfig, steps_per_epoch: float) -> int:
     return min(steps, config.max_steps) if config.max_steps else steps
 
 
-def run_training(config: TrainConfig, output: str | Path, overwrite: bool = False, progress: bool = True) -> dict:
-    """Run one fine-tuning and write everything it produces under ``output``; returns the summary."""
+def public_probe_batch(tokenizer, max_length: int, n_records: int, device):
+    """A batch of PUBLIC records (disjoint synthetic population) for strategies that calibrate on them."""
+    split = TokenizedSplit(public_corpus(n_records, seed=PUBLIC_PROBE_SEED), tokenizer, max_length)
+    return split.collate(list(range(len(split))), device)
+
+
+def run_training(config: TrainConfig, output: str | Path, overwrite: bool = False, progress: bool = True,
+                 client=None) -> dict:
+    """Run one fine-tuning and write everything it produces under ``output``; returns the summary.
+
+    ``client``: the policy connection of an RLDP run (:class:`raydp.control.service.PolicyClient`);
+    RLDP runs are started by :func:`raydp.runner.launch.train`, which runs them as Ray actors."""
     started = time.perf_counter()
     check_model_name(config.model)  # fail on a bad model before building anything
+    if config.strategy == "rldp" and client is None:
+        raise ConfigError("an RLDP run needs a policy client; start it with raydp.runner.launch.train")
     with staged_output(output, overwrite=overwrite) as staging:
         dataset_dir = prepare_dataset(config, staging, progress=progress)
         manifest = load_manifest(dataset_dir)
         train_texts = load_texts(dataset_dir, "train")
-        plan = plan_private_run(config, len(train_texts)) if config.is_private else None
+        strategy = build_strategy(config, client) if config.is_private else None
+        plan = plan_private_run(config, len(train_texts), strategy) if config.is_private else None
         torch.manual_seed(config.seed)
         loaded = load_model(
             config.model,
@@ -71,7 +86,10 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
         evaluation = TokenizedSplit(load_texts(dataset_dir, "eval"), loaded.tokenizer, max_length)
         private = None
         if config.is_private:
-            private = setup_private_run(config, plan, loaded.model, loaded.pairs, len(train), loaded.device)
+            probe = (public_probe_batch(loaded.tokenizer, max_length, config.rldp.public_probe_records, loaded.device)
+                     if strategy.needs_public_probe else None)
+            private = setup_private_run(config, plan, loaded.model, loaded.pairs, len(train), loaded.device,
+                                        strategy=strategy, public_batch=probe)
             sampler, gradient, total_steps = private.sampler, private.step, private.planned_steps
         else:
             sampler = ShuffledBatchSampler(len(train), config.batch_size, seed=config.seed)
@@ -90,10 +108,20 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
         )
         history = trainer.run(total_steps)
         history.write(staging)
+        evals = [row["perplexity"] for row in history.eval_rows]
+        controller = None
         if private is not None:
             private.ledger.save(staging / LEDGER_FILENAME)
+            controller = private.strategy.finish(staging) or None
+            if client is not None and client.service is not None:
+                privacy = privacy_summary(private, config)
+                client.save_policy(staging / "policy", trained_on={
+                    "model": config.model, "n_adapter_pairs": len(loaded.pairs), "epsilon": config.epsilon,
+                    "steps": trainer.step_count, "privacy_mode": private.strategy.privacy_mode,
+                    "decisions": controller.get("decisions") if controller else None},
+                    results={"final_eval_perplexity": evals[-1], "best_eval_perplexity": min(evals),
+                             "epsilon": privacy["epsilon"]})
         loaded.model.save_pretrained(staging / "adapter")
-        evals = [row["perplexity"] for row in history.eval_rows]
         summary = {
             "raydp_version": __version__,
             "model": config.model,
@@ -104,6 +132,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             "adapter_pairs": [pair.describe() for pair in loaded.pairs],
             "strategy": config.strategy,
             "privacy": privacy_summary(private, config) if private else {"mechanism": "none", "epsilon": None},
+            "controller": controller,
             "stopped_early": trainer.stopped_early,
             "data_source": manifest.get("source"),
             "data_note": SYNTHETIC_NOTE if manifest.get("synthetic") else None,

@@ -14,7 +14,7 @@ def make_strategy(name: str, **kwargs) -> Strategy:
     try:
         cls = STRATEGIES[name]
     except KeyError:
-        raise ConfigError(f"unknown strategy {name!r}; known: nonprivate, {', '.join(STRATEGIES)}") from None
+        raise ConfigError(f"unknown strategy {name!r}; known: nonprivate, {', '.join(STRATEGIES)}, rldp") from None
     return cls(**kwargs)
 
 

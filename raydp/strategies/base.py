@@ -11,6 +11,7 @@ RLDP and the adaptive baselines are strategies; none of them copies the step.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +41,9 @@ class StrategyContext:
     sigma_0: float
     epsilon_target: float
     delta: float
+    expected_batch_size: float = 0.0  # q * N_train (public given N_train; E5)
+    #: epsilon of the ledger so far under the enforcing accountant (post-processing of the ledger)
+    privacy_spent: Callable[[], float] | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -54,6 +58,17 @@ class StepRelease:
     noisy_sum_b: list[torch.Tensor]
     noisy_pair_norms: np.ndarray  # ||(noisy sum A_i, noisy sum B_i)||, one per pair
     update: list[torch.Tensor] = field(default_factory=list)  # parameter change of each trainable tensor
+    #: the strategy's own Gaussian releases (:meth:`Strategy.private_statistics`), noisy, by name
+    statistics: dict[str, np.ndarray] = field(default_factory=dict)
+    #: the noise std each statistic was released with (public: it follows from sigma)
+    statistics_noise_std: dict[str, float] = field(default_factory=dict)
+    #: paper mode only (ERRATA E3): the UNPRIVATIZED per-sample pair norms [batch, n] and losses [batch]
+    raw_pair_norms: np.ndarray | None = None
+    raw_losses: np.ndarray | None = None
+
+
+PAPER_MODE_LABEL = ("epsilon covers the gradient releases only; the controller observed unprivatized "
+                    "statistics")
 
 
 class Strategy(ABC):
@@ -65,6 +80,11 @@ class Strategy(ABC):
     clip_mode: str = "pairwise"
     #: noise allocation across clip groups: "proportional", "uniform" (pairwise) or "flat"
     allocation: str = "proportional"
+    #: "strict": observes only DP releases (default); "paper": also the raw statistics of RLDP Sec. 2.4,
+    #: which no accountant covers (ERRATA E3); such runs carry :data:`PAPER_MODE_LABEL`
+    privacy_mode: str = "strict"
+    #: whether :meth:`calibrate_public` must be called with a public probe before the first step
+    needs_public_probe: bool = False
 
     def setup(self, context: StrategyContext) -> None:
         self.context = context
@@ -73,8 +93,24 @@ class Strategy(ABC):
     def dials(self, step: int) -> Dials:
         """The dials proposed for ``step`` (0-based). The guard may raise ``sigma``."""
 
+    def release_noise_multipliers(self) -> tuple[float, ...]:
+        """Noise multipliers k of the strategy's own releases (known before the model is loaded, so that
+        sigma_0 can be calibrated with them: 1/sigma_eff^2 = (1 + sum 1/k^2) / sigma^2)."""
+        return ()
+
+    def private_statistics(self) -> tuple:
+        """The strategy's Gaussian releases per step (:mod:`raydp.privacy.statistics`), charged to the ledger."""
+        return ()
+
+    def calibrate_public(self, pair_norms: np.ndarray, losses: np.ndarray) -> None:
+        """Receives per-sample pair norms and losses of PUBLIC records under the initial model."""
+
     def observe(self, release: StepRelease, ledger) -> None:
         """Called after each update with what the step released and the ledger."""
+
+    def finish(self, output_dir) -> dict:
+        """Called once after training, with the run's output directory; returns a summary to report."""
+        return {}
 
     def state_dict(self) -> dict:
         return {}
@@ -83,4 +119,8 @@ class Strategy(ABC):
         pass
 
     def describe(self) -> dict:
-        return {"name": self.name, "clip_mode": self.clip_mode, "allocation": self.allocation}
+        out = {"name": self.name, "clip_mode": self.clip_mode, "allocation": self.allocation,
+               "privacy_mode": self.privacy_mode}
+        if self.privacy_mode == "paper":
+            out["privacy_label"] = PAPER_MODE_LABEL
+        return out

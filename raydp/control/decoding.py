@@ -1,0 +1,68 @@
+"""From a raw SAC action to the privacy dials: RLDP Eq. 10-15.
+
+The action is ``a_t = (a_1..a_n, a_{n+1})`` in R^{n+1}, drawn from the actor's unsquashed Gaussian
+(Eq. 24); a_{1:n} are log-clip proposals, a_{n+1} a log-noise proposal:
+
+* Eq. 10: ``C_i = min(exp(a_i), 1.0)``;
+* Eq. 11: ``delta_sigma = tanh(a_{n+1})``, ``step_t = delta_max (1 - eps_t / eps_max)``, delta_max = 0.1;
+* Eq. 12: ``dlog_sigma = delta_sigma * step_t``;
+* Eq. 13: ``log sigma_prop = clamp(log sigma_t + dlog_sigma, log(0.5 sigma_0), log(2 sigma_0))``;
+* Eq. 14: ``log sigma_{t+1} = beta log sigma_t + (1 - beta) log sigma_prop``, beta = 0.8;
+* Eq. 15: ``sigma_{t+1} = exp(log sigma_{t+1})``.
+
+Two additions, both documented: ``clip_floor`` (default 1e-3) keeps C_i away from 0 when an action
+is far out in the Gaussian's tail (Eq. 10 alone allows C_i -> 0, which clips every gradient to
+nothing), and step_t is floored at 0 (the ledger may sit a hair above eps_max under another
+accountant). The sigma decoded here is only a proposal: the budget guard (ERRATA E4) may raise it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+DELTA_MAX = 0.1
+SIGMA_MOMENTUM = 0.8
+SIGMA_BOUNDS = (0.5, 2.0)  # multiples of sigma_0 (Eq. 13)
+CLIP_MAX = 1.0
+CLIP_FLOOR = 1e-3
+
+
+@dataclass(frozen=True)
+class DecodedAction:
+    clip: tuple[float, ...]
+    sigma: float
+    sigma_proposed: float  # Eq. 13, before momentum
+    step_size: float  # Eq. 11
+
+
+def decode_clips(a_clip, clip_floor: float = CLIP_FLOOR) -> np.ndarray:
+    """Eq. 10: C_i = min(exp(a_i), 1.0), floored at ``clip_floor``."""
+    a = np.asarray(a_clip, dtype=np.float64)
+    return np.clip(np.exp(np.minimum(a, 0.0)), clip_floor, CLIP_MAX)
+
+
+def decode_sigma(a_sigma: float, sigma_t: float, sigma_0: float, epsilon_t: float, epsilon_max: float,
+                 delta_max: float = DELTA_MAX, momentum: float = SIGMA_MOMENTUM) -> tuple[float, float, float]:
+    """Eq. 11-15: (sigma_{t+1}, sigma_prop, step_t) from the noise action and the ledger's epsilon."""
+    if not (sigma_t > 0 and sigma_0 > 0 and epsilon_max > 0):
+        raise ValueError("sigma_t, sigma_0 and epsilon_max must be > 0")
+    step = delta_max * max(0.0, 1.0 - epsilon_t / epsilon_max)  # Eq. 11
+    dlog = math.tanh(float(a_sigma)) * step  # Eq. 11-12
+    lo, hi = math.log(SIGMA_BOUNDS[0] * sigma_0), math.log(SIGMA_BOUNDS[1] * sigma_0)
+    log_prop = min(max(math.log(sigma_t) + dlog, lo), hi)  # Eq. 13
+    log_next = momentum * math.log(sigma_t) + (1.0 - momentum) * log_prop  # Eq. 14
+    return math.exp(log_next), math.exp(log_prop), step  # Eq. 15
+
+
+def decode_action(action, sigma_t: float, sigma_0: float, epsilon_t: float, epsilon_max: float,
+                  clip_floor: float = CLIP_FLOOR) -> DecodedAction:
+    """The full Eq. 10-15 map for an action of length n + 1 (the last entry is the noise action)."""
+    a = np.asarray(action, dtype=np.float64).ravel()
+    if a.size < 2 or not np.all(np.isfinite(a)):
+        raise ValueError(f"an action needs n >= 1 finite clip entries and one noise entry, got {a}")
+    clips = decode_clips(a[:-1], clip_floor)
+    sigma, prop, step = decode_sigma(a[-1], sigma_t, sigma_0, epsilon_t, epsilon_max)
+    return DecodedAction(clip=tuple(float(c) for c in clips), sigma=sigma, sigma_proposed=prop, step_size=step)

@@ -1,0 +1,253 @@
+"""The policy service: one RLlib SAC algorithm shared by any number of runs (Alg. 1 lines 31-36).
+
+:class:`PolicyService` is a Ray actor that owns the algorithm; a background thread calls
+``algo.train()`` once for every transition the runs report through the broker (K updates of B_SAC
+each, :mod:`raydp.control.sac`) and RLlib's weight sync pushes the new weights to the broker. It never
+waits on a run: with no transition pending it sleeps. :class:`PolicySession` is the driver-side handle:
+it starts the broker (and, unless the policy is frozen, the service), hands out :class:`PolicyClient`\\ s
+to runs, saves the policy and shuts everything down.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import ray
+import torch
+
+from raydp.control.broker import PolicyBroker
+from raydp.control.features import ObservationLayout
+from raydp.control.sac import SACSettings, sac_config
+from raydp.control.store import (
+    MODULE_DIR,
+    REPLAY_FILE,
+    load_manifest,
+    policy_layout,
+    read_replay,
+    write_manifest,
+    write_replay,
+)
+
+LEARNER_MODULE = "learner_group/learner/rl_module/default_policy"
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class PolicyService:
+    """Owns the SAC Algorithm; trains while transitions are pending (see the module docstring)."""
+
+    def __init__(self, layout: dict, settings: dict, broker_name: str, namespace: str,
+                 restore: str | None = None):
+        torch.set_num_threads(1)
+        self.layout = ObservationLayout(**layout)
+        self.settings = SACSettings(**settings)
+        self.broker = ray.get_actor(broker_name, namespace=namespace)
+        self.algo = sac_config(self.layout, self.settings, broker_name, namespace).build_algo()
+        self.lock = threading.Lock()
+        self.train_calls = 0
+        self.module_steps_trained = 0
+        self.transitions_trained = 0
+        self.errors: list[str] = []
+        if restore:
+            self._restore(Path(restore))
+        self._stop = threading.Event()
+        self._busy = False
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _restore(self, path: Path) -> None:
+        self.algo.restore_from_path(str(path / MODULE_DIR), component=LEARNER_MODULE)  # also syncs the broker
+        replay = read_replay(path / REPLAY_FILE)
+        if replay and len(replay["reward"]):
+            self.algo.local_replay_buffer.add(_episodes(replay, self.algo.config))
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if ray.get(self.broker.num_pending.remote()) == 0:
+                    time.sleep(0.02)
+                    continue
+                with self.lock:
+                    self._busy = True
+                    result = self.algo.train()
+                    self.train_calls += 1
+                    self.transitions_trained += 1
+                    self.module_steps_trained += _module_steps(result)
+                    self._busy = False
+            except Exception as exc:  # keep serving; the error is reported by counters()
+                self._busy = False
+                self.errors.append(repr(exc))
+                time.sleep(0.5)
+
+    def counters(self) -> dict:
+        learner = self.algo.learner_group._learner
+        return {"train_calls": self.train_calls, "transitions_trained": self.transitions_trained,
+                "module_steps_trained": self.module_steps_trained,
+                "replay_size": self.algo.local_replay_buffer.get_num_timesteps(),
+                "alpha": float(learner.module["default_policy"].log_alpha.exp()) if hasattr(
+                    learner.module["default_policy"], "log_alpha") else self.settings.alpha,
+                "errors": list(self.errors)}
+
+    def wait_idle(self, timeout_s: float = 120.0) -> bool:
+        """Wait until every reported transition has been trained on."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            if ray.get(self.broker.num_pending.remote()) == 0 and not self._busy:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def save(self, path: str, trained_on: dict, results: dict, name: str | None = None) -> dict:
+        """Write module checkpoint, replay buffer and manifest to ``path`` (a fresh directory)."""
+        self.wait_idle()
+        with self.lock:
+            out = Path(path)
+            out.mkdir(parents=True, exist_ok=False)
+            module = self.algo.learner_group._learner.module["default_policy"]
+            module.save_to_path(str(out / MODULE_DIR))
+            write_replay(out / REPLAY_FILE, _transitions(self.algo.local_replay_buffer))
+            return write_manifest(out, layout=self.layout, sac=self.settings.as_dict(), trained_on=trained_on,
+                                  results=results, transitions=self.transitions_trained,
+                                  updates=self.train_calls * self.settings.k, name=name)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=30)
+        with self.lock:
+            self.algo.stop()
+
+
+def _module_steps(result: dict) -> int:
+    """Transitions consumed by SAC updates in one train() (RLlib's own learner metric)."""
+    from ray.rllib.utils.metrics import LEARNER_RESULTS, NUM_MODULE_STEPS_TRAINED
+
+    learner = result.get(LEARNER_RESULTS, {}).get("default_policy", {})
+    value = learner.get(NUM_MODULE_STEPS_TRAINED, 0)
+    return int(getattr(value, "peek", lambda: value)())
+
+
+def _transitions(buffer) -> dict[str, np.ndarray]:
+    episodes = list(buffer.episodes)
+    if not episodes:
+        return {"obs": np.zeros((0,)), "action": np.zeros((0,)), "reward": np.zeros((0,)), "next_obs": np.zeros((0,))}
+    return {"obs": np.stack([e.get_observations(0) for e in episodes]),
+            "action": np.stack([e.get_actions(0) for e in episodes]),
+            "reward": np.array([e.get_rewards(0) for e in episodes], dtype=np.float64),
+            "next_obs": np.stack([e.get_observations(1) for e in episodes])}
+
+
+def _episodes(replay: dict, config) -> list:
+    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
+
+    return [SingleAgentEpisode(observations=[o, o2], actions=[a], rewards=[float(r)],
+                               observation_space=config.observation_space, action_space=config.action_space,
+                               len_lookback_buffer=0).to_numpy()
+            for o, a, r, o2 in zip(replay["obs"], replay["action"], replay["reward"], replay["next_obs"])]
+
+
+class PolicyClient:
+    """A run's connection to the broker: one round trip per decision (``decide``), ``end`` to leave."""
+
+    def __init__(self, broker, run_id: str, explore: bool, service=None):
+        self.broker, self.run_id, self.explore, self.service = broker, run_id, explore, service
+        self.layout = ObservationLayout(**ray.get(broker.register.remote(run_id, explore)))
+        self.latencies: list[float] = []
+        self.weights_seen: list[int] = []
+
+    def decide(self, obs: np.ndarray, reward: float | None) -> np.ndarray:
+        started = time.perf_counter()
+        action, seq = ray.get(self.broker.decide.remote(self.run_id, obs, reward))
+        self.latencies.append(time.perf_counter() - started)
+        self.weights_seen.append(seq)
+        return np.asarray(action)
+
+    def end(self) -> None:
+        ray.get(self.broker.end.remote(self.run_id))
+
+    def save_policy(self, path: Path, trained_on: dict, results: dict) -> dict | None:
+        """Snapshot the shared policy (None for a frozen policy: it does not change)."""
+        if self.service is None:
+            return None
+        return ray.get(self.service.save.remote(str(path), trained_on, results))
+
+
+def _module_weights(path: Path) -> dict:
+    from ray.rllib.core.rl_module.rl_module import RLModule
+
+    return RLModule.from_checkpoint(str(path / MODULE_DIR)).get_state(inference_only=True)
+
+
+class PolicySession:
+    """Driver-side: broker (+ service unless frozen) for one policy; runs connect with :meth:`client`.
+
+    ``restore``: a saved policy directory (its layout wins); ``frozen``: act greedily with its weights,
+    no training.
+    """
+
+    def __init__(self, layout: ObservationLayout, settings: SACSettings, *, restore: Path | None = None,
+                 frozen: bool = False, namespace: str = "raydp", name: str | None = None):
+        if frozen and restore is None:
+            raise ValueError("a frozen policy needs a saved policy to restore")
+        if restore is not None:
+            layout = policy_layout(load_manifest(restore))
+        self.layout, self.settings, self.frozen, self.namespace = layout, settings, frozen, namespace
+        self.name = name or f"rldp-broker-{uuid.uuid4().hex[:8]}"
+        weights = _module_weights(restore) if frozen else None
+        self.broker = PolicyBroker.options(name=self.name, namespace=namespace, lifetime=None).remote(
+            layout.as_dict(), settings.as_dict(), weights, settings.seed)
+        ray.get(self.broker.info.remote())  # the runner looks the broker up by name: it must exist first
+        self.service = None
+        if not frozen:
+            self.service = PolicyService.remote(layout.as_dict(), settings.as_dict(), self.name, namespace,
+                                                str(restore) if restore else None)
+            ray.get(self.service.counters.remote())
+
+    def client(self, run_id: str) -> PolicyClient:
+        return PolicyClient(self.broker, run_id, explore=not self.frozen, service=self.service)
+
+    def connection(self) -> dict:
+        """What a run actor needs to build its client (picklable)."""
+        return {"broker_name": self.name, "namespace": self.namespace, "explore": not self.frozen,
+                "service": self.service}
+
+    def counters(self) -> dict:
+        return ray.get(self.service.counters.remote()) if self.service is not None else {}
+
+    def info(self) -> dict:
+        return ray.get(self.broker.info.remote())
+
+    def save(self, path: Path, trained_on: dict, results: dict, overwrite: bool = False) -> dict:
+        if self.service is None:
+            raise ValueError("a frozen policy is not trained; nothing new to save")
+        path = Path(path)
+        if path.exists():
+            if not overwrite:
+                from raydp.errors import ConfigError
+
+                raise ConfigError(f"policy {path} already exists (pass --overwrite to replace it)")
+            shutil.rmtree(path)
+        return ray.get(self.service.save.remote(str(path), trained_on, results, path.name))
+
+    def close(self) -> None:
+        if self.service is not None:
+            try:
+                ray.get(self.service.stop.remote(), timeout=60)
+            except Exception:
+                pass
+            ray.kill(self.service)
+        ray.kill(self.broker)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def client_from_connection(connection: dict, run_id: str) -> PolicyClient:
+    broker = ray.get_actor(connection["broker_name"], namespace=connection["namespace"])
+    return PolicyClient(broker, run_id, explore=connection["explore"], service=connection.get("service"))

@@ -1,0 +1,96 @@
+"""``raydp train``: a run in-process, or (RLDP) a Ray actor driven by a live RLlib SAC policy.
+
+For an RLDP run this starts (or joins) Ray, starts the policy (broker, and the SAC service unless the
+policy is frozen), runs the fine-tuning as a :class:`~raydp.runner.actor.FineTuningRun` actor, saves
+the policy under ``policy_dir/NAME`` if asked, and shuts the policy down.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+from raydp.config import TrainConfig
+from raydp.errors import ConfigError
+
+RAY_NAMESPACE = "raydp"
+
+
+def ensure_ray(num_cpus: int | None = None) -> None:
+    """Join the Ray cluster in RAY_ADDRESS (e.g. under ``ray job submit``) or start a local one."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(namespace=RAY_NAMESPACE, log_to_driver=True)
+    else:
+        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, namespace=RAY_NAMESPACE,
+                 log_to_driver=True)
+
+
+def policy_layout_for(config: TrainConfig):
+    """The observation layout a new policy gets: n_max slots (shared) or the model's pair count (paper)."""
+    from raydp.control.features import ObservationLayout
+    from raydp.model.loading import LoraSettings, expected_adapter_pairs
+
+    settings = config.rldp
+    if settings.architecture == "shared":
+        return ObservationLayout("shared", settings.n_max)
+    return ObservationLayout("paper", expected_adapter_pairs(config.model, LoraSettings(**config.lora.model_dump())))
+
+
+def sac_settings(config: TrainConfig):
+    from raydp.control.sac import SACSettings
+
+    s = config.rldp
+    return SACSettings(b_sac=s.b_sac, k=s.k, gamma=s.gamma, tau=s.tau, actor_lr=s.actor_lr, critic_lr=s.critic_lr,
+                       alpha=s.alpha, replay_capacity=s.replay_capacity, hidden=s.hidden, seed=config.seed)
+
+
+def start_policy(config: TrainConfig):
+    """A :class:`~raydp.control.service.PolicySession` for the config's RLDP settings."""
+    from raydp.control.service import PolicySession
+    from raydp.control.store import resolve_policy
+
+    s = config.rldp
+    restore = resolve_policy(s.policy, s.policy_dir) if s.policy else None
+    layout = None if restore is not None else policy_layout_for(config)
+    return PolicySession(layout, sac_settings(config), restore=restore, frozen=s.frozen, namespace=RAY_NAMESPACE)
+
+
+def train(config: TrainConfig, output: str | Path, overwrite: bool = False, progress: bool = True,
+          overwrite_policy: bool = False) -> dict:
+    """Run one fine-tuning; an RLDP run becomes a Ray actor controlled by a live policy."""
+    if config.strategy != "rldp":
+        from raydp.runner.run import run_training
+
+        return run_training(config, output, overwrite=overwrite, progress=progress)
+    import ray
+
+    from raydp.control.store import copy_policy
+    from raydp.model.loading import check_model_name
+    from raydp.runner.actor import FineTuningRun
+
+    check_model_name(config.model)
+    s = config.rldp
+    named = Path(s.policy_dir).expanduser() / s.save_policy if s.save_policy else None
+    if named is not None and named.exists() and not overwrite_policy:
+        raise ConfigError(f"policy {named} already exists (pass --overwrite-policy to replace it)")
+    threads = config.cpus or os.cpu_count() or 1
+    ensure_ray()
+    session = start_policy(config)
+    try:
+        run = FineTuningRun.options(num_cpus=min(threads, int(ray.available_resources().get("CPU", 1)) or 1)).remote(
+            threads)
+        summary = ray.get(run.run.remote(config.model_dump(mode="json"), str(Path(output).resolve()), overwrite,
+                                         session.connection(), f"run-{uuid.uuid4().hex[:8]}", progress))
+        summary["policy_service"] = session.counters()
+        if named is not None:
+            copy_policy(Path(output) / "policy", named, overwrite=overwrite_policy)
+            summary["saved_policy"] = str(named)
+        return summary
+    finally:
+        session.close()

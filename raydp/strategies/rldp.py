@@ -1,0 +1,229 @@
+"""RLDP: a SAC hyper-policy sets a clip radius per LoRA pair and the noise multiplier online.
+
+RLDP Alg. 1, corrected by ERRATA E1 (true sigma with proportional per-pair noise), E3 (the controller's
+view) and E4 (budget guard, applied by the DP step to every proposed sigma):
+
+* steps 1..T_warm: C_i is set to the median per-sample norm of pair i (Alg. 1 line 14), from the DP
+  norm histogram in strict mode;
+* at every step t > T_warm with t mod T_RL == 0 (lines 16-38): the state s_t is assembled
+  (:mod:`raydp.control.features`), the reward of the previous action (Eq. 17-20) and s_t go to the
+  policy through the broker, which returns a_t; a_t is decoded by Eq. 10-15
+  (:mod:`raydp.control.decoding`). The policy service trains on the transition (K updates of B_SAC).
+
+strict mode: every step releases a noisy per-pair histogram of log per-sample norms and a noisy sum of
+clipped per-sequence losses, charged with the gradient (:mod:`raydp.privacy.statistics`); the state is
+post-processing of their sums over the interval. paper mode: the exact statistics of the last
+micro-batch (labelled; the epsilon does not cover them).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raydp.control.decoding import decode_action, decode_clips
+from raydp.control.features import (
+    ControllerView,
+    IntervalStatistics,
+    ObservationLayout,
+    adapter_features,
+    denoise_counts,
+    global_features,
+    histogram_quantiles,
+    summarise_histogram,
+    summarise_raw,
+)
+from raydp.control.reward import reward as rldp_reward
+from raydp.errors import ConfigError
+from raydp.privacy.statistics import ClippedLossSum, NormHistogram
+from raydp.strategies.base import Dials, StepRelease, Strategy, StrategyContext
+
+TRACE_FILE = "control_trace.parquet"
+DECISIONS_FILE = "controller_decisions.parquet"
+
+
+class _Interval:
+    """Running sums of the strict-mode releases over a window of steps."""
+
+    def __init__(self, n_pairs: int, n_bins: int):
+        self.counts = np.zeros((n_pairs, n_bins))
+        self.count_var = 0.0
+        self.loss_sum = 0.0
+        self.steps = 0
+
+    def add(self, release: StepRelease) -> None:
+        self.counts += release.statistics["norm_histogram"]
+        self.count_var += release.statistics_noise_std["norm_histogram"] ** 2
+        self.loss_sum += float(release.statistics["loss_sum"][0])
+        self.steps += 1
+
+
+class RLDPStrategy(Strategy):
+    """The RLDP controller as a strategy of the shared DP step (see the module docstring)."""
+
+    name = "rldp"
+    clip_mode = "pairwise"
+    allocation = "proportional"
+    needs_public_probe = True
+
+    def __init__(self, settings, client=None):
+        self.settings = settings
+        self.privacy_mode = settings.privacy_mode
+        self.client = client
+        self.histogram: NormHistogram | None = None
+        self.loss_release: ClippedLossSum | None = None
+        self.reference_norm = 1.0
+        self.trace: list[dict] = []
+        self.decisions: list[dict] = []
+        self._previous: tuple[float, float] | None = None  # (u, eps) at the last decision
+
+    # -- setup -------------------------------------------------------------------------------------
+    def release_noise_multipliers(self) -> tuple[float, ...]:
+        if self.privacy_mode == "paper":
+            return ()
+        return (self.settings.histogram_noise, self.settings.loss_noise)
+
+    def setup(self, context: StrategyContext) -> None:
+        super().setup(context)
+        self.clips = np.full(context.n_pairs, self.settings.initial_clip)
+        self.sigma = context.sigma_0
+        if self.client is not None:
+            self.client.layout.check_adapters(context.n_pairs)
+        n_bins = self.settings.histogram_bins
+        self._interval = _Interval(context.n_pairs, n_bins)
+        self._warm = _Interval(context.n_pairs, n_bins)
+        self._warm_raw: list[np.ndarray] = []
+        self._last_raw: tuple[np.ndarray, np.ndarray] | None = None
+
+    def calibrate_public(self, pair_norms: np.ndarray, losses: np.ndarray) -> None:
+        """Histogram bins and loss bound from PUBLIC records under the initial model (no privacy cost):
+        bins span ``histogram_decades`` centred on the median public norm; the loss bound is twice the
+        largest public per-sequence loss."""
+        positive = pair_norms[pair_norms > 0]
+        if positive.size == 0 or losses.size == 0:
+            raise ConfigError("the public probe gave no gradient norms; cannot place the histogram bins")
+        self.reference_norm = float(np.median(positive))
+        centre, half = math.log10(self.reference_norm), self.settings.histogram_decades / 2
+        self.histogram = NormHistogram(centre - half, centre + half, self.settings.histogram_bins,
+                                       self.settings.histogram_noise)
+        loss_clip = math.ceil(20 * float(np.max(losses))) / 10  # 2 x max, rounded up to 0.1
+        self.loss_release = ClippedLossSum(loss_clip, self.settings.loss_noise)
+
+    def private_statistics(self) -> tuple:
+        if self.privacy_mode == "paper":
+            return ()
+        if self.histogram is None:
+            raise ConfigError("RLDP needs calibrate_public() before its first step")
+        return (self.histogram, self.loss_release)
+
+    # -- per step ----------------------------------------------------------------------------------
+    def dials(self, step: int) -> Dials:
+        return Dials(clip=tuple(float(c) for c in self.clips), sigma=float(self.sigma))
+
+    def observe(self, release: StepRelease, ledger) -> None:
+        t = release.step + 1
+        self.sigma = release.dials.sigma  # the sigma in force (after the guard) is sigma_t of Eq. 13-14
+        if self.privacy_mode == "strict":
+            self._interval.add(release)
+            if t <= self.settings.t_warm:
+                self._warm.add(release)
+        else:
+            self._last_raw = (release.raw_pair_norms, release.raw_losses)
+            if t <= self.settings.t_warm:
+                self._warm_raw.append(release.raw_pair_norms)
+        decided = False
+        if t <= self.settings.t_warm:
+            self._warm_up_clips()
+        elif t % self.settings.t_rl == 0 and self.client is not None:
+            self._decide(t)
+            decided = True
+        self.trace.append({"step": t, "sigma": float(release.dials.sigma),
+                           "sigma_eff": release.sigma_eff, "clamped": release.clamped, "decision": decided,
+                           "clip": [float(c) for c in release.dials.clip]})
+
+    def _warm_up_clips(self) -> None:
+        """Alg. 1 line 14: C_i <- median per-sample norm of pair i (pairs without data keep C_i)."""
+        if self.privacy_mode == "strict":
+            counts = denoise_counts(self._warm.counts, math.sqrt(self._warm.count_var))
+            medians = np.array([histogram_quantiles(row, self.histogram.edges, (0.5,))[0] for row in counts])
+        else:
+            medians = np.median(np.concatenate(self._warm_raw, axis=0), axis=0) if self._warm_raw else \
+                np.full(len(self.clips), math.nan)
+        ok = np.isfinite(medians) & (medians > 0)
+        self.clips = np.where(ok, decode_clips(np.log(np.where(ok, medians, 1.0)), self.settings.clip_floor),
+                              self.clips)
+
+    def _statistics(self) -> IntervalStatistics:
+        if self.privacy_mode == "strict":
+            iv = self._interval
+            return summarise_histogram(iv.counts, self.histogram.edges, math.sqrt(iv.count_var), iv.loss_sum,
+                                       self.context.expected_batch_size * iv.steps)
+        norms, losses = self._last_raw
+        return summarise_raw(norms, losses)
+
+    def _decide(self, t: int) -> None:
+        ctx = self.context
+        stats = self._statistics()
+        eps_t = ctx.privacy_spent() if ctx.privacy_spent is not None else 0.0
+        view = ControllerView(stats=stats, clips=tuple(self.clips), depths=ctx.pair_depths,
+                              reference_norm=self.reference_norm, epsilon_ratio=eps_t / ctx.epsilon_target,
+                              sigma_ratio=self.sigma / ctx.sigma_0, progress=t / ctx.planned_steps)
+        layout: ObservationLayout = self.client.layout
+        obs = layout.pack(adapter_features(view), global_features(view))
+        utility = -stats.mean_loss if math.isfinite(stats.mean_loss) else 0.0
+        r = None
+        if self._previous is not None:
+            r = rldp_reward(utility, self._previous[0], eps_t, self._previous[1], self.settings.r_max)
+        action = layout.split_action(self.client.decide(obs, r), ctx.n_pairs)
+        decoded = decode_action(action, self.sigma, ctx.sigma_0, eps_t, ctx.epsilon_target, self.settings.clip_floor)
+        self.clips = np.array(decoded.clip)
+        self.sigma = decoded.sigma
+        self._previous = (utility, eps_t)
+        self.decisions.append({"step": t, "epsilon": eps_t, "utility": utility, "reward": r,
+                               "action": [float(a) for a in action], "sigma_next": decoded.sigma,
+                               "sigma_proposed": decoded.sigma_proposed, "step_size": decoded.step_size,
+                               "clip_next": list(decoded.clip),
+                               "latency_s": self.client.latencies[-1] if self.client.latencies else None})
+        self._interval = _Interval(ctx.n_pairs, self.settings.histogram_bins)
+
+    # -- end of run --------------------------------------------------------------------------------
+    def finish(self, output_dir: Path) -> dict:
+        """Write the clip/noise trace and the decisions; leave the broker; return a summary."""
+        if self.client is not None:
+            self.client.end()
+        n = self.context.n_pairs
+        trace = {"step": [r["step"] for r in self.trace], "sigma": [r["sigma"] for r in self.trace],
+                 "sigma_eff": [r["sigma_eff"] for r in self.trace], "clamped": [r["clamped"] for r in self.trace],
+                 "decision": [r["decision"] for r in self.trace]}
+        for i in range(n):
+            trace[f"clip_{i}"] = [r["clip"][i] for r in self.trace]
+        pq.write_table(pa.table(trace), output_dir / TRACE_FILE)
+        if self.decisions:
+            pq.write_table(pa.Table.from_pylist(self.decisions), output_dir / DECISIONS_FILE)
+        latencies = self.client.latencies if self.client is not None else []
+        rewards = [d["reward"] for d in self.decisions if d["reward"] is not None]
+        return {
+            "decisions": len(self.decisions),
+            "transitions": len(rewards),
+            "mean_reward": float(np.mean(rewards)) if rewards else None,
+            "action_latency_ms_median": 1000 * float(np.median(latencies)) if latencies else None,
+            "weights_versions_seen": sorted(set(self.client.weights_seen)) if self.client is not None else [],
+            "final_sigma": float(self.sigma),
+            "final_clip": [float(c) for c in self.clips],
+            "histogram_log10_range": [self.histogram.log10_low, self.histogram.log10_high] if self.histogram else None,
+            "loss_clip": self.loss_release.loss_clip if self.loss_release else None,
+        }
+
+    def describe(self) -> dict:
+        out = super().describe()
+        s = self.settings
+        out.update({"t_warm": s.t_warm, "t_rl": s.t_rl, "b_sac": s.b_sac, "k": s.k, "r_max": s.r_max,
+                    "architecture": s.architecture, "policy": s.policy, "frozen": s.frozen,
+                    "strict_releases": [] if self.privacy_mode == "paper" else
+                    [{"name": "norm_histogram", "noise_multiplier": s.histogram_noise},
+                     {"name": "loss_sum", "noise_multiplier": s.loss_noise}]})
+        return out
