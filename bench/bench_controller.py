@@ -33,7 +33,8 @@ def one_run(strategy: str, steps: int, t_rl: int, threads: int, out: Path) -> di
     from raydp.runner.actor import FineTuningRun
     from raydp.runner.launch import start_policy
 
-    config = validate_config(TrainConfig, {"strategy": strategy, "epsilon": 2.0, "max_steps": steps,
+    # epochs high enough that max_steps sets the step count (and sigma_0 is calibrated for it)
+    config = validate_config(TrainConfig, {"strategy": strategy, "epsilon": 2.0, "epochs": 100.0, "max_steps": steps,
                                            "rldp": {"t_rl": t_rl}})
     session, startup = None, 0.0
     if strategy == "rldp":
@@ -93,6 +94,7 @@ def main() -> None:
     wall = {s: statistics.median(x["wall"] for x in v) for s, v in results.items()}
     loop = {s: statistics.median(x["loop"] for x in v) for s, v in results.items()}
     last = results["rldp"][-1]["summary"]
+    assert last["steps"] == args.steps, f"the runs did {last['steps']} steps, not {args.steps}"
     print(f"\n{args.steps} steps, T_RL={args.t_rl}, {last['controller']['decisions']} decisions, "
           f"{args.threads} threads per run")
     print(f"RLDP run wall / static run wall            {wall['rldp'] / wall['static']:.3f}  (target <= 1.03)")

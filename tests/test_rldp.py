@@ -125,6 +125,7 @@ def test_rldp_run_is_within_budget_with_its_traces(rldp_run):
     assert controller["decisions"] == 5 and controller["transitions"] == 4
     assert summary["policy_service"]["transitions_trained"] == 4
     assert summary["policy_service"]["module_steps_trained"] == 4 * 2 * 4
+    assert json.loads((run / "summary.json").read_text())["policy_service"]["transitions_trained"] == 4
     # the controller's sigma never went below what the guard allows: the final check is the proof
     assert (trace["sigma"] > 0).all()
     saved = json.loads((root / "policies" / "tiny" / "manifest.json").read_text())

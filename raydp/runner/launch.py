@@ -7,6 +7,7 @@ the policy under ``policy_dir/NAME`` if asked, and shuts the policy down.
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from pathlib import Path
@@ -61,6 +62,13 @@ def start_policy(config: TrainConfig):
     return PolicySession(layout, sac_settings(config), restore=restore, frozen=s.frozen, namespace=RAY_NAMESPACE)
 
 
+def _rewrite_json(path: Path, payload: dict) -> None:
+    """Replace a JSON file atomically (the run's summary gains the policy service's counters)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.replace(path)
+
+
 def train(config: TrainConfig, output: str | Path, overwrite: bool = False, progress: bool = True,
           overwrite_policy: bool = False) -> dict:
     """Run one fine-tuning; an RLDP run becomes a Ray actor controlled by a live policy."""
@@ -91,6 +99,7 @@ def train(config: TrainConfig, output: str | Path, overwrite: bool = False, prog
         if named is not None:
             copy_policy(Path(output) / "policy", named, overwrite=overwrite_policy)
             summary["saved_policy"] = str(named)
+        _rewrite_json(Path(output) / "summary.json", summary)
         return summary
     finally:
         session.close()
