@@ -84,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--policy-dir", help="directory of named policies (default: policies)")
     rl.add_argument("--overwrite-policy", action="store_true", help="replace an existing --save-policy")
 
+    study = commands.add_parser("study", help="run a study file on Ray Tune (e.g. trials/quickstart.yaml)")
+    study.add_argument("path", help="study file (YAML)")
+    study.add_argument("--results-dir", default="runs/studies", help="where the study directory goes")
+    study.add_argument("--resume", action="store_true", help="restore a stopped study (Tuner.restore) and finish it")
+    study.add_argument("--check", action="store_true", help="validate the study (configs, budgets) and list its trials")
+    study.add_argument("--quiet", action="store_true")
+    report = commands.add_parser("report", help="print a finished study's tables")
+    report.add_argument("study_dir", help="the study's directory (<results-dir>/<name>)")
+
     policy = commands.add_parser("policy", help="list, show and export saved RLDP policies")
     policy_cmds = policy.add_subparsers(dest="policy_command", required=True)
     plist = policy_cmds.add_parser("list", help="the saved policies")
@@ -206,6 +215,40 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_study(args) -> int:
+    from raydp.study.config import load_study, trial_grid
+
+    if args.check:
+        import tempfile
+
+        from raydp.study.runner import prepare_study
+
+        study = load_study(args.path)
+        with tempfile.TemporaryDirectory() as tmp:
+            _, trials = prepare_study(study, Path(tmp), progress=False)
+        print(f"study {study.name}: {len(trials)} trials, all configs valid and every budget reachable")
+        for t in trials[:20]:
+            print(f"  {t['name']}")
+        if len(trials) > 20:
+            print(f"  ... and {len(trials) - 20} more")
+        return 0
+    from raydp.study.report import format_report
+    from raydp.study.runner import run_study
+
+    load_study(args.path)  # fail fast on a bad file
+    study_dir = run_study(args.path, args.results_dir, progress=not args.quiet, resume=args.resume)
+    print(format_report(study_dir))
+    print(f"\nstudy written to {study_dir}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from raydp.study.report import format_report
+
+    print(format_report(args.study_dir))
+    return 0
+
+
 def cmd_policy_list(args) -> int:
     from raydp.control.store import list_policies
 
@@ -242,6 +285,7 @@ def cmd_policy_export(args) -> int:
 
 
 COMMANDS = {("data", "build"): cmd_data_build, ("data", "show"): cmd_data_show, ("train", None): cmd_train,
+            ("study", None): cmd_study, ("report", None): cmd_report,
             ("policy", "list"): cmd_policy_list, ("policy", "show"): cmd_policy_show,
             ("policy", "export"): cmd_policy_export}
 

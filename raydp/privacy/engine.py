@@ -175,6 +175,26 @@ class DPStep:
             "noisy_grad_norm": float(np.linalg.norm(noisy_norms)) / self.expected_batch_size,
         }
 
+    # -- checkpoints and controller hooks ----------------------------------------------------------
+    def wants_checkpoint(self, step: int) -> bool:
+        return self.strategy.wants_decision(step)
+
+    def between_steps(self, step: int) -> None:
+        self.strategy.between_steps(step)
+
+    def state_dict(self) -> dict:
+        return {"ledger": self.ledger.to_arrow(), "generator": self.generator.get_state(),
+                "clamp_events": list(self.clamp_events), "strategy": self.strategy.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a checkpoint into a fresh run: the ledger gets exactly the checkpoint's rows."""
+        if len(self.ledger):
+            raise ValueError("restore a DP step before its first step, into an empty ledger")
+        self.ledger.extend_from_arrow(state["ledger"])
+        self.generator.set_state(state["generator"])
+        self.clamp_events = list(state["clamp_events"])
+        self.strategy.load_state_dict(state["strategy"])
+
     def after_update(self, model: torch.nn.Module) -> None:
         """Hand the release (now with the parameter update) to the strategy."""
         if self._pending is None:

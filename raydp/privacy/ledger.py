@@ -376,11 +376,16 @@ class PrivacyLedger:
             meta.pop(k, None)
         ledger = cls(**{k: meta.pop(k, None) for k in ("delta", "epsilon_target", "accountant")},
                      metadata=meta)
+        ledger.extend_from_arrow(table, source=str(path))
+        return ledger
+
+    def extend_from_arrow(self, table: pa.Table, source: str = "ledger table") -> None:
+        """Append the rows of a table written by :meth:`to_arrow` (a checkpoint, a saved ledger); each
+        row's sigma_eff is checked against its releases."""
         cols = table.to_pydict()
         for step, q, sigma, clip, alloc, rel in zip(cols["step"], cols["q"], cols["sigma_eff"], cols["clip"],
                                                     cols["allocation"], cols["releases"]):
             releases = [Release(r["name"], r["sensitivity"], r["noise_std"]) for r in rel]
-            got = ledger.record(q, releases, clip=clip, allocation=alloc, step=step)
+            got = self.record(q, releases, clip=clip, allocation=alloc, step=step)
             if not (got == sigma or math.isclose(got, sigma, rel_tol=1e-12)):
-                raise DataError(f"{path}: step {step} has sigma_eff {sigma} but its releases give {got}")
-        return ledger
+                raise DataError(f"{source}: step {step} has sigma_eff {sigma} but its releases give {got}")

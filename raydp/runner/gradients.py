@@ -26,6 +26,16 @@ class GradientComputation(Protocol):
     def after_update(self, model: torch.nn.Module) -> None:
         """Called after the optimiser applied the gradient (e.g. to show a strategy its update)."""
 
+    def wants_checkpoint(self, step: int) -> bool:
+        """Whether the loop must checkpoint after ``step`` (before :meth:`between_steps`)."""
+
+    def between_steps(self, step: int) -> None:
+        """Called after step ``step`` is complete and checkpointed (a controller decides here)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
 
 class NonPrivateGradient:
     """Plain mini-batch gradient of the mean per-sequence loss (no privacy)."""
@@ -40,4 +50,16 @@ class NonPrivateGradient:
         return {"loss": float(loss.detach()), "batch_size": batch.size}
 
     def after_update(self, model: torch.nn.Module) -> None:
+        pass
+
+    def wants_checkpoint(self, step: int) -> bool:
+        return False
+
+    def between_steps(self, step: int) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
         pass

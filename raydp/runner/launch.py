@@ -51,13 +51,15 @@ def sac_settings(config: TrainConfig):
                        alpha=s.alpha, replay_capacity=s.replay_capacity, hidden=s.hidden, seed=config.seed)
 
 
-def start_policy(config: TrainConfig):
-    """A :class:`~raydp.control.service.PolicySession` for the config's RLDP settings."""
+def start_policy(config: TrainConfig, restore: Path | None = None):
+    """A :class:`~raydp.control.service.PolicySession` for the config's RLDP settings (``restore``: a
+    policy snapshot to continue from, e.g. a trial's checkpoint, instead of ``rldp.policy``)."""
     from raydp.control.service import PolicySession
     from raydp.control.store import resolve_policy
 
     s = config.rldp
-    restore = resolve_policy(s.policy, s.policy_dir) if s.policy else None
+    if restore is None:
+        restore = resolve_policy(s.policy, s.policy_dir) if s.policy else None
     layout = None if restore is not None else policy_layout_for(config)
     return PolicySession(layout, sac_settings(config), restore=restore, frozen=s.frozen, namespace=RAY_NAMESPACE)
 

@@ -68,6 +68,9 @@ class Trainer:
         eval_every: int = 48,
         eval_max_sequences: int | None = None,
         progress: bool = True,
+        on_evaluation=None,
+        on_checkpoint=None,
+        checkpoint_every: int | None = None,
     ):
         self.model = model
         self.train_split = train
@@ -78,6 +81,9 @@ class Trainer:
         self.eval_every = eval_every
         self.eval_max_sequences = eval_max_sequences
         self.progress = progress
+        self.on_evaluation = on_evaluation  # callable(step, perplexity), e.g. a Tune report
+        self.on_checkpoint = on_checkpoint  # callable(trainer) at checkpoint points (see run())
+        self.checkpoint_every = checkpoint_every
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=optimizer.lr, betas=optimizer.betas, weight_decay=optimizer.weight_decay
@@ -124,7 +130,46 @@ class Trainer:
             utility=result.utility,
             n_tokens=result.n_tokens,
         )
+        if self.on_evaluation is not None:
+            self.on_evaluation(self.step_count, result.perplexity)
         return result
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything resuming needs: trainable weights, optimizer, schedule, sampler, RNG, history and
+        the gradient computation's state (DP: noise RNG, ledger, strategy)."""
+        return {
+            "step_count": self.step_count,
+            "trainable": {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if p.requires_grad},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "train_rows": list(self.history.train_rows),
+            "eval_rows": list(self.history.eval_rows),
+            "gradient": self.gradient.state_dict() if hasattr(self.gradient, "state_dict") else {},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, value in state["trainable"].items():
+                params[name].copy_(value.to(params[name].device))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        torch.set_rng_state(state["torch_rng"])
+        self.history.train_rows = list(state["train_rows"])
+        self.history.eval_rows = list(state["eval_rows"])
+        if hasattr(self.gradient, "load_state_dict"):
+            self.gradient.load_state_dict(state["gradient"])
+        self.step_count = int(state["step_count"])
+
+    def _checkpoint_due(self, evaluated: bool) -> bool:
+        if self.on_checkpoint is None:
+            return False
+        every = self.checkpoint_every and self.step_count % self.checkpoint_every == 0
+        return bool(evaluated or every or self.gradient.wants_checkpoint(self.step_count))
 
     def run(self, total_steps: int) -> MetricHistory:
         """Evaluate once before training (step 0), then train ``total_steps`` steps with scheduled evaluations."""
@@ -145,8 +190,14 @@ class Trainer:
                 break
             metrics["epoch"] = self.step_count / self.sampler.steps_per_epoch
             self.history.log_train(**metrics)
-            if self.step_count in eval_at:
+            evaluated = self.step_count in eval_at
+            if evaluated:
                 last_ppl = self.record_evaluation().perplexity
+            # A checkpoint comes before any decision a controller takes on this step: whatever the
+            # controller (and a shared policy) has seen is then in a durable ledger.
+            if self._checkpoint_due(evaluated):
+                self.on_checkpoint(self)
+            self.gradient.between_steps(self.step_count)
             bar.update(1)
             bar.set_postfix(_progress_fields(metrics, last_ppl))
         bar.close()

@@ -59,11 +59,15 @@ def public_probe_batch(tokenizer, max_length: int, n_records: int, device):
 
 
 def run_training(config: TrainConfig, output: str | Path, overwrite: bool = False, progress: bool = True,
-                 client=None) -> dict:
+                 client=None, on_evaluation=None, on_checkpoint=None, checkpoint_every: int | None = None,
+                 resume: dict | None = None) -> dict:
     """Run one fine-tuning and write everything it produces under ``output``; returns the summary.
 
     ``client``: the policy connection of an RLDP run (:class:`raydp.control.service.PolicyClient`);
-    RLDP runs are started by :func:`raydp.runner.launch.train`, which runs them as Ray actors."""
+    RLDP runs are started by :func:`raydp.runner.launch.train`, which runs them as Ray actors.
+    ``on_checkpoint(state)`` receives the resumable state at evaluations, every ``checkpoint_every``
+    steps and before every controller decision; ``resume`` is such a state: the run continues from it
+    with exactly its ledger (no step lost or charged twice)."""
     started = time.perf_counter()
     check_model_name(config.model)  # fail on a bad model before building anything
     if config.strategy == "rldp" and client is None:
@@ -105,7 +109,12 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             eval_every=config.eval_every,
             eval_max_sequences=config.eval_max_records,
             progress=progress,
+            on_evaluation=on_evaluation,
+            on_checkpoint=(lambda t: on_checkpoint({"trainer": t.state_dict()})) if on_checkpoint else None,
+            checkpoint_every=checkpoint_every,
         )
+        if resume is not None:
+            trainer.load_state_dict(resume["trainer"])
         history = trainer.run(total_steps)
         history.write(staging)
         evals = [row["perplexity"] for row in history.eval_rows]
@@ -133,6 +142,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             "strategy": config.strategy,
             "privacy": privacy_summary(private, config) if private else {"mechanism": "none", "epsilon": None},
             "controller": controller,
+            "resumed_from_step": resume["trainer"]["step_count"] if resume is not None else None,
             "stopped_early": trainer.stopped_early,
             "data_source": manifest.get("source"),
             "data_note": SYNTHETIC_NOTE if manifest.get("synthetic") else None,

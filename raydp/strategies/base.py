@@ -108,6 +108,14 @@ class Strategy(ABC):
     def observe(self, release: StepRelease, ledger) -> None:
         """Called after each update with what the step released and the ledger."""
 
+    def wants_decision(self, step: int) -> bool:
+        """Whether :meth:`between_steps` will consult a controller after ``step`` (the loop checkpoints
+        first, so whatever a controller sees is in a durable ledger)."""
+        return False
+
+    def between_steps(self, step: int) -> None:
+        """Called after step ``step`` is complete (and checkpointed if :meth:`wants_decision`)."""
+
     def finish(self, output_dir) -> dict:
         """Called once after training, with the run's output directory; returns a summary to report."""
         return {}

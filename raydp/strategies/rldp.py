@@ -135,15 +135,19 @@ class RLDPStrategy(Strategy):
             self._last_raw = (release.raw_pair_norms, release.raw_losses)
             if t <= self.settings.t_warm:
                 self._warm_raw.append(release.raw_pair_norms)
-        decided = False
         if t <= self.settings.t_warm:
             self._warm_up_clips()
-        elif t % self.settings.t_rl == 0 and self.client is not None:
-            self._decide(t)
-            decided = True
         self.trace.append({"step": t, "sigma": float(release.dials.sigma),
-                           "sigma_eff": release.sigma_eff, "clamped": release.clamped, "decision": decided,
-                           "clip": [float(c) for c in release.dials.clip]})
+                           "sigma_eff": release.sigma_eff, "clamped": release.clamped,
+                           "decision": self.wants_decision(t), "clip": [float(c) for c in release.dials.clip]})
+
+    def wants_decision(self, step: int) -> bool:
+        """Alg. 1 line 17: t > T_warm and t mod T_RL = 0."""
+        return self.client is not None and step > self.settings.t_warm and step % self.settings.t_rl == 0
+
+    def between_steps(self, step: int) -> None:
+        if self.wants_decision(step) and (not self.decisions or self.decisions[-1]["step"] != step):
+            self._decide(step)
 
     def _warm_up_clips(self) -> None:
         """Alg. 1 line 14: C_i <- median per-sample norm of pair i (pairs without data keep C_i)."""
@@ -189,6 +193,23 @@ class RLDPStrategy(Strategy):
                                "clip_next": list(decoded.clip),
                                "latency_s": self.client.latencies[-1] if self.client.latencies else None})
         self._interval = _Interval(ctx.n_pairs, self.settings.histogram_bins)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"clips": self.clips.copy(), "sigma": self.sigma, "interval": vars(self._interval).copy(),
+                "warm": vars(self._warm).copy(), "warm_raw": list(self._warm_raw), "last_raw": self._last_raw,
+                "previous": self._previous, "trace": list(self.trace), "decisions": list(self.decisions),
+                "reference_norm": self.reference_norm, "histogram": self.histogram, "loss_release": self.loss_release}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.clips, self.sigma = np.array(state["clips"]), float(state["sigma"])
+        for name in ("interval", "warm"):
+            getattr(self, f"_{name}").__dict__.update(state[name])
+        self._warm_raw, self._last_raw = list(state["warm_raw"]), state["last_raw"]
+        self._previous = state["previous"]
+        self.trace, self.decisions = list(state["trace"]), list(state["decisions"])
+        self.reference_norm = state["reference_norm"]
+        self.histogram, self.loss_release = state["histogram"], state["loss_release"]
 
     # -- end of run --------------------------------------------------------------------------------
     def finish(self, output_dir: Path) -> dict:

@@ -1,0 +1,176 @@
+"""Study files (``trials/NAME.yaml``): what a study runs, validated before any trial starts.
+
+A study is the cartesian product models x epsilons x seeds x strategies, where each ``rldp`` entry is
+further expanded over the SAC grid T_RL x B_SAC x K (RLDP Sec. 3.2), or sampled by Optuna over the
+same ranges. ``base`` holds the :class:`~raydp.config.TrainConfig` fields every trial shares (data,
+epochs, batch size...). Every trial's config is built and validated up front, and every distinct
+privacy plan is calibrated (an impossible budget is an error naming the trial), so a bad study file
+fails before Ray starts anything.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from raydp.config import StrictModel, TrainConfig, validate_config
+from raydp.errors import ConfigError
+
+STUDY_STRATEGIES = ("static", "dp-lora", "static-pairwise", "rldp", "nonprivate")
+
+
+class SACGrid(StrictModel):
+    """RLDP Sec. 3.2: T_RL in {16..112}, B_SAC in {4,8,16,32}, K in {1,2,4} (defaults: Sec. 4.5's robust cell)."""
+
+    t_rl: list[int] = Field([112], min_length=1)
+    b_sac: list[int] = Field([4], min_length=1)
+    k: list[int] = Field([2], min_length=1)
+
+    @model_validator(mode="after")
+    def _positive(self):
+        for name in ("t_rl", "b_sac", "k"):
+            if any(v <= 0 for v in getattr(self, name)):
+                raise ValueError(f"sac_grid.{name} values must be > 0")
+        return self
+
+
+class OptunaSettings(StrictModel):
+    """Optuna (TPE) over the SAC grid's ranges instead of the full grid."""
+
+    num_samples: int = Field(8, gt=0)
+    seed: int = 0
+
+
+class TransferSettings(StrictModel):
+    """Train RLDP policies on ``source_model`` first (stage 1); then every RLDP trial on the study's
+    models also runs frozen with the matching source policy (same epsilon, seed and SAC cell)."""
+
+    source_model: str
+
+
+class Resources(StrictModel):
+    cpus_per_trial: int = Field(2, gt=0, description="CPU threads of each trial's run")
+    gpus_per_trial: float = Field(0.0, ge=0, description="GPUs of each trial's run (a cluster)")
+
+
+class StudyConfig(StrictModel):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str = ""
+    base: dict = Field(default_factory=dict, description="TrainConfig fields shared by all trials")
+    models: list[str] = Field(["embedded"], min_length=1)
+    epsilons: list[float] = Field(min_length=1)
+    seeds: list[int] = Field([0], min_length=1)
+    strategies: list[Literal["static", "dp-lora", "static-pairwise", "rldp", "nonprivate"]] = Field(
+        ["static", "rldp"], min_length=1)
+    sac_grid: SACGrid = SACGrid()
+    search: Literal["grid", "optuna"] = "grid"
+    optuna: OptunaSettings = OptunaSettings()
+    policy: Literal["per-trial", "shared"] = Field(
+        "per-trial", description="each RLDP trial trains its own policy, or all share one policy service")
+    resources: Resources = Resources()
+    private_data: bool = Field(True, description="the data is private: report the tuning-aware epsilon (E7)")
+    max_failures: int = Field(2, ge=0, description="Tune retries of a failed trial (resumed from its checkpoint)")
+    transfer: TransferSettings | None = None
+    target_baseline: Literal["best"] = "best"
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if any(e <= 0 for e in self.epsilons):
+            raise ValueError("epsilons must be > 0")
+        for key in ("strategy", "epsilon", "seed", "model"):
+            if key in self.base:
+                raise ValueError(f"base.{key} is set by the study's grid ({key}s); remove it from base")
+        if self.search == "optuna" and "rldp" not in self.strategies:
+            raise ValueError("search: optuna tunes the SAC settings; it needs 'rldp' in strategies")
+        if self.transfer is not None:
+            if "rldp" not in self.strategies:
+                raise ValueError("transfer needs 'rldp' in strategies")
+            if (self.base.get("rldp") or {}).get("architecture") == "paper":
+                raise ValueError("transfer needs the size-agnostic policy (rldp.architecture: shared)")
+            if self.policy == "shared":
+                raise ValueError("transfer trains one policy per source trial; use policy: per-trial")
+        return self
+
+
+def load_study(path: str | Path) -> StudyConfig:
+    """Read and validate a study file (YAML; ``trials/NAME`` may omit ``.yaml``)."""
+    import yaml
+
+    path = Path(path)
+    if not path.exists() and path.with_suffix(".yaml").exists():
+        path = path.with_suffix(".yaml")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read study {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"study {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"study {path} must be a mapping of fields")
+    try:
+        return validate_config(StudyConfig, values)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def trial_grid(study: StudyConfig) -> list[dict]:
+    """The grid's trials: one dict of varied fields per trial (rldp expanded over the SAC grid); with
+    ``transfer``, the source-model RLDP trials (``stage: source``) come first and every RLDP trial gets a
+    frozen twin that reuses its source trial's policy."""
+    trials = _grid(study, study.models)
+    if study.transfer is None:
+        return trials
+    sources = [{**t, "stage": "source"} for t in _grid(study, [study.transfer.source_model]) if t["strategy"] == "rldp"]
+    frozen = []
+    for t in trials:
+        if t["strategy"] == "rldp":
+            source = next(s for s in sources if all(s[k] == t[k] for k in ("epsilon", "seed", "t_rl", "b_sac", "k")))
+            frozen.append({**t, "frozen_from": source_key(source)})
+    return sources + trials + frozen
+
+
+def source_key(trial: dict) -> str:
+    return f"{trial['model']}|{trial['epsilon']}|{trial['seed']}|{trial['t_rl']}|{trial['b_sac']}|{trial['k']}"
+
+
+def _grid(study: StudyConfig, models: list[str]) -> list[dict]:
+    trials = []
+    for model, eps, seed, strategy in itertools.product(models, study.epsilons, study.seeds, study.strategies):
+        if strategy == "nonprivate":
+            if (model, seed) in {(t["model"], t["seed"]) for t in trials if t["strategy"] == "nonprivate"}:
+                continue  # no epsilon: one non-private trial per model and seed
+            trials.append({"model": model, "epsilon": None, "seed": seed, "strategy": strategy})
+            continue
+        sac = itertools.product(study.sac_grid.t_rl, study.sac_grid.b_sac, study.sac_grid.k) if strategy == "rldp" \
+            else [(None, None, None)]
+        for t_rl, b_sac, k in sac:
+            trials.append({"model": model, "epsilon": eps, "seed": seed, "strategy": strategy,
+                           "t_rl": t_rl, "b_sac": b_sac, "k": k})
+    return trials
+
+
+def trial_config(study: StudyConfig, trial: dict, dataset_dir: str | None = None,
+                 policy_path: str | None = None) -> TrainConfig:
+    """The full, validated TrainConfig of one trial (``policy_path``: the saved policy a frozen
+    transfer trial reuses)."""
+    values = {k: v for k, v in study.base.items()}
+    values.update({"model": trial["model"], "strategy": trial["strategy"], "seed": trial["seed"],
+                   "cpus": study.resources.cpus_per_trial})
+    if trial.get("epsilon") is not None:
+        values["epsilon"] = trial["epsilon"]
+    if dataset_dir is not None:
+        values["data"] = {**values.get("data", {}), "source": dataset_dir}
+    if trial["strategy"] == "rldp":
+        rldp = dict(values.get("rldp") or {})
+        rldp.update({k: trial[k] for k in ("t_rl", "b_sac", "k") if trial.get(k) is not None})
+        if trial.get("frozen_from"):
+            rldp.update({"policy": policy_path or "(source policy, saved in stage 1)", "frozen": True})
+        values["rldp"] = rldp
+    where = ", ".join(f"{k}={v}" for k, v in trial.items() if v is not None and k != "frozen_from")
+    try:
+        return validate_config(TrainConfig, values)
+    except ConfigError as exc:
+        raise ConfigError(f"trial ({where}): {exc}") from None

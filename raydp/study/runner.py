@@ -1,0 +1,245 @@
+"""``raydp study trials/NAME``: a study on Ray Tune (``tune.Tuner``), one trial per fine-tuning run.
+
+Before Ray starts anything, the study file is validated, the dataset is built once for all trials
+(every trial reads the same built dataset directory), every trial's config is validated and every
+distinct privacy plan is calibrated, so an impossible budget fails with the trial named.
+
+Each trial is a Tune function trainable: the trial's actor IS the run (it owns the training loop) and
+its resources are a ``tune.PlacementGroupFactory`` bundle ({CPU: cpus_per_trial, GPU: gpus_per_trial});
+its torch threads equal its CPUs. An RLDP trial either starts its own policy (broker and SAC service,
+zero-CPU actors that fit its placement group) or connects to the study's shared policy. Evaluations are
+reported to Tune as they happen (the live table); the final report carries the trial's results.
+
+Outputs under ``<results_dir>/<study name>/``: ``dataset/``, ``trials/<trial>/`` (each run's outputs:
+metrics, ledger, controller traces, adapters), ``tune/`` (Tune's experiment state, for
+``Tuner.restore``), ``results.parquet`` (:mod:`raydp.study.results`) and ``study_summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from raydp.errors import ConfigError
+from raydp.study.config import StudyConfig, load_study, source_key, trial_config, trial_grid
+
+
+def trial_name(trial: dict) -> str:
+    parts = [trial["strategy"], trial["model"].replace("/", "_")]
+    if trial.get("epsilon") is not None:
+        parts.append(f"eps{trial['epsilon']:g}")
+    parts.append(f"seed{trial['seed']}")
+    if trial["strategy"] == "rldp":
+        parts.append(f"trl{trial['t_rl']}-b{trial['b_sac']}-k{trial['k']}")
+    if trial.get("frozen_from"):
+        parts.append("frozen")
+    return "_".join(parts)
+
+
+def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True) -> tuple[str, list[dict]]:
+    """Build the dataset, validate every trial and calibrate every plan; returns (dataset_dir, trials)."""
+    from raydp.data import build_dataset, load_manifest, load_texts
+    from raydp.runner.privacy_setup import build_strategy, plan_private_run
+
+    probe = trial_config(study, trial_grid(study)[0])  # validates base + the first trial before building
+    dataset_dir = study_dir / "dataset"
+    source = Path(probe.data.source).expanduser()
+    if probe.data.source != "synthetic" and source.is_dir():
+        load_manifest(source)
+        dataset = str(source.resolve())
+    else:
+        if not (dataset_dir / "manifest.json").exists():
+            build_dataset(dataset_dir, source="synthetic" if probe.data.source == "synthetic" else str(source),
+                          n_records=probe.data.n_records, seed=probe.data.seed, n_canary=probe.data.n_canary,
+                          canary_seed=probe.data.canary_seed, ids_mapping=probe.data.ids_mapping, progress=progress)
+        dataset = str(dataset_dir.resolve())
+    n_train = len(load_texts(dataset, "train"))
+    trials, plans = [], {}
+    for trial in trial_grid(study):
+        config = trial_config(study, trial, dataset)
+        if config.is_private:
+            key = (config.epsilon, config.delta, config.batch_size, config.epochs, config.max_steps,
+                   config.accountant, config.strategy == "rldp" and config.rldp.privacy_mode == "strict")
+            if key not in plans:
+                try:
+                    plans[key] = plan_private_run(config, n_train, build_strategy(config))
+                except ConfigError as exc:
+                    raise ConfigError(f"trial {trial_name(trial)}: {exc}") from None
+        trials.append({**trial, "name": trial_name(trial)})
+    return dataset, trials
+
+
+def _report_evaluation(step: int, perplexity: float) -> None:
+    from ray import tune
+
+    tune.report({"step": step, "eval_perplexity": perplexity})
+
+
+CHECKPOINT_STATE = "state.pt"
+
+
+def _restore_point(workdir: Path) -> tuple[dict | None, Path | None]:
+    """The trial's latest Tune checkpoint (after a retry or ``Tuner.restore``), copied locally."""
+    import shutil
+
+    import torch
+    from ray import tune
+
+    checkpoint = tune.get_checkpoint()
+    if checkpoint is None:
+        return None, None
+    local = workdir / "restore"
+    shutil.rmtree(local, ignore_errors=True)
+    with checkpoint.as_directory() as d:
+        shutil.copytree(d, local)
+    state = torch.load(local / CHECKPOINT_STATE, weights_only=False)
+    return state, (local / "policy" if (local / "policy").exists() else None)
+
+
+def run_trial(params: dict) -> None:
+    """The Tune trainable: one fine-tuning run in this trial's actor.
+
+    Checkpoints (adapters, optimizer, RNG, sampler, ledger, strategy state, and a per-trial policy's
+    snapshot) go to Tune at every evaluation and before every controller decision; a retried trial
+    resumes from the latest one with exactly its ledger."""
+    import tempfile
+
+    import torch
+    from ray import tune
+    from ray.tune import Checkpoint
+
+    from raydp.control.service import client_from_connection
+    from raydp.runner.launch import start_policy
+    from raydp.runner.run import run_training
+
+    study = StudyConfig(**params["study"])
+    trial = params["trial"]
+    config = trial_config(study, trial, params["dataset"], trial.get("policy_path"))
+    torch.set_num_threads(config.cpus or 1)
+    out = Path(params["study_dir"]) / "trials" / trial["name"]
+    workdir = Path(params["study_dir"]) / "work" / trial["name"]
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "pid").write_text(str(os.getpid()))
+    resume, policy_snapshot = _restore_point(workdir)
+    session = client = None
+    started = time.perf_counter()
+
+    def checkpoint(state: dict) -> None:
+        with tempfile.TemporaryDirectory(dir=workdir) as d:
+            torch.save(state, Path(d) / CHECKPOINT_STATE)
+            if session is not None and not config.rldp.frozen:
+                client.save_policy(Path(d) / "policy", trained_on={"model": config.model}, results={})
+            tune.report({"step": state["trainer"]["step_count"], "checkpoint": True},
+                        checkpoint=Checkpoint.from_directory(d))
+
+    try:
+        if config.strategy == "rldp":
+            if params.get("connection"):
+                client = client_from_connection(params["connection"], f"{trial['name']}-{os.getpid()}")
+            else:
+                session = start_policy(config, restore=policy_snapshot)
+                client = session.client(trial["name"])
+        summary = run_training(config, out, overwrite=True, progress=False, client=client,
+                               on_evaluation=_report_evaluation, on_checkpoint=checkpoint, resume=resume)
+    finally:
+        if session is not None:
+            session.close()
+    tune.report({"step": summary["steps"], "eval_perplexity": summary["final_eval_perplexity"],
+                 "final_eval_perplexity": summary["final_eval_perplexity"],
+                 "best_eval_perplexity": summary["best_eval_perplexity"],
+                 "epsilon": (summary["privacy"] or {}).get("epsilon"),
+                 "trial_seconds": time.perf_counter() - started, "done": True})
+
+
+def _param_space(study: StudyConfig, trials: list[dict], common: dict) -> dict:
+    from ray import tune
+
+    return {**common, "trial": tune.grid_search(trials)}
+
+
+def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progress: bool = True,
+              resume: bool = False) -> Path:
+    """Run (or, with ``resume``, restore and finish) a study; returns its directory."""
+    import ray
+    from ray import tune
+
+    from raydp.runner.launch import RAY_NAMESPACE, ensure_ray, policy_layout_for, sac_settings
+    from raydp.study.results import collect_results
+
+    study = load_study(path)
+    study_dir = (Path(results_dir) / study.name).resolve()
+    study_dir.mkdir(parents=True, exist_ok=True)
+    dataset, trials = prepare_study(study, study_dir, progress=progress)
+    (study_dir / "study.json").write_text(json.dumps(study.model_dump(mode="json"), indent=2))
+    ensure_ray()
+    cpus, gpus = study.resources.cpus_per_trial, study.resources.gpus_per_trial
+    if cpus > ray.cluster_resources().get("CPU", 0):
+        raise ConfigError(f"resources.cpus_per_trial={cpus} exceeds the cluster's "
+                          f"{int(ray.cluster_resources().get('CPU', 0))} CPUs: no trial could ever start")
+    session = None
+    common = {"study": study.model_dump(mode="json"), "dataset": dataset, "study_dir": str(study_dir),
+              "connection": None}
+    if study.policy == "shared" and "rldp" in study.strategies:
+        from raydp.control.service import PolicySession
+
+        first_rldp = trial_config(study, next(t for t in trials if t["strategy"] == "rldp"), dataset)
+        session = PolicySession(policy_layout_for(first_rldp), sac_settings(first_rldp), namespace=RAY_NAMESPACE)
+        common["connection"] = session.connection()
+    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    trainable = tune.with_resources(run_trial, tune.PlacementGroupFactory([bundle]))
+    storage = str(study_dir / "tune")
+    started = time.perf_counter()
+    stages = [[t for t in trials if t.get("stage") == "source"], [t for t in trials if t.get("stage") != "source"]]
+    sources = {source_key(t): str(study_dir / "trials" / t["name"] / "policy") for t in stages[0]}
+    grids = []
+    try:
+        for i, stage in enumerate(s for s in stages if s):
+            for t in stage:
+                if t.get("frozen_from"):
+                    t["policy_path"] = sources[t["frozen_from"]]
+            name = study.name if i == len([s for s in stages if s]) - 1 else f"{study.name}-source"
+            grids.append(_fit(trainable, _param_space(study, stage, common), storage, name, study, progress, resume))
+    finally:
+        if session is not None:
+            session.close()
+    wall = time.perf_counter() - started
+    table = collect_results(study, study_dir, trials, [r for g in grids for r in g])
+    summary = {"study": study.name, "trials": len(trials), "wall_seconds": round(wall, 1),
+               "results": str(study_dir / "results.parquet"),
+               "scheduling_overhead_seconds_per_trial": _scheduling_overhead(table, wall, study, ray)}
+    summary.update(table.attrs if hasattr(table, "attrs") else {})
+    (study_dir / "study_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return study_dir
+
+
+def _fit(trainable, param_space: dict, storage: str, name: str, study: StudyConfig, progress: bool, resume: bool):
+    """One Tuner run (restored from its experiment state with ``resume``)."""
+    from ray import tune
+
+    path = os.path.join(storage, name)
+    if resume and tune.Tuner.can_restore(path):
+        tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True, param_space=param_space)
+    else:
+        tuner = tune.Tuner(
+            trainable,
+            param_space=param_space,
+            run_config=tune.RunConfig(
+                name=name, storage_path=storage,
+                failure_config=tune.FailureConfig(max_failures=study.max_failures),
+                progress_reporter=tune.CLIReporter(
+                    metric_columns=["step", "eval_perplexity", "epsilon"],
+                    parameter_columns={"trial/name": "trial"}, max_report_frequency=30),
+                verbose=1 if progress else 0),
+        )
+    return tuner.fit()
+
+
+def _scheduling_overhead(table, wall: float, study: StudyConfig, ray) -> float | None:
+    """(study wall - sum of trial run times / concurrency) / trials: what Tune adds per trial."""
+    if table is None or not len(table):
+        return None
+    concurrency = max(1, int(ray.cluster_resources().get("CPU", 1) // study.resources.cpus_per_trial))
+    busy = float(table["trial_seconds"].fillna(0).sum()) / concurrency
+    return round(max(0.0, wall - busy) / len(table), 2)

@@ -1,0 +1,221 @@
+"""Studies: validation before anything runs, a real Tune run, results and report, ``ray job submit``."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from raydp.errors import ConfigError
+from raydp.study.config import load_study, trial_grid
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY_STUDY = {
+    "name": "tiny",
+    "models": ["embedded-tiny"],
+    "epsilons": [2.0],
+    "seeds": [0],
+    "strategies": ["static", "rldp"],
+    "sac_grid": {"t_rl": [4], "b_sac": [4], "k": [2]},
+    "resources": {"cpus_per_trial": 1},
+    "base": {"data": {"n_records": 400}, "max_steps": 24, "eval_every": 8, "eval_max_records": 16,
+             "warmup_steps": 4, "rldp": {"t_warm": 4, "n_max": 8, "hidden": 32}},
+}
+
+
+def write_study(tmp_path, **changes):
+    values = json.loads(json.dumps(TINY_STUDY))
+    for key, value in changes.items():
+        values[key] = value
+    path = tmp_path / f"{values.get('name', 'study')}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"epsilon": [2.0]}, "epsilon: unknown field"),
+    ({"epsilons": [-1.0]}, "epsilons must be > 0"),
+    ({"strategies": ["static", "magic"]}, "strategies.1"),
+    ({"sac_grid": {"t_rl": [0]}}, "sac_grid.t_rl values must be > 0"),
+    ({"base": {"strategy": "static"}}, "base.strategy is set by the study's grid"),
+    ({"base": {"batch_size": -3}}, "batch_size"),
+    ({"base": {"data": {"n_records": 400}, "delta": 0.01}}, "trial static_embedded-tiny_eps2_seed0: delta=0.01"),
+    ({"base": {"data": {"n_records": 400}, "rldp": {"frozen": True}}}, "frozen policy needs"),
+    ({"name": "bad name!"}, "name"),
+])
+def test_invalid_study_files_fail_before_any_trial(tmp_path, changes, message, capsys):
+    from raydp.cli import main
+
+    path = write_study(tmp_path, **changes)
+    assert main(["study", str(path), "--results-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "out" / "tiny" / "tune").exists()  # no trial was started
+
+
+def test_missing_and_broken_study_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read study"):
+        load_study(tmp_path / "nope.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_study(broken)
+
+
+def test_shipped_study_files_validate_and_expand():
+    quick = load_study(REPO / "trials" / "quickstart.yaml")
+    assert [t["strategy"] for t in trial_grid(quick)] == ["static", "rldp"]
+    grid = load_study(REPO / "trials" / "paper_grid.yaml")
+    n_rldp = 8 * 4 * 3
+    assert len(trial_grid(grid)) == 4 * 5 * 3 * (3 + n_rldp)
+    load_study(REPO / "trials" / "transfer.yaml")
+
+
+@pytest.fixture(scope="module")
+def tiny_study(raydp_cache, tmp_path_factory):
+    import ray
+
+    from raydp.runner.launch import RAY_NAMESPACE
+    from raydp.study.runner import run_study
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, log_to_driver=False,
+                 runtime_env={"env_vars": {"RAYDP_CACHE": os.environ["RAYDP_CACHE"], "HF_HUB_OFFLINE": "1"}})
+    root = tmp_path_factory.mktemp("study")
+    path = write_study(root)
+    study_dir = run_study(path, root / "out", progress=False)
+    yield study_dir
+    ray.shutdown()
+
+
+def test_study_results_table(tiny_study):
+    table = pd.read_parquet(tiny_study / "results.parquet")
+    assert sorted(table["strategy"]) == ["rldp", "static"]
+    assert (table["status"] == "TERMINATED").all() and table["within_budget"].all()
+    assert (table["epsilon_pld"] <= 2.0).all() and (table["steps"] == 24).all()
+    assert {"steps_to_target", "epsilon_prv", "epsilon_gdp", "trial_seconds", "privacy_mode", "config"} <= set(table)
+    static = table[table["strategy"] == "static"].iloc[0]
+    assert static["steps_to_target"] <= 1.0  # the best baseline reaches its own final perplexity
+    for run_dir in table["run_dir"]:
+        assert (Path(run_dir) / "privacy_ledger.parquet").exists()
+    assert (Path(table[table["strategy"] == "rldp"].iloc[0]["run_dir"]) / "control_trace.parquet").exists()
+    summary = json.loads((tiny_study / "study_summary.json").read_text())
+    tuning = summary["tuning_aware_epsilon"]["2"]
+    assert tuning["trials"] == 2
+    assert tuning["composition_epsilon_rdp"] > tuning["max_single_trial_epsilon_rdp"]
+    assert tuning["repeat_and_select_epsilon_rdp"] > tuning["max_single_trial_epsilon_rdp"]
+
+
+def test_report_prints_the_paper_tables(tiny_study, capsys):
+    from raydp.cli import main
+
+    assert main(["report", str(tiny_study)]) == 0
+    out = capsys.readouterr().out
+    assert "Table 2 analogue" in out and "Table 3 analogue" in out and "Tuning-aware epsilon" in out
+    assert "T_RL=4 B_SAC=4 K=2" in out
+
+
+def _ray_cli():
+    return str(Path(sys.executable).with_name("ray"))
+
+
+def _stop_head(temp_dir: str) -> None:
+    """Stop only the head started by the test (``ray stop`` would stop every Ray on the machine)."""
+    import psutil
+
+    procs = []
+    for p in psutil.process_iter(["cmdline"]):
+        if temp_dir in " ".join(p.info["cmdline"] or []):
+            procs.append(p)
+            procs.extend(p.children(recursive=True))
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=20)
+    for p in alive:
+        p.kill()
+
+
+def test_ray_job_submit_runs_a_study_on_a_local_head(tmp_path, raydp_cache):
+    """A real head (`ray start --head`), a real job (`ray job submit`), the study's results."""
+    import tempfile
+
+    work = tmp_path / "work"
+    work.mkdir()
+    write_study(work, name="submitted")
+    results = tmp_path / "results"
+    temp_dir = tempfile.mkdtemp(prefix="rjob", dir="/tmp")  # short: Ray's socket paths must fit
+    # Ray's token authentication, with the test's own token
+    import secrets
+
+    (tmp_path / "ray_token").write_text(secrets.token_hex(32))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(tmp_path / "ray_token"),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # `raydp` on PATH
+    start = subprocess.run([_ray_cli(), "start", "--head", "--port", "6391", "--dashboard-port", "8291",
+                            "--num-cpus", "2", "--include-dashboard", "true", "--disable-usage-stats",
+                            "--temp-dir", temp_dir],
+                           env=env, capture_output=True, text=True, timeout=180)
+    assert start.returncode == 0, start.stderr
+    try:
+        job = subprocess.run([_ray_cli(), "job", "submit", "--address", "http://127.0.0.1:8291",
+                              "--working-dir", str(work), "--", "raydp", "study", "submitted.yaml",
+                              "--results-dir", str(results), "--quiet"],
+                             env=env, capture_output=True, text=True, timeout=900)
+        assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+        assert "Table 2 analogue" in job.stdout
+    finally:
+        _stop_head(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    table = pd.read_parquet(results / "submitted" / "results.parquet")
+    assert len(table) == 2 and (table["status"] == "TERMINATED").all() and table["within_budget"].all()
+
+
+def test_a_killed_trial_resumes_with_exactly_the_planned_ledger(tiny_study, tmp_path):
+    """Kill a trial's run (its actor process) mid-training: Tune retries it from its checkpoint, the
+    study finishes, and the trial's ledger has every planned step exactly once."""
+    import signal
+    import threading
+
+    from raydp.privacy.ledger import PrivacyLedger
+    from raydp.study.runner import run_study
+
+    path = write_study(tmp_path, name="killed", strategies=["rldp"], max_failures=2,
+                       base={**TINY_STUDY["base"], "max_steps": 48})
+    study_dir = tmp_path / "out" / "killed"
+    killed = {}
+
+    def killer():
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            checkpoints = list((study_dir / "tune" / "killed").glob("*/checkpoint_*"))
+            pids = list((study_dir / "work").glob("*/pid"))
+            if len(checkpoints) >= 3 and pids:
+                killed["pid"] = int(pids[0].read_text())
+                os.kill(killed["pid"], signal.SIGKILL)
+                return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    run_study(path, tmp_path / "out", progress=False)
+    thread.join(timeout=5)
+    assert "pid" in killed, "the trial finished before it could be killed"
+    table = pd.read_parquet(study_dir / "results.parquet")
+    assert list(table["status"]) == ["TERMINATED"]
+    run_dir = Path(table["run_dir"].iloc[0])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from_step"] is not None and 0 < summary["resumed_from_step"] < 48
+    ledger = PrivacyLedger.load(run_dir / "privacy_ledger.parquet")
+    assert list(ledger.steps) == list(range(48))  # every planned step, none lost, none repeated
+    assert summary["privacy"]["within_budget"] and summary["steps"] == 48
+    assert int((study_dir / "work" / table["trial"].iloc[0] / "pid").read_text()) != killed["pid"]
