@@ -219,3 +219,31 @@ def test_a_killed_trial_resumes_with_exactly_the_planned_ledger(tiny_study, tmp_
     assert list(ledger.steps) == list(range(48))  # every planned step, none lost, none repeated
     assert summary["privacy"]["within_budget"] and summary["steps"] == 48
     assert int((study_dir / "work" / table["trial"].iloc[0] / "pid").read_text()) != killed["pid"]
+
+
+def test_wandb_is_offline_and_logs_no_text(tiny_study):
+    runs = list((tiny_study / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2  # one offline run per trial, nothing sent anywhere
+    from raydp.data import load_canaries, load_texts
+
+    secrets = list(load_canaries(tiny_study / "dataset")["secret"])
+    texts = [t[:40].encode() for t in load_texts(tiny_study / "dataset", "train")[:50]]
+    for run in runs:
+        for f in run.rglob("*"):
+            if f.is_file():
+                blob = f.read_bytes()
+                assert not any(secret.encode() in blob for secret in secrets)
+                assert b"secret_id=" not in blob and not any(t in blob for t in texts)
+
+
+def test_optuna_chooses_the_sac_cells(tiny_study, tmp_path):
+    from raydp.study.runner import run_study
+
+    path = write_study(tmp_path, name="tuned", search="optuna", optuna={"num_samples": 2},
+                       sac_grid={"t_rl": [4, 8], "b_sac": [4], "k": [1, 2]}, wandb={"mode": "disabled"})
+    study_dir = run_study(path, tmp_path / "out", progress=False)
+    table = pd.read_parquet(study_dir / "results.parquet")
+    assert sorted(table["strategy"]) == ["rldp", "rldp", "static"]
+    rldp = table[table["strategy"] == "rldp"]
+    assert rldp["trial"].str.contains("optuna-").all() and (rldp["status"] == "TERMINATED").all()
+    assert set(rldp["t_rl"]) <= {4, 8} and set(rldp["k"]) <= {1, 2}

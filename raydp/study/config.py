@@ -51,6 +51,15 @@ class TransferSettings(StrictModel):
     source_model: str
 
 
+class WandbSettings(StrictModel):
+    """Metrics to Weights & Biases: offline by default (no network), online when configured. Only
+    numbers are logged (perplexity, epsilon, dials); never training text, prompts or canaries."""
+
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "raydp"
+    entity: str | None = None
+
+
 class Resources(StrictModel):
     cpus_per_trial: int = Field(2, gt=0, description="CPU threads of each trial's run")
     gpus_per_trial: float = Field(0.0, ge=0, description="GPUs of each trial's run (a cluster)")
@@ -74,6 +83,7 @@ class StudyConfig(StrictModel):
     private_data: bool = Field(True, description="the data is private: report the tuning-aware epsilon (E7)")
     max_failures: int = Field(2, ge=0, description="Tune retries of a failed trial (resumed from its checkpoint)")
     transfer: TransferSettings | None = None
+    wandb: WandbSettings = WandbSettings()
     target_baseline: Literal["best"] = "best"
 
     @model_validator(mode="after")
@@ -83,8 +93,12 @@ class StudyConfig(StrictModel):
         for key in ("strategy", "epsilon", "seed", "model"):
             if key in self.base:
                 raise ValueError(f"base.{key} is set by the study's grid ({key}s); remove it from base")
-        if self.search == "optuna" and "rldp" not in self.strategies:
-            raise ValueError("search: optuna tunes the SAC settings; it needs 'rldp' in strategies")
+        if self.search == "optuna":
+            if "rldp" not in self.strategies:
+                raise ValueError("search: optuna tunes the SAC settings; it needs 'rldp' in strategies")
+            if len(self.models) * len(self.epsilons) * len(self.seeds) != 1 or self.transfer is not None:
+                raise ValueError("search: optuna tunes the SAC settings on one cell: give one model, one "
+                                 "epsilon and one seed (and no transfer)")
         if self.transfer is not None:
             if "rldp" not in self.strategies:
                 raise ValueError("transfer needs 'rldp' in strategies")
@@ -116,11 +130,19 @@ def load_study(path: str | Path) -> StudyConfig:
         raise ConfigError(f"{path}: {exc}") from None
 
 
+def optuna_trial(study: StudyConfig, t_rl: int, b_sac: int, k: int, trial_id: str) -> dict:
+    """An Optuna-sampled RLDP trial on the study's single (model, epsilon, seed) cell."""
+    return {"model": study.models[0], "epsilon": study.epsilons[0], "seed": study.seeds[0], "strategy": "rldp",
+            "t_rl": int(t_rl), "b_sac": int(b_sac), "k": int(k), "optuna_id": trial_id}
+
+
 def trial_grid(study: StudyConfig) -> list[dict]:
     """The grid's trials: one dict of varied fields per trial (rldp expanded over the SAC grid); with
     ``transfer``, the source-model RLDP trials (``stage: source``) come first and every RLDP trial gets a
     frozen twin that reuses its source trial's policy."""
     trials = _grid(study, study.models)
+    if study.search == "optuna":  # the SAC cells are Optuna's to choose; the baselines stay a grid
+        return [t for t in trials if t["strategy"] != "rldp"]
     if study.transfer is None:
         return trials
     sources = [{**t, "stage": "source"} for t in _grid(study, [study.transfer.source_model]) if t["strategy"] == "rldp"]
@@ -169,7 +191,7 @@ def trial_config(study: StudyConfig, trial: dict, dataset_dir: str | None = None
         if trial.get("frozen_from"):
             rldp.update({"policy": policy_path or "(source policy, saved in stage 1)", "frozen": True})
         values["rldp"] = rldp
-    where = ", ".join(f"{k}={v}" for k, v in trial.items() if v is not None and k != "frozen_from")
+    where = ", ".join(f"{k}={v}" for k, v in trial.items() if v is not None and k not in ("frozen_from", "optuna_id"))
     try:
         return validate_config(TrainConfig, values)
     except ConfigError as exc:

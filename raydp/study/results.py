@@ -116,9 +116,15 @@ def tuning_aware_epsilon(ledgers: list[PrivacyLedger], delta: float) -> dict:
 def collect_results(study, study_dir: Path, trials: list[dict], grid) -> pd.DataFrame:
     """Write ``results.parquet`` and return the table (``table.attrs`` carries the tuning-aware epsilons)."""
     statuses = {}
+    trials = list(trials)
     for result in grid:
-        trial = (result.config or {}).get("trial") or {}
-        statuses[trial.get("name")] = ("ERROR" if result.error else "TERMINATED", result.metrics or {})
+        metrics = result.metrics or {}
+        trial = (result.config or {}).get("trial")
+        if trial is None and metrics.get("trial_spec"):  # an Optuna-sampled trial
+            trial = json.loads(metrics["trial_spec"])
+            trials.append(trial)
+        trial = trial or {}
+        statuses[trial.get("name")] = ("ERROR" if result.error else "TERMINATED", metrics)
     rows = []
     for trial in trials:
         status, metrics = statuses.get(trial["name"], ("NOT_RUN", {}))

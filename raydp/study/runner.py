@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from raydp.errors import ConfigError
-from raydp.study.config import StudyConfig, load_study, source_key, trial_config, trial_grid
+from raydp.study.config import StudyConfig, load_study, optuna_trial, source_key, trial_config, trial_grid
 
 
 def trial_name(trial: dict) -> str:
@@ -35,6 +35,8 @@ def trial_name(trial: dict) -> str:
         parts.append(f"trl{trial['t_rl']}-b{trial['b_sac']}-k{trial['k']}")
     if trial.get("frozen_from"):
         parts.append("frozen")
+    if trial.get("optuna_id"):
+        parts.append(f"optuna-{trial['optuna_id']}")
     return "_".join(parts)
 
 
@@ -71,10 +73,34 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True) ->
     return dataset, trials
 
 
-def _report_evaluation(step: int, perplexity: float) -> None:
-    from ray import tune
+class _Reporter:
+    """Evaluations to Tune (the live table) and, unless disabled, to wandb (numbers only)."""
 
-    tune.report({"step": step, "eval_perplexity": perplexity})
+    def __init__(self, study: StudyConfig, trial: dict, config, study_dir: Path):
+        self.run = None
+        if study.wandb.mode != "disabled":
+            import wandb
+
+            safe = {k: v for k, v in trial.items() if k not in ("policy_path",)}  # settings only, no data
+            self.run = wandb.init(project=study.wandb.project, entity=study.wandb.entity, mode=study.wandb.mode,
+                                  group=study.name, name=trial["name"], dir=str(study_dir), reinit="create_new",
+                                  config={**safe, "epochs": config.epochs, "batch_size": config.batch_size,
+                                          "delta": config.delta, "accountant": config.accountant})
+
+    def evaluation(self, step: int, perplexity: float) -> None:
+        from ray import tune
+
+        tune.report({"step": step, "eval_perplexity": perplexity})
+        if self.run is not None:
+            self.run.log({"eval_perplexity": perplexity}, step=step)
+
+    def finish(self, summary: dict) -> None:
+        if self.run is not None:
+            privacy = summary.get("privacy") or {}
+            self.run.summary.update({"final_eval_perplexity": summary["final_eval_perplexity"],
+                                     "best_eval_perplexity": summary["best_eval_perplexity"],
+                                     "epsilon": privacy.get("epsilon"), "steps": summary["steps"]})
+            self.run.finish()
 
 
 CHECKPOINT_STATE = "state.pt"
@@ -115,7 +141,11 @@ def run_trial(params: dict) -> None:
     from raydp.runner.run import run_training
 
     study = StudyConfig(**params["study"])
-    trial = params["trial"]
+    if "trial" in params:
+        trial = params["trial"]
+    else:  # an Optuna-sampled SAC cell
+        trial = optuna_trial(study, params["t_rl"], params["b_sac"], params["k"], tune.get_context().get_trial_id())
+        trial["name"] = trial_name(trial)
     config = trial_config(study, trial, params["dataset"], trial.get("policy_path"))
     torch.set_num_threads(config.cpus or 1)
     out = Path(params["study_dir"]) / "trials" / trial["name"]
@@ -131,9 +161,11 @@ def run_trial(params: dict) -> None:
             torch.save(state, Path(d) / CHECKPOINT_STATE)
             if session is not None and not config.rldp.frozen:
                 client.save_policy(Path(d) / "policy", trained_on={"model": config.model}, results={})
-            tune.report({"step": state["trainer"]["step_count"], "checkpoint": True},
+            tune.report({"step": state["trainer"]["step_count"], "checkpoint": True,
+                         "eval_perplexity": state["trainer"]["eval_rows"][-1]["perplexity"]},
                         checkpoint=Checkpoint.from_directory(d))
 
+    reporter = _Reporter(study, trial, config, Path(params["study_dir"]))
     try:
         if config.strategy == "rldp":
             if params.get("connection"):
@@ -142,7 +174,8 @@ def run_trial(params: dict) -> None:
                 session = start_policy(config, restore=policy_snapshot)
                 client = session.client(trial["name"])
         summary = run_training(config, out, overwrite=True, progress=False, client=client,
-                               on_evaluation=_report_evaluation, on_checkpoint=checkpoint, resume=resume)
+                               on_evaluation=reporter.evaluation, on_checkpoint=checkpoint, resume=resume)
+        reporter.finish(summary)
     finally:
         if session is not None:
             session.close()
@@ -150,7 +183,8 @@ def run_trial(params: dict) -> None:
                  "final_eval_perplexity": summary["final_eval_perplexity"],
                  "best_eval_perplexity": summary["best_eval_perplexity"],
                  "epsilon": (summary["privacy"] or {}).get("epsilon"),
-                 "trial_seconds": time.perf_counter() - started, "done": True})
+                 "trial_seconds": time.perf_counter() - started, "trial_name": trial["name"],
+                 "trial_spec": json.dumps(trial), "done": True})
 
 
 def _param_space(study: StudyConfig, trials: list[dict], common: dict) -> dict:
@@ -201,6 +235,8 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
                     t["policy_path"] = sources[t["frozen_from"]]
             name = study.name if i == len([s for s in stages if s]) - 1 else f"{study.name}-source"
             grids.append(_fit(trainable, _param_space(study, stage, common), storage, name, study, progress, resume))
+        if study.search == "optuna":
+            grids.append(_fit_optuna(trainable, study, common, storage, progress, resume))
     finally:
         if session is not None:
             session.close()
@@ -233,6 +269,29 @@ def _fit(trainable, param_space: dict, storage: str, name: str, study: StudyConf
                     parameter_columns={"trial/name": "trial"}, max_report_frequency=30),
                 verbose=1 if progress else 0),
         )
+    return tuner.fit()
+
+
+def _fit_optuna(trainable, study: StudyConfig, common: dict, storage: str, progress: bool, resume: bool):
+    """RLDP's SAC cell (T_RL, B_SAC, K) chosen by Optuna (TPE) over the study's grid values."""
+    from ray import tune
+    from ray.tune.search.optuna import OptunaSearch
+
+    path = os.path.join(storage, f"{study.name}-optuna")
+    space = {"t_rl": tune.choice(study.sac_grid.t_rl), "b_sac": tune.choice(study.sac_grid.b_sac),
+             "k": tune.choice(study.sac_grid.k)}
+    if resume and tune.Tuner.can_restore(path):
+        return tune.Tuner.restore(path, trainable=trainable, resume_errored=True).fit()
+    tuner = tune.Tuner(
+        trainable,
+        param_space={**common, **space},
+        tune_config=tune.TuneConfig(search_alg=OptunaSearch(metric="eval_perplexity", mode="min",
+                                                            seed=study.optuna.seed),
+                                    num_samples=study.optuna.num_samples),
+        run_config=tune.RunConfig(name=f"{study.name}-optuna", storage_path=storage,
+                                  failure_config=tune.FailureConfig(max_failures=study.max_failures),
+                                  verbose=1 if progress else 0),
+    )
     return tuner.fit()
 
 
