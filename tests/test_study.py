@@ -247,3 +247,28 @@ def test_optuna_chooses_the_sac_cells(tiny_study, tmp_path):
     rldp = table[table["strategy"] == "rldp"]
     assert rldp["trial"].str.contains("optuna-").all() and (rldp["status"] == "TERMINATED").all()
     assert set(rldp["t_rl"]) <= {4, 8} and set(rldp["k"]) <= {1, 2}
+
+
+def test_rldp_trials_can_share_one_policy(tiny_study, tmp_path):
+    from raydp.study.runner import run_study
+
+    path = write_study(tmp_path, name="shared", strategies=["rldp"], seeds=[0, 1], policy="shared",
+                       wandb={"mode": "disabled"})
+    study_dir = run_study(path, tmp_path / "out", progress=False)
+    table = pd.read_parquet(study_dir / "results.parquet")
+    assert len(table) == 2 and (table["status"] == "TERMINATED").all()
+    transitions = [json.loads((Path(d) / "summary.json").read_text())["controller"]["transitions"]
+                   for d in table["run_dir"]]
+    shared = json.loads((study_dir / "study_summary.json").read_text())["shared_policy"]
+    assert shared["transitions_trained"] == sum(transitions) > 0  # one service trained on both trials
+
+
+def test_resume_restores_a_finished_study_without_rerunning(tiny_study):
+    from raydp.study.runner import run_study
+
+    before = pd.read_parquet(tiny_study / "results.parquet")
+    started = time.perf_counter()
+    run_study(tiny_study / ".." / ".." / "tiny.yaml", tiny_study.parent, progress=False, resume=True)
+    after = pd.read_parquet(tiny_study / "results.parquet")
+    assert list(after["final_eval_perplexity"]) == list(before["final_eval_perplexity"])
+    assert time.perf_counter() - started < 60  # Tuner.restore found both trials finished

@@ -40,8 +40,10 @@ def trial_name(trial: dict) -> str:
     return "_".join(parts)
 
 
-def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True) -> tuple[str, list[dict]]:
-    """Build the dataset, validate every trial and calibrate every plan; returns (dataset_dir, trials)."""
+def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
+                  build_models: bool = False) -> tuple[str, list[dict]]:
+    """Build the dataset, validate every trial and calibrate every plan; returns (dataset_dir, trials).
+    ``build_models``: also build the embedded models the study uses, once, here (not in every trial)."""
     from raydp.data import build_dataset, load_manifest, load_texts
     from raydp.runner.privacy_setup import build_strategy, plan_private_run
 
@@ -70,6 +72,12 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True) ->
                 except ConfigError as exc:
                     raise ConfigError(f"trial {trial_name(trial)}: {exc}") from None
         trials.append({**trial, "name": trial_name(trial)})
+    if build_models:
+        from raydp.model.embedded import ensure_embedded_model, is_embedded_name
+
+        for model in dict.fromkeys(t["model"] for t in trials):
+            if is_embedded_name(model):
+                ensure_embedded_model(model, progress=progress)
     return dataset, trials
 
 
@@ -205,7 +213,7 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
     study = load_study(path)
     study_dir = (Path(results_dir) / study.name).resolve()
     study_dir.mkdir(parents=True, exist_ok=True)
-    dataset, trials = prepare_study(study, study_dir, progress=progress)
+    dataset, trials = prepare_study(study, study_dir, progress=progress, build_models=True)
     (study_dir / "study.json").write_text(json.dumps(study.model_dump(mode="json"), indent=2))
     ensure_ray()
     cpus, gpus = study.resources.cpus_per_trial, study.resources.gpus_per_trial
@@ -237,6 +245,7 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
             grids.append(_fit(trainable, _param_space(study, stage, common), storage, name, study, progress, resume))
         if study.search == "optuna":
             grids.append(_fit_optuna(trainable, study, common, storage, progress, resume))
+        shared_counters = session.counters() if session is not None else None
     finally:
         if session is not None:
             session.close()
@@ -246,6 +255,8 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
                "results": str(study_dir / "results.parquet"),
                "scheduling_overhead_seconds_per_trial": _scheduling_overhead(table, wall, study, ray)}
     summary.update(table.attrs if hasattr(table, "attrs") else {})
+    if shared_counters is not None:
+        summary["shared_policy"] = shared_counters
     (study_dir / "study_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return study_dir
 
