@@ -34,6 +34,7 @@ from raydp.control.store import (
 )
 
 LEARNER_MODULE = "learner_group/learner/rl_module/default_policy"
+POLL_MIN_S, POLL_MAX_S = 0.02, 0.5
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
@@ -66,11 +67,16 @@ class PolicyService:
             self.algo.local_replay_buffer.add(_episodes(replay, self.algo.config))
 
     def _loop(self) -> None:
+        """Train once per pending transition. Idle polling backs off from 20 ms to 0.5 s: decisions are
+        T_RL steps (seconds) apart, and a tight poll would take CPU from the runs on a small machine."""
+        idle = POLL_MIN_S
         while not self._stop.is_set():
             try:
                 if ray.get(self.broker.num_pending.remote()) == 0:
-                    time.sleep(0.02)
+                    self._stop.wait(idle)
+                    idle = min(2 * idle, POLL_MAX_S)
                     continue
+                idle = POLL_MIN_S
                 with self.lock:
                     self._busy = True
                     result = self.algo.train()
