@@ -8,7 +8,7 @@ interleaved. Printed:
 
   * run wall time (the actor's whole run: data, model, evaluations, training, outputs) per strategy and
     the ratios rldp / static and rldp / static-pairwise;
-  * the training-loop time alone (sum of per-step times) and the same ratios;
+  * the training-loop time alone (sum of step times, ``train_loop_seconds``) and the same ratios;
   * the policy's start-up time (broker + SAC service, paid once per policy, not per run);
   * the action round trip (run -> broker -> action) over many calls: median and p95.
 
@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import ray
 
 
@@ -52,7 +51,7 @@ def one_run(strategy: str, steps: int, t_rl: int, threads: int, out: Path) -> di
     finally:
         if session is not None:
             session.close()
-    loop = float(pd.read_parquet(out / "train_metrics.parquet")["seconds"].sum())
+    loop = float(summary["train_loop_seconds"])
     return {"wall": wall, "loop": loop, "startup": startup, "summary": summary}
 
 

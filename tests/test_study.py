@@ -49,6 +49,7 @@ def write_study(tmp_path, **changes):
     ({"base": {"data": {"n_records": 400}, "delta": 0.01}}, "trial static_embedded-tiny_eps2_seed0: delta=0.01"),
     ({"base": {"data": {"n_records": 400}, "rldp": {"frozen": True}}}, "frozen policy needs"),
     ({"name": "bad name!"}, "name"),
+    ({"policy": "shared", "sac_grid": {"t_rl": [4], "b_sac": [4, 8], "k": [2]}}, "a shared policy has one B_SAC"),
 ])
 def test_invalid_study_files_fail_before_any_trial(tmp_path, changes, message, capsys):
     from raydp.cli import main
@@ -109,7 +110,7 @@ def test_study_results_table(tiny_study):
     summary = json.loads((tiny_study / "study_summary.json").read_text())
     tuning = summary["tuning_aware_epsilon"]["2"]
     assert tuning["trials"] == 2
-    assert tuning["composition_epsilon_rdp"] > tuning["max_single_trial_epsilon_rdp"]
+    assert tuning["tuning_aware_epsilon"] == tuning["composition_epsilon_rdp"] > tuning["max_single_trial_epsilon_rdp"]
     assert tuning["repeat_and_select_epsilon_rdp"] > tuning["max_single_trial_epsilon_rdp"]
 
 
@@ -217,6 +218,9 @@ def test_a_killed_trial_resumes_with_exactly_the_planned_ledger(tiny_study, tmp_
     assert summary["resumed_from_step"] is not None and 0 < summary["resumed_from_step"] < 48
     ledger = PrivacyLedger.load(run_dir / "privacy_ledger.parquet")
     assert list(ledger.steps) == list(range(48))  # every planned step, none lost, none repeated
+    # every decision of Alg. 1 happened once, including the one the checkpoint was taken before
+    decisions = pd.read_parquet(run_dir / "controller_decisions.parquet")
+    assert list(decisions["step"]) == list(range(8, 49, 4))
     assert summary["privacy"]["within_budget"] and summary["steps"] == 48
     assert int((study_dir / "work" / table["trial"].iloc[0] / "pid").read_text()) != killed["pid"]
 

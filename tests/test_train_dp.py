@@ -42,6 +42,7 @@ def test_ledger_recomputed_independently_matches_reported_epsilon(static_run):
 def test_dp_run_reports_no_unprivatized_training_statistics(static_run):
     columns = set(pq.read_table(static_run / "train_metrics.parquet").column_names)
     assert "loss" not in columns and "batch_size" not in columns
+    assert "seconds" not in columns  # a step's time grows with its (private) Poisson batch size
     assert {"sigma", "sigma_eff", "clip_mean"} <= columns
 
 

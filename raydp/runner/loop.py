@@ -91,6 +91,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_then_constant(optimizer.warmup_steps))
         self.history = MetricHistory()
         self.step_count = 0
+        self.train_seconds = 0.0  # sum of step times (aggregate only: per-step times leak batch sizes)
         self.stopped_early: str | None = None
 
     # -- the separate steps -------------------------------------------------------------------
@@ -117,7 +118,11 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.update()
         self.step_count += 1
-        metrics.update(step=self.step_count, lr=lr, seconds=time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.train_seconds += seconds
+        metrics.update(step=self.step_count, lr=lr)
+        if self.gradient.name == "nonprivate":  # a DP step's time grows with its private batch size (E5)
+            metrics["seconds"] = seconds
         return metrics
 
     def record_evaluation(self) -> PerplexityResult:
@@ -175,6 +180,8 @@ class Trainer:
         """Evaluate once before training (step 0), then train ``total_steps`` steps with scheduled evaluations."""
         if self.step_count == 0 and not self.history.eval_rows:
             self.record_evaluation()
+        elif self.step_count > 0:  # resumed from a checkpoint taken before this step's decision: take it
+            self.gradient.between_steps(self.step_count)
         eval_at = evaluation_steps(total_steps, self.sampler.steps_per_epoch, self.eval_every)
         self.model.train()
         bar = tqdm(total=total_steps, initial=self.step_count, desc=f"fine-tuning ({self.gradient.name})",

@@ -87,7 +87,8 @@ def plan_private_run(config: TrainConfig, n_train: int, strategy: Strategy | Non
     q = sampling_rate(config.batch_size, n_train)
     check_delta_below_inverse_n(config.delta, n_train)
     steps = planned_dp_steps(config, q)
-    multipliers = strategy.release_noise_multipliers() if strategy is not None else ()
+    strategy = strategy if strategy is not None else build_strategy(config)  # its releases set sigma_eff
+    multipliers = strategy.release_noise_multipliers()
     sigma_map = SigmaEffMap(relative_precision=math.fsum(1.0 / (k * k) for k in multipliers))
     calibration = calibrate_sigma(config.epsilon, config.delta, q, steps, config.accountant, sigma_eff=sigma_map)
     return PrivacyPlan(q=q, planned_steps=steps, sigma_0=calibration.sigma, sigma_map=sigma_map)
@@ -101,6 +102,9 @@ def setup_private_run(
     calibrates on public records (RLDP's histogram bins and loss bound)."""
     q, steps, sigma_0 = plan.q, plan.planned_steps, plan.sigma_0
     strategy = strategy if strategy is not None else build_strategy(config)
+    expected = SigmaEffMap(relative_precision=math.fsum(1.0 / (k * k) for k in strategy.release_noise_multipliers()))
+    if expected.describe() != plan.sigma_map.describe():
+        raise ConfigError("the privacy plan was calibrated for other releases than this strategy makes")
     ledger = PrivacyLedger(delta=config.delta, epsilon_target=config.epsilon, accountant=config.accountant)
     guard = BudgetGuard(config.accountant, epsilon_target=config.epsilon, delta=config.delta,
                         planned_steps=steps, q=q, sigma_eff=plan.sigma_map, sigma_hint=sigma_0)

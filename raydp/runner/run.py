@@ -156,6 +156,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             "initial_eval_perplexity": evals[0],
             "final_eval_perplexity": evals[-1],
             "best_eval_perplexity": min(evals),
+            "train_loop_seconds": round(trainer.train_seconds, 2),
             "wall_seconds": round(time.perf_counter() - started, 2),
         }
         (staging / "config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))

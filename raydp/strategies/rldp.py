@@ -3,8 +3,8 @@
 RLDP Alg. 1, corrected by ERRATA E1 (true sigma with proportional per-pair noise), E3 (the controller's
 view) and E4 (budget guard, applied by the DP step to every proposed sigma):
 
-* steps 1..T_warm: C_i is set to the median per-sample norm of pair i (Alg. 1 line 14), from the DP
-  norm histogram in strict mode;
+* steps 1..T_warm: C_i is set to the median per-sample norm of pair i (Alg. 1 line 14; floored at
+  ``clip_floor``), from the DP norm histogram in strict mode; the first decision's window starts after;
 * at every step t > T_warm with t mod T_RL == 0 (lines 16-38): the state s_t is assembled
   (:mod:`raydp.control.features`), the reward of the previous action (Eq. 17-20) and s_t go to the
   policy through the broker, which returns a_t; a_t is decoded by Eq. 10-15
@@ -18,6 +18,7 @@ micro-batch (labelled; the epsilon does not cover them).
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raydp.control.decoding import decode_action, decode_clips
+from raydp.control.decoding import decode_action
 from raydp.control.features import (
     ControllerView,
     IntervalStatistics,
@@ -137,6 +138,8 @@ class RLDPStrategy(Strategy):
                 self._warm_raw.append(release.raw_pair_norms)
         if t <= self.settings.t_warm:
             self._warm_up_clips()
+        if t == self.settings.t_warm:  # the first decision's window starts after the warm-up
+            self._interval = _Interval(self.context.n_pairs, self.settings.histogram_bins)
         self.trace.append({"step": t, "sigma": float(release.dials.sigma),
                            "sigma_eff": release.sigma_eff, "clamped": release.clamped,
                            "decision": self.wants_decision(t), "clip": [float(c) for c in release.dials.clip]})
@@ -158,8 +161,7 @@ class RLDPStrategy(Strategy):
             medians = np.median(np.concatenate(self._warm_raw, axis=0), axis=0) if self._warm_raw else \
                 np.full(len(self.clips), math.nan)
         ok = np.isfinite(medians) & (medians > 0)
-        self.clips = np.where(ok, decode_clips(np.log(np.where(ok, medians, 1.0)), self.settings.clip_floor),
-                              self.clips)
+        self.clips = np.where(ok, np.maximum(np.where(ok, medians, 1.0), self.settings.clip_floor), self.clips)
 
     def _statistics(self) -> IntervalStatistics:
         if self.privacy_mode == "strict":
@@ -196,10 +198,10 @@ class RLDPStrategy(Strategy):
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"clips": self.clips.copy(), "sigma": self.sigma, "interval": vars(self._interval).copy(),
+        return copy.deepcopy({"clips": self.clips.copy(), "sigma": self.sigma, "interval": vars(self._interval).copy(),
                 "warm": vars(self._warm).copy(), "warm_raw": list(self._warm_raw), "last_raw": self._last_raw,
                 "previous": self._previous, "trace": list(self.trace), "decisions": list(self.decisions),
-                "reference_norm": self.reference_norm, "histogram": self.histogram, "loss_release": self.loss_release}
+                "reference_norm": self.reference_norm, "histogram": self.histogram, "loss_release": self.loss_release})
 
     def load_state_dict(self, state: dict) -> None:
         self.clips, self.sigma = np.array(state["clips"]), float(state["sigma"])

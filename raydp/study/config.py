@@ -106,6 +106,10 @@ class StudyConfig(StrictModel):
                 raise ValueError("transfer needs the size-agnostic policy (rldp.architecture: shared)")
             if self.policy == "shared":
                 raise ValueError("transfer trains one policy per source trial; use policy: per-trial")
+        if self.policy == "shared" and "rldp" in self.strategies:
+            if len(self.sac_grid.b_sac) > 1 or len(self.sac_grid.k) > 1 or self.search == "optuna":
+                raise ValueError("a shared policy has one B_SAC and one K (they are the policy service's "
+                                 "settings): give single sac_grid.b_sac and sac_grid.k values and search: grid")
         return self
 
 

@@ -72,11 +72,11 @@ def format_report(study_dir: str | Path) -> str:
     lines.append(t3.to_string(index=False, float_format=lambda x: f"{x:.1f}") if len(t3) else "  (no RLDP trials)")
     tuning = summary.get("tuning_aware_epsilon")
     if isinstance(tuning, dict) and tuning:
-        lines.append("\nTuning-aware epsilon (ERRATA E7; RDP, upper bounds): releasing the best of K trials")
+        lines.append("\nTuning-aware epsilon (ERRATA E7; RDP upper bounds): releasing the best of K trials")
         for eps, t in tuning.items():
-            lines.append(f"  target {eps}: K={t['trials']}, single trial <= {t['max_single_trial_epsilon_rdp']:.3f}, "
-                         f"repeat-and-select {t['repeat_and_select_epsilon_rdp']:.3f}, "
-                         f"composition of all {t['composition_epsilon_rdp']:.3f}")
+            lines.append(f"  target {eps}: K={t['trials']}, tuning-aware (composition) {t['tuning_aware_epsilon']:.3f}; "
+                         f"single trial <= {t['max_single_trial_epsilon_rdp']:.3f}; repeat-and-select "
+                         f"{t['repeat_and_select_epsilon_rdp']:.3f} (only if K were Poisson)")
     elif tuning:
         lines.append(f"\nTuning-aware epsilon: {tuning}")
     verdicts = results["within_budget"].dropna() if "within_budget" in results else pd.Series(dtype=bool)

@@ -18,12 +18,16 @@ trial_seconds, wall_seconds   the trial's run time as Tune saw it, and the run's
 run_dir                    the trial's outputs (train/eval metrics, ledger, control trace, adapters)
 =========================  ==========================================================================
 
-Tuning-aware epsilon (ERRATA E7, Papernot & Steinke 2022): releasing the best of the K trials that
-share a target epsilon costs more than one trial. ``study_summary.json`` reports, per target epsilon,
-the repeat-and-select epsilon (dp_accounting's RDP of a Poisson-distributed number of runs with mean K
-of the worst trial's mechanism, max over trials of the per-order RDP) beside the largest per-trial
-epsilon, and the plain composition of all K trials (valid for any selection rule). Skipped when the
-study says its data is public.
+Tuning-aware epsilon (ERRATA E7): releasing the best of the K trials that share a target epsilon costs
+more than one trial. ``study_summary.json`` reports, per target epsilon, ``tuning_aware_epsilon``: the
+RDP composition of all K trials' ledgers (errored trials included, from their last checkpoint), which
+holds for this study's fixed grid, Optuna's adaptive choices and a shared policy alike; beside it the
+largest per-trial epsilon and Papernot & Steinke's repeat-and-select figure (dp_accounting's RDP for a
+Poisson(K) number of runs of the worst trial's mechanism), which would hold only if the number of
+trials were random that way and settings were drawn independently. Skipped when the study says its
+data is public. Held-out evaluation perplexity is computed on private held-out records and is not a DP
+release: the controller never sees it (strict mode), but Tune's table, Optuna's choices and
+steps-to-target use it.
 """
 
 from __future__ import annotations
@@ -79,7 +83,8 @@ def steps_to_target(table: pd.DataFrame) -> pd.Series:
             evals = pd.read_parquet(path)
             hit = evals[(evals["step"] > 0) & (evals["perplexity"] <= target)]
             if len(hit):
-                out[idx] = float(hit["step"].iloc[0]) / float(row["steps"])
+                total = row.get("planned_steps") or row["steps"]  # planned: a run stopped early is not flattered
+                out[idx] = float(hit["step"].iloc[0]) / float(total)
     return out
 
 
@@ -96,7 +101,9 @@ def _rdp_curve(ledger: PrivacyLedger, orders) -> np.ndarray:
 
 
 def tuning_aware_epsilon(ledgers: list[PrivacyLedger], delta: float) -> dict:
-    """Repeat-and-select (Poisson number of runs, mean K) and plain composition over K trials' ledgers."""
+    """The epsilon of releasing the best of K trials: the composition of all K ledgers (the guarantee
+    for a fixed grid, adaptive search or a shared policy), with the repeat-and-select figure beside it
+    (valid only when the number of trials is Poisson(K) and settings are drawn independently)."""
     from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
     orders = np.concatenate([np.linspace(1.01, 8, 50), np.arange(8, 64, 0.5), np.arange(64, 512, 4)])
@@ -108,23 +115,57 @@ def tuning_aware_epsilon(ledgers: list[PrivacyLedger], delta: float) -> dict:
     eps_compose = rdp.compute_epsilon(orders, curves.sum(axis=0), delta)[0]
     eps_single = max(rdp.compute_epsilon(orders, c, delta)[0] for c in curves)
     return {"trials": k, "max_single_trial_epsilon_rdp": float(eps_single),
-            "repeat_and_select_epsilon_rdp": float(eps_select), "composition_epsilon_rdp": float(eps_compose),
-            "note": "repeat-and-select holds when the number of runs is Poisson(K) (Papernot & Steinke 2022); "
-                    "composition holds for any selection"}
+            "tuning_aware_epsilon": float(eps_compose), "composition_epsilon_rdp": float(eps_compose),
+            "repeat_and_select_epsilon_rdp": float(eps_select),
+            "note": "tuning_aware_epsilon is the composition of all K trials, which holds for this study's "
+                    "fixed or adaptive selection; repeat_and_select (Papernot & Steinke 2022) would hold only "
+                    "if the number of trials were Poisson(K) with settings drawn independently"}
+
+
+def _checkpoint_ledger(result) -> PrivacyLedger | None:
+    """The ledger of a trial that never finished, from its latest Tune checkpoint (what it spent)."""
+    import torch
+
+    checkpoint = getattr(result, "checkpoint", None)
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as d:
+        path = Path(d) / "state.pt"
+        if not path.exists():
+            return None
+        table = torch.load(path, weights_only=False)["trainer"]["gradient"].get("ledger")
+    if table is None:
+        return None
+    ledger = PrivacyLedger()
+    ledger.extend_from_arrow(table)
+    return ledger
+
+
+def trial_delta(study) -> float:
+    return float(study.base.get("delta", 1e-5))
 
 
 def collect_results(study, study_dir: Path, trials: list[dict], grid) -> pd.DataFrame:
     """Write ``results.parquet`` and return the table (``table.attrs`` carries the tuning-aware epsilons)."""
-    statuses = {}
+    statuses, unfinished_ledgers = {}, {}
     trials = list(trials)
     for result in grid:
         metrics = result.metrics or {}
-        trial = (result.config or {}).get("trial")
-        if trial is None and metrics.get("trial_spec"):  # an Optuna-sampled trial
-            trial = json.loads(metrics["trial_spec"])
+        config = result.config or {}
+        trial = config.get("trial")
+        if trial is None:  # an Optuna-sampled trial
+            if metrics.get("trial_spec"):
+                trial = json.loads(metrics["trial_spec"])
+            else:  # it failed before its final report
+                trial = {"model": study.models[0], "epsilon": study.epsilons[0], "seed": study.seeds[0],
+                         "strategy": "rldp", **{k: config.get(k) for k in ("t_rl", "b_sac", "k")},
+                         "name": f"rldp_optuna-{Path(str(result.path)).name}"}
             trials.append(trial)
-        trial = trial or {}
-        statuses[trial.get("name")] = ("ERROR" if result.error else "TERMINATED", metrics)
+        statuses[trial["name"]] = ("ERROR" if result.error else "TERMINATED", metrics)
+        if result.error:
+            ledger = _checkpoint_ledger(result)
+            if ledger is not None:
+                unfinished_ledgers[trial["name"]] = ledger
     rows = []
     for trial in trials:
         status, metrics = statuses.get(trial["name"], ("NOT_RUN", {}))
@@ -135,11 +176,17 @@ def collect_results(study, study_dir: Path, trials: list[dict], grid) -> pd.Data
     table.to_parquet(study_dir / "results.parquet", index=False)
     tuning = {}
     if study.private_data and "epsilon_target" in table:
+        delta = None
         for eps, group in table.dropna(subset=["epsilon_target"]).groupby("epsilon_target"):
-            ledgers = [PrivacyLedger.load(Path(d) / LEDGER_FILENAME) for d in group["run_dir"]
-                       if (Path(d) / LEDGER_FILENAME).exists()]
+            ledgers = []
+            for name, run_dir in zip(group["trial"], group["run_dir"]):
+                if (Path(run_dir) / LEDGER_FILENAME).exists():
+                    ledgers.append(PrivacyLedger.load(Path(run_dir) / LEDGER_FILENAME))
+                    delta = ledgers[-1].delta
+                elif name in unfinished_ledgers:  # errored trials spent budget too
+                    ledgers.append(unfinished_ledgers[name])
             if ledgers:
-                tuning[f"{eps:g}"] = tuning_aware_epsilon(ledgers, ledgers[0].delta)
+                tuning[f"{eps:g}"] = tuning_aware_epsilon(ledgers, delta or trial_delta(study))
     table.attrs = {"tuning_aware_epsilon": tuning} if study.private_data else {
         "tuning_aware_epsilon": "not applicable: the study declares its data public"}
     return table

@@ -65,7 +65,7 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
         config = trial_config(study, trial, dataset)
         if config.is_private:
             key = (config.epsilon, config.delta, config.batch_size, config.epochs, config.max_steps,
-                   config.accountant, config.strategy == "rldp" and config.rldp.privacy_mode == "strict")
+                   config.accountant, build_strategy(config).release_noise_multipliers())
             if key not in plans:
                 try:
                     plans[key] = plan_private_run(config, n_train, build_strategy(config))
