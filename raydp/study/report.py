@@ -1,7 +1,8 @@
 """``raydp report STUDY``: the RLDP paper's Table 2 and Table 3 analogues from a study's results.
 
 Table 2: final eval perplexity per model x epsilon, RLDP (its best SAC cell, mean over seeds) against
-the best baseline (the DP strategy with the lowest mean final perplexity), and the relative change.
+the best baseline (the DP strategy with the lowest mean final perplexity), and the relative change;
+RLDP driven by a frozen transferred policy in its own column (transfer studies).
 Table 3: RLDP's steps-to-target (Sec. 4.2) in % of its steps, mean over seeds (the same cell).
 """
 
@@ -29,9 +30,12 @@ def table2(results: pd.DataFrame) -> pd.DataFrame:
     private = results.dropna(subset=["epsilon_target", "final_eval_perplexity"])
     rows = []
     for (model, eps), group in private.groupby(["model", "epsilon_target"]):
-        rldp = group[group["strategy"] == "rldp"]
+        frozen = group["frozen_policy"].fillna(False).astype(bool) if "frozen_policy" in group else False
+        rldp = group[(group["strategy"] == "rldp") & ~frozen]
         base = group[group["strategy"] != "rldp"]
         row = {"model": model, "epsilon": eps}
+        if (group["strategy"] == "rldp").any() and getattr(frozen, "any", lambda: False)():
+            row["rldp_frozen_ppl"] = float(group[frozen]["final_eval_perplexity"].mean())
         if len(rldp):
             cells = rldp.groupby(["t_rl", "b_sac", "k"])["final_eval_perplexity"].mean()
             row.update(rldp_ppl=float(cells.min()), rldp_cell="T_RL={} B_SAC={} K={}".format(*map(int, cells.idxmin())))
@@ -45,7 +49,8 @@ def table2(results: pd.DataFrame) -> pd.DataFrame:
 
 
 def table3(results: pd.DataFrame) -> pd.DataFrame:
-    rldp = results[(results["strategy"] == "rldp")].dropna(subset=["final_eval_perplexity"])
+    frozen = results["frozen_policy"].fillna(False).astype(bool) if "frozen_policy" in results else False
+    rldp = results[(results["strategy"] == "rldp") & ~frozen].dropna(subset=["final_eval_perplexity"])
     rows = []
     for (model, eps), group in rldp.groupby(["model", "epsilon_target"]):
         cells = group.groupby(["t_rl", "b_sac", "k"])

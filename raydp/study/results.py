@@ -5,6 +5,7 @@
 =========================  ==========================================================================
 trial, status              the trial's name (strategy_model_eps_seed[_SAC cell]) and Tune's status
 model, strategy, epsilon_target, seed, t_rl, b_sac, k    the varied settings (SAC cell: rldp only)
+frozen_policy              an RLDP trial driven by a frozen, transferred policy (transfer studies)
 config                     the trial's full TrainConfig as JSON
 initial/final/best_eval_perplexity   held-out perplexity at step 0, at the end, and the best
 steps, planned_steps       steps run and planned (ceil(epochs / q), E10)
@@ -47,7 +48,8 @@ BASELINE_EXCLUDED = ("rldp", "nonprivate")
 def _trial_row(trial: dict, run_dir: Path, status: str, result: dict) -> dict:
     row = {"trial": trial["name"], "status": status, "model": trial["model"], "strategy": trial["strategy"],
            "epsilon_target": trial.get("epsilon"), "seed": trial["seed"], "t_rl": trial.get("t_rl"),
-           "b_sac": trial.get("b_sac"), "k": trial.get("k"), "run_dir": str(run_dir),
+           "b_sac": trial.get("b_sac"), "k": trial.get("k"), "frozen_policy": bool(trial.get("frozen_from")),
+           "run_dir": str(run_dir),
            "trial_seconds": result.get("trial_seconds")}
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
@@ -152,7 +154,7 @@ def collect_results(study, study_dir: Path, trials: list[dict], grid) -> pd.Data
     for result in grid:
         metrics = result.metrics or {}
         config = result.config or {}
-        trial = config.get("trial")
+        trial = (config.get("trial_specs") or {}).get(config.get("trial_name"))
         if trial is None:  # an Optuna-sampled trial
             if metrics.get("trial_spec"):
                 trial = json.loads(metrics["trial_spec"])

@@ -149,8 +149,8 @@ def run_trial(params: dict) -> None:
     from raydp.runner.run import run_training
 
     study = StudyConfig(**params["study"])
-    if "trial" in params:
-        trial = params["trial"]
+    if "trial_name" in params:
+        trial = params["trial_specs"][params["trial_name"]]
     else:  # an Optuna-sampled SAC cell
         trial = optuna_trial(study, params["t_rl"], params["b_sac"], params["k"], tune.get_context().get_trial_id())
         trial["name"] = trial_name(trial)
@@ -173,6 +173,7 @@ def run_trial(params: dict) -> None:
                          "eval_perplexity": state["trainer"]["eval_rows"][-1]["perplexity"]},
                         checkpoint=Checkpoint.from_directory(d))
 
+    entered_at = time.time()
     reporter = _Reporter(study, trial, config, Path(params["study_dir"]))
     try:
         if config.strategy == "rldp":
@@ -192,13 +193,16 @@ def run_trial(params: dict) -> None:
                  "best_eval_perplexity": summary["best_eval_perplexity"],
                  "epsilon": (summary["privacy"] or {}).get("epsilon"),
                  "trial_seconds": time.perf_counter() - started, "trial_name": trial["name"],
+                 "entered_at": entered_at, "run_wall_seconds": summary["wall_seconds"],
                  "trial_spec": json.dumps(trial), "done": True})
 
 
 def _param_space(study: StudyConfig, trials: list[dict], common: dict) -> dict:
+    """Tune grid-searches the trial names (so its live table shows them); the specs ride along."""
     from ray import tune
 
-    return {**common, "trial": tune.grid_search(trials)}
+    return {**common, "trial_name": tune.grid_search([t["name"] for t in trials]),
+            "trial_specs": {t["name"]: t for t in trials}}
 
 
 def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progress: bool = True,
@@ -232,7 +236,7 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
     bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
     trainable = tune.with_resources(run_trial, tune.PlacementGroupFactory([bundle]))
     storage = str(study_dir / "tune")
-    started = time.perf_counter()
+    started, fit_started = time.perf_counter(), time.time()
     stages = [[t for t in trials if t.get("stage") == "source"], [t for t in trials if t.get("stage") != "source"]]
     sources = {source_key(t): str(study_dir / "trials" / t["name"] / "policy") for t in stages[0]}
     grids = []
@@ -250,10 +254,10 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
         if session is not None:
             session.close()
     wall = time.perf_counter() - started
-    table = collect_results(study, study_dir, trials, [r for g in grids for r in g])
+    results = [r for g in grids for r in g]
+    table = collect_results(study, study_dir, trials, results)
     summary = {"study": study.name, "trials": len(trials), "wall_seconds": round(wall, 1),
-               "results": str(study_dir / "results.parquet"),
-               "scheduling_overhead_seconds_per_trial": _scheduling_overhead(table, wall, study, ray)}
+               "results": str(study_dir / "results.parquet"), **_overheads(results, fit_started)}
     summary.update(table.attrs if hasattr(table, "attrs") else {})
     if shared_counters is not None:
         summary["shared_policy"] = shared_counters
@@ -277,7 +281,7 @@ def _fit(trainable, param_space: dict, storage: str, name: str, study: StudyConf
                 failure_config=tune.FailureConfig(max_failures=study.max_failures),
                 progress_reporter=tune.CLIReporter(
                     metric_columns=["step", "eval_perplexity", "epsilon"],
-                    parameter_columns={"trial/name": "trial"}, max_report_frequency=30),
+                    parameter_columns={"trial_name": "trial"}, max_report_frequency=30),
                 verbose=1 if progress else 0),
         )
     return tuner.fit()
@@ -306,10 +310,16 @@ def _fit_optuna(trainable, study: StudyConfig, common: dict, storage: str, progr
     return tuner.fit()
 
 
-def _scheduling_overhead(table, wall: float, study: StudyConfig, ray) -> float | None:
-    """(study wall - sum of trial run times / concurrency) / trials: what Tune adds per trial."""
-    if table is None or not len(table):
-        return None
-    concurrency = max(1, int(ray.cluster_resources().get("CPU", 1) // study.resources.cpus_per_trial))
-    busy = float(table["trial_seconds"].fillna(0).sum()) / concurrency
-    return round(max(0.0, wall - busy) / len(table), 2)
+def _overheads(results, fit_started: float) -> dict:
+    """What a trial costs beyond its training run: Tune's start latency (first trial: Tuner start to the
+    trainable's first line) and, per trial, the trainable's time outside ``run_training`` (imports, a
+    per-trial policy's start-up, reporting, checkpoints), mean over trials."""
+    metrics = [r.metrics or {} for r in results if (r.metrics or {}).get("entered_at")]
+    if not metrics:
+        return {}
+    outside = [m["trial_seconds"] - m["run_wall_seconds"] for m in metrics]
+    out = {"per_trial_overhead_seconds": round(sum(outside) / len(outside), 2)}
+    entered = [m["entered_at"] for m in metrics if m["entered_at"] >= fit_started]  # not restored results
+    if entered:
+        out["first_trial_start_latency_seconds"] = round(min(entered) - fit_started, 2)
+    return out
