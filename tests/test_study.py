@@ -276,3 +276,32 @@ def test_resume_restores_a_finished_study_without_rerunning(tiny_study):
     after = pd.read_parquet(tiny_study / "results.parquet")
     assert list(after["final_eval_perplexity"]) == list(before["final_eval_perplexity"])
     assert time.perf_counter() - started < 60  # Tuner.restore found both trials finished
+
+
+def test_a_stopped_study_resumes_with_tuner_restore(tmp_path, raydp_cache):
+    """Stop the study's driver (Ctrl-C) after a checkpoint, then `raydp study --resume` finishes it."""
+    import signal
+
+    from raydp.privacy.ledger import PrivacyLedger
+
+    path = write_study(tmp_path, name="stopped", strategies=["static"], wandb={"mode": "disabled"},
+                       base={**TINY_STUDY["base"], "max_steps": 48})
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cmd = [sys.executable, "-m", "raydp", "study", str(path), "--results-dir", str(out), "--quiet"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 600
+    while not list((out / "stopped" / "tune" / "stopped").glob("*/checkpoint_000001")):
+        assert proc.poll() is None and time.time() < deadline, "the study ended before it could be stopped"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=300)
+    run_dir = out / "stopped" / "trials" / "static_embedded-tiny_eps2_seed0"
+    assert not (run_dir / "summary.json").exists()  # the trial did not finish
+    resumed = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from_step"] is not None and summary["steps"] == 48
+    assert list(PrivacyLedger.load(run_dir / "privacy_ledger.parquet").steps) == list(range(48))
+    table = pd.read_parquet(out / "stopped" / "results.parquet")
+    assert list(table["status"]) == ["TERMINATED"] and table["within_budget"].all()

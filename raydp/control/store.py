@@ -113,6 +113,9 @@ def copy_policy(source: Path, dest: Path, overwrite: bool = False) -> Path:
     tmp = dest.parent / f".{dest.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(source, tmp)
+    manifest = json.loads((tmp / MANIFEST).read_text())
+    manifest["name"] = dest.name
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     if dest.exists():
         shutil.rmtree(dest)
     tmp.rename(dest)
