@@ -202,3 +202,47 @@ def test_a_stopped_study_resumes_with_tuner_restore(tmp_path, raydp_cache):
     assert list(PrivacyLedger.load(run_dir / "privacy_ledger.parquet").steps) == list(range(48))
     table = pd.read_parquet(out / "stopped" / "results.parquet")
     assert list(table["status"]) == ["TERMINATED"] and table["within_budget"].all()
+
+
+def test_a_killed_trial_resumes_with_exactly_the_planned_ledger(tiny_study, tmp_path):
+    """Kill a trial's run (its actor process) mid-training: Tune retries it from its checkpoint, the
+    study finishes, and the trial's ledger has every planned step exactly once."""
+    import signal
+    import threading
+
+    from raydp.privacy.ledger import PrivacyLedger
+    from raydp.study.runner import run_study
+
+    path = write_study(tmp_path, name="killed", strategies=["rldp"], max_failures=2,
+                       base={**TINY_STUDY["base"], "max_steps": 48})
+    study_dir = tmp_path / "out" / "killed"
+    killed = {}
+
+    def killer():
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            checkpoints = list((study_dir / "tune" / "killed").glob("*/checkpoint_*"))
+            pids = list((study_dir / "work").glob("*/pid"))
+            if len(checkpoints) >= 3 and pids:
+                killed["pid"] = int(pids[0].read_text())
+                os.kill(killed["pid"], signal.SIGKILL)
+                return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    run_study(path, tmp_path / "out", progress=False)
+    thread.join(timeout=5)
+    assert "pid" in killed, "the trial finished before it could be killed"
+    table = pd.read_parquet(study_dir / "results.parquet")
+    assert list(table["status"]) == ["TERMINATED"]
+    run_dir = Path(table["run_dir"].iloc[0])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from_step"] is not None and 0 < summary["resumed_from_step"] < 48
+    ledger = PrivacyLedger.load(run_dir / "privacy_ledger.parquet")
+    assert list(ledger.steps) == list(range(48))  # every planned step, none lost, none repeated
+    # every decision of Alg. 1 happened once, including the one the checkpoint was taken before
+    decisions = pd.read_parquet(run_dir / "controller_decisions.parquet")
+    assert list(decisions["step"]) == list(range(8, 49, 4))
+    assert summary["privacy"]["within_budget"] and summary["steps"] == 48
+    assert int((study_dir / "work" / table["trial"].iloc[0] / "pid").read_text()) != killed["pid"]
