@@ -94,8 +94,7 @@ class PolicyService:
         return {"train_calls": self.train_calls, "transitions_trained": self.transitions_trained,
                 "module_steps_trained": self.module_steps_trained,
                 "replay_size": self.algo.local_replay_buffer.get_num_timesteps(),
-                "alpha": float(learner.module["default_policy"].log_alpha.exp()) if hasattr(
-                    learner.module["default_policy"], "log_alpha") else self.settings.alpha,
+                "alpha": float(learner.curr_log_alpha["default_policy"].exp()),  # the learner's live temperature
                 "errors": list(self.errors)}
 
     def wait_idle(self, timeout_s: float = 120.0) -> bool:
