@@ -108,25 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_yaml(path: str) -> dict:
-    import yaml
-
-    try:
-        with open(path) as handle:
-            values = yaml.safe_load(handle) or {}
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"config {path} must be a mapping of fields")
-    return values
-
-
 def train_config_from_args(args: argparse.Namespace):
-    from raydp.config import TrainConfig, validate_config
+    from raydp.config import TrainConfig, load_yaml_mapping, validate_config
 
-    values = _load_yaml(args.config) if args.config else {}
+    values = load_yaml_mapping(args.config) if args.config else {}
     for key in ("model", "strategy", "epsilon", "delta", "accountant", "clip", "epochs", "max_steps", "batch_size",
                 "lr", "warmup_steps", "eval_every", "eval_max_records", "max_length", "seed", "device", "cpus"):
         if getattr(args, key) is not None:

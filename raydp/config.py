@@ -114,6 +114,22 @@ class TrainConfig(StrictModel):
         return self.strategy != "nonprivate"
 
 
+def load_yaml_mapping(path, what: str = "config") -> dict:
+    """A YAML file that must hold a mapping; unreadable, invalid or non-mapping files are ConfigErrors."""
+    import yaml
+
+    try:
+        with open(path) as handle:
+            values = yaml.safe_load(handle) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{what} {path} must be a mapping of fields")
+    return values
+
+
 def validate_config(cls: type[BaseModel], values: dict) -> BaseModel:
     """Build ``cls`` from ``values``; a validation failure becomes a one-line ConfigError naming the field."""
     try:

@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from raydp.config import StrictModel, TrainConfig, validate_config
+from raydp.config import StrictModel, TrainConfig, load_yaml_mapping, validate_config
 from raydp.errors import ConfigError
 
 STUDY_STRATEGIES = ("static", "dp-lora", "static-pairwise", "rldp", "nonprivate")
@@ -115,19 +115,10 @@ class StudyConfig(StrictModel):
 
 def load_study(path: str | Path) -> StudyConfig:
     """Read and validate a study file (YAML; ``trials/NAME`` may omit ``.yaml``)."""
-    import yaml
-
     path = Path(path)
     if not path.exists() and path.with_suffix(".yaml").exists():
         path = path.with_suffix(".yaml")
-    try:
-        values = yaml.safe_load(path.read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"cannot read study {path}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"study {path} is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"study {path} must be a mapping of fields")
+    values = load_yaml_mapping(path, "study")
     try:
         return validate_config(StudyConfig, values)
     except ConfigError as exc:
