@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -12,6 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from raydp.data import (
+    PRIVACY_UNIT,
+    UNIT_COLUMN,
     build_dataset,
     describe_dataset,
     generate_records,
@@ -21,8 +24,11 @@ from raydp.data import (
     load_manifest,
     load_split,
     load_texts,
+    load_units,
+    privacy_unit,
     public_corpus,
     public_records,
+    split_sizes,
     verbalise,
 )
 from raydp.errors import DataError
@@ -311,15 +317,24 @@ def test_synthetic_marginals_match_published_table() -> None:
 
 
 def test_split_sizes_follow_documented_rounding(tmp_path: Path) -> None:
-    # N=1000: attack 200, rest 800 -> eval 80, train 720 (20% / 72% / 8%).
+    # The targets keep Sec. 2.1's rule. N=1000: attack 200, rest 800 -> eval 80, train 720.
+    assert split_sizes(1000) == {"train": 720, "eval": 80, "attack": 200}
+    # N=101: attack round(20.2)=20, rest 81 -> eval round(8.1)=8, train 73.
+    assert split_sizes(101) == {"train": 73, "eval": 8, "attack": 20}
+    # Whole patients per split (ERRATA E11): the record counts are near the targets, off by at
+    # most the encounters of one patient.
     m = build_dataset(tmp_path / "a", n_records=1000, n_canary=0, progress=False)
     assert m == load_manifest(tmp_path / "a")
-    assert m["sizes"] == {"train": 720, "eval": 80, "attack": 200}
-    # N=101: attack round(20.2)=20, rest 81 -> eval round(8.1)=8, train 73.
-    m = build_dataset(tmp_path / "b", n_records=101, n_canary=0, progress=False)
-    assert m["sizes"] == {"train": 73, "eval": 8, "attack": 20}
-    with pytest.raises(DataError):
-        build_dataset(tmp_path / "c", n_records=5, progress=False)
+    per_patient = pd.concat(load_split(tmp_path / "a", s) for s in ("train", "eval", "attack"))[
+        "patient_nbr"].value_counts()
+    assert sum(m["sizes"].values()) == 1000
+    assert abs(m["sizes"]["attack"] - 200) <= per_patient.max()
+    assert abs(m["sizes"]["eval"] - round(0.1 * (1000 - m["sizes"]["attack"]))) \
+        <= per_patient.max()
+    # Synthetic records with at most 2 distinct patients cannot fill three splits.
+    with pytest.raises(DataError) as exc:
+        build_dataset(tmp_path / "c", n_records=2, progress=False)
+    assert_one_line_error(exc, "at least 3 patients")
     assert not (tmp_path / "c").exists()
 
 
@@ -376,7 +391,11 @@ def test_canaries(built: Path, tmp_path: Path) -> None:
 
 def test_describe_dataset(built: Path) -> None:
     d = describe_dataset(built)
-    assert d["sizes"] == {"train": 720, "eval": 80, "attack": 200}
+    m = load_manifest(built)
+    assert d["sizes"] == m["sizes"] and sum(d["sizes"].values()) == 1000
+    assert d["privacy_unit"] == "patient"
+    assert d["units"] == m["units"] == {
+        s: len(set(load_split(built, s)["patient_nbr"])) for s in ("train", "eval", "attack")}
     assert d["n_canary"] == 10
     assert d["sample_eval_narrative"] == load_texts(built, "eval")[0]
     assert d["sample_eval_narrative"].startswith("The patient has the following profile. race is ")
@@ -408,7 +427,151 @@ def test_build_from_csv_source(tmp_path: Path) -> None:
     assert sum(m["sizes"].values()) == 40
     m = build_dataset(tmp_path / "cap", source=tmp_path / "diabetic_data.csv", n_records=20,
                       n_canary=2, progress=False)
-    assert sum(m["sizes"].values()) == 20
+    # The cap keeps whole patients (ERRATA E11), so it may keep a few more rows than 20.
+    assert 20 <= sum(m["sizes"].values()) < 20 + df["patient_nbr"].value_counts().max()
+
+
+# --- the patient as the privacy unit (ERRATA E11) --------------------------------------------
+
+# Patients with many encounters each, interleaved through the file as in the real table.
+HEAVY = {7_000_001: 12, 7_000_002: 10, 7_000_003: 9, 7_000_004: 8, 7_000_005: 6}
+
+
+def write_patient_csv(path: Path, n: int = 150, seed: int = 5) -> pd.DataFrame:
+    """A valid diabetic_data.csv of ``n`` synthetic encounters whose ``patient_nbr`` gives the
+    HEAVY patients their many encounters and the others one to three each, rows shuffled."""
+    df = generate_records(n, seed=seed, progress=False)
+    pids = [p for p, k in HEAVY.items() for _ in range(k)]
+    light = 8_000_000
+    rng = np.random.default_rng(seed)
+    while len(pids) < n:
+        light += 1
+        pids += [light] * int(min(rng.integers(1, 4), n - len(pids)))
+    df["patient_nbr"] = rng.permutation(np.array(pids, dtype=np.int64))
+    df.to_csv(path, index=False)
+    return df
+
+
+def split_patients(out: Path) -> dict[str, set[int]]:
+    return {s: set(load_split(out, s)["patient_nbr"]) for s in ("train", "eval", "attack")}
+
+
+def test_csv_splits_are_disjoint_in_patients(tmp_path: Path) -> None:
+    src = write_patient_csv(tmp_path / "diabetic_data.csv")
+    m = build_dataset(tmp_path / "out", source=tmp_path / "diabetic_data.csv", n_canary=3,
+                      progress=False)
+    pats = split_patients(tmp_path / "out")
+    assert not pats["train"] & pats["eval"] and not pats["train"] & pats["attack"]
+    assert not pats["eval"] & pats["attack"]
+    assert set().union(*pats.values()) == set(src["patient_nbr"])
+    assert m["privacy_unit"] == PRIVACY_UNIT == privacy_unit(m) == "patient"
+    assert m["unit_column"] == UNIT_COLUMN == "patient_nbr"
+    assert m["units"] == {s: len(pats[s]) for s in ("train", "eval", "attack")}
+    assert "patient" in m["split_rule"]
+    # Every patient brings all of its encounters to its one split.
+    for split in ("train", "eval", "attack"):
+        rows = load_split(tmp_path / "out", split)
+        for pid, k in rows["patient_nbr"].value_counts().items():
+            assert k == (src["patient_nbr"] == pid).sum()
+        # Rows keep their source order inside a split.
+        pos = src.reset_index().set_index("encounter_id").loc[rows["encounter_id"], "index"]
+        assert pos.is_monotonic_increasing
+    # Record counts near 20% / 10% of the rest, within one patient's encounters (at most 12).
+    sizes = m["sizes"]
+    assert sum(sizes.values()) == 150 and min(sizes.values()) >= 1
+    assert abs(sizes["attack"] - 30) <= max(HEAVY.values())
+    assert abs(sizes["eval"] - round(0.1 * (150 - sizes["attack"]))) <= max(HEAVY.values())
+    assert len(load_canaries(tmp_path / "out")) == 3
+
+
+def test_patient_split_is_deterministic_in_seed(tmp_path: Path) -> None:
+    write_patient_csv(tmp_path / "diabetic_data.csv")
+    builds = {}
+    for name, seed in (("a", 3), ("b", 3), ("c", 4)):
+        builds[name] = build_dataset(tmp_path / name, source=tmp_path / "diabetic_data.csv",
+                                     seed=seed, n_canary=2, progress=False)
+    assert builds["a"]["content_sha256"] == builds["b"]["content_sha256"]
+    assert split_patients(tmp_path / "a") == split_patients(tmp_path / "b")
+    assert builds["c"]["content_sha256"] != builds["a"]["content_sha256"]
+    assert split_patients(tmp_path / "c") != split_patients(tmp_path / "a")
+
+
+def test_load_units_align_with_texts_and_canaries(tmp_path: Path) -> None:
+    src = write_patient_csv(tmp_path / "diabetic_data.csv")
+    out = tmp_path / "out"
+    build_dataset(out, source=tmp_path / "diabetic_data.csv", n_canary=4, progress=False)
+    # Each row's text is the narrative of one of that row's patient's source encounters.
+    texts_of = {}
+    for rec in src.to_dict("records"):
+        texts_of.setdefault(rec["patient_nbr"], set()).add(verbalise(rec))
+    for split in ("train", "eval", "attack"):
+        units = load_units(out, split)
+        texts = load_texts(out, split)
+        assert units.dtype == np.int64 and len(units) == len(texts)
+        for unit, text in zip(units, texts):
+            assert SECRET_RE.sub("", text) in texts_of[int(unit)]
+    can = load_canaries(out)
+    patient_of = dict(zip(src["encounter_id"], src["patient_nbr"]))
+    train_units = load_units(out, "train")
+    assert [int(train_units[r]) for r in can["train_row"]] == [
+        patient_of[e] for e in can["encounter_id"]]
+    with pytest.raises(DataError):
+        load_units(out, "validation")
+
+
+def test_csv_cap_keeps_whole_patients(tmp_path: Path) -> None:
+    src = write_patient_csv(tmp_path / "diabetic_data.csv")
+    count = src["patient_nbr"].value_counts()
+    kept = {}
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        m = build_dataset(tmp_path / name, source=tmp_path / "diabetic_data.csv", n_records=60,
+                          seed=seed, n_canary=0, progress=False)
+        rows = pd.concat(load_split(tmp_path / name, s) for s in ("train", "eval", "attack"))
+        assert m["n_records"] == len(rows) and 60 <= len(rows) < 60 + count.max()
+        for pid, k in rows["patient_nbr"].value_counts().items():
+            assert k == count[pid]  # all of the patient's encounters, or none
+        kept[name] = set(rows["encounter_id"])
+    assert kept["a"] == kept["b"] and kept["a"] != kept["c"]
+    m = build_dataset(tmp_path / "all", source=tmp_path / "diabetic_data.csv", n_records=None,
+                      n_canary=0, progress=False)
+    assert m["n_records"] == sum(m["sizes"].values()) == 150
+
+
+def test_synthetic_build_splits_by_patient(built: Path) -> None:
+    pats = split_patients(built)
+    every = pd.concat(load_split(built, s) for s in ("train", "eval", "attack"))["patient_nbr"]
+    assert every.nunique() < 0.9 * len(every)  # the generator repeats patients
+    assert not pats["train"] & pats["eval"] and not pats["train"] & pats["attack"]
+    assert not pats["eval"] & pats["attack"]
+    for split in ("train", "eval", "attack"):
+        assert list(load_units(built, split)) == list(load_split(built, split)["patient_nbr"])
+
+
+def test_too_few_patients_refused(tmp_path: Path) -> None:
+    df = generate_records(10, seed=5, progress=False)
+    df["patient_nbr"] = [11] * 6 + [12] * 4
+    df.to_csv(tmp_path / "diabetic_data.csv", index=False)
+    with pytest.raises(DataError) as exc:
+        build_dataset(tmp_path / "out", source=tmp_path / "diabetic_data.csv", n_canary=0,
+                      progress=False)
+    assert_one_line_error(exc, "2 distinct patient", "at least 3 patients")
+    assert not (tmp_path / "out").exists()
+
+
+def test_old_record_level_dataset_is_refused_by_load_units(tmp_path: Path) -> None:
+    out = tmp_path / "old"
+    build_dataset(out, n_records=100, n_canary=1, progress=False)
+    manifest = load_manifest(out)
+    for key in ("privacy_unit", "unit_column", "units"):
+        del manifest[key]
+    manifest["split_rule"] = "attack=round(0.2*N); eval=round(0.1*(N-attack)); train=rest; half up"
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    assert privacy_unit(load_manifest(out)) is None
+    with pytest.raises(DataError) as exc:
+        load_units(out, "train")
+    assert_one_line_error(exc, str(out), "privacy_unit", "rebuild")
+    d = describe_dataset(out)  # still describable, and says what is wrong
+    assert d["privacy_unit"] is None and d["units"] is None and "rebuild" in d["unit_note"]
 
 
 # --- atomic writes and bad targets -------------------------------------------------------------

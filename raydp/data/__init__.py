@@ -1,6 +1,8 @@
 """Records, verbaliser, splits, canaries and public corpus (RLDP Sec. 2.1).
 
-Synthetic records (``source="synthetic"``) describe no real patient.
+Synthetic records (``source="synthetic"``) describe no real patient. The splits are disjoint in
+patients, the privacy unit (ERRATA E11): ``load_units`` gives each row's ``patient_nbr`` and
+``privacy_unit(manifest)`` the unit a dataset directory was split by.
 """
 
 from raydp.data.canaries import PATTERN as CANARY_PATTERN
@@ -9,13 +11,17 @@ from raydp.data.csv_source import load_diabetes_csv, load_ids_mapping
 from raydp.data.public import public_corpus, public_records
 from raydp.data.schema import COLUMNS, MEDICATIONS, SCHEMA_VERSION, IdMaps, default_id_maps
 from raydp.data.splits import (
+    PRIVACY_UNIT,
     SPLITS,
+    UNIT_COLUMN,
     build_dataset,
     describe_dataset,
     load_canaries,
     load_manifest,
     load_split,
     load_texts,
+    load_units,
+    privacy_unit,
     split_sizes,
 )
 from raydp.data.synthetic import generate_records
@@ -25,8 +31,10 @@ __all__ = [
     "CANARY_PATTERN",
     "COLUMNS",
     "MEDICATIONS",
+    "PRIVACY_UNIT",
     "SCHEMA_VERSION",
     "SPLITS",
+    "UNIT_COLUMN",
     "IdMaps",
     "build_dataset",
     "default_id_maps",
@@ -39,6 +47,8 @@ __all__ = [
     "load_manifest",
     "load_split",
     "load_texts",
+    "load_units",
+    "privacy_unit",
     "public_corpus",
     "public_records",
     "split_sizes",

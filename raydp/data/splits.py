@@ -1,14 +1,27 @@
 """Build, load and describe a dataset directory: attack/train/eval splits with canaries (Sec. 2.1).
 
-Split sizes (rounding half up): ``n_attack = round(0.2 * N)``, then of the remaining ``R = N -
-n_attack`` records ``n_eval = round(0.1 * R)`` and ``n_train = R - n_eval`` (20% / 72% / 8%; exactly
-20000 / 72000 / 8000 for N = 100000). Every split must be non-empty, so N >= 6. The split is a
-permutation drawn from ``SeedSequence([seed, SPLIT_STREAM])``; rows keep their source order
-within a split. The attack set is never trained on.
+The privacy unit is the patient (ERRATA E11): the split assigns whole patients (``patient_nbr``) to
+one split each, so no patient is both a member (train) and a "non-member" (eval, attack). The
+target record counts keep the old rule (rounding half up): ``n_attack = round(0.2 * N)``, then of
+the remaining ``R = N - n_attack`` records ``n_eval = round(0.1 * R)`` and ``n_train = R - n_eval``
+(20% / 72% / 8%). The distinct patients, in ascending ``patient_nbr`` order, are permuted with
+``SeedSequence([seed, SPLIT_STREAM])``; walking that order, the attack split takes the prefix of
+patients whose record count is nearest ``round(0.2 * N)`` (ties to the shorter prefix), the eval
+split takes the next run of patients whose record count is nearest ``round(0.1 * (N - attack
+records))``, and train takes the remaining patients. Each split holds at least one patient, so at
+least 3 distinct patients are needed; record counts are near, not exactly, 20% / 72% / 8%. Rows
+keep their source order within a split. The attack set is never trained on.
+
+A CSV source capped with ``n_records`` keeps whole patients too: patients are drawn in an order
+permuted with ``SeedSequence([seed, SUBSAMPLE_STREAM])`` and kept until the kept rows reach
+``n_records``, so the cap may keep a few more than ``n_records`` rows.
 
 Layout of ``out_dir``: ``train.parquet`` (``text``, the 50 record fields, ``has_canary``),
 ``eval.parquet`` and ``attack.parquet`` (``text`` and the record fields), ``canaries.parquet``
-(``secret``, ``train_row``, ``encounter_id``) and ``manifest.json``. The directory is written to a
+(``secret``, ``train_row``, ``encounter_id``) and ``manifest.json``. The manifest's
+``privacy_unit`` (``"patient"``), ``unit_column`` (``"patient_nbr"``) and ``units`` (distinct
+patients per split) say what the splits are disjoint in; a directory built before E11 has no
+``privacy_unit`` and its record-level splits may share patients. The directory is written to a
 temporary sibling and renamed into place, so a failed build leaves nothing behind.
 """
 
@@ -40,6 +53,12 @@ ATTACK_FRACTION = 0.2
 EVAL_FRACTION = 0.1
 SPLIT_STREAM = 0x53504C54  # "SPLT"
 SUBSAMPLE_STREAM = 0x53554253  # "SUBS"
+PRIVACY_UNIT = "patient"  # ERRATA E11: the unit the splits (and DP) are taken over
+UNIT_COLUMN = "patient_nbr"
+SPLIT_RULE = ("whole patients (patient_nbr) per split: distinct patients permuted with the split "
+              "seed; attack = the prefix whose records are nearest round(0.2*N), eval = the next "
+              "patients whose records are nearest round(0.1*(N-attack)), train = the rest; "
+              "half up, ties to fewer patients")
 DEFAULT_SYNTHETIC_SIZE = 101_766  # the size of the real table
 SYNTHETIC_NOTE = "Synthetic records: they describe no real patient."
 REAL_NOTE = ("Records come from a user-supplied CSV and may describe real patients; treat every "
@@ -52,23 +71,49 @@ def _round_half_up(x: float) -> int:
 
 
 def split_sizes(n: int) -> dict[str, int]:
-    """Sizes of the train/eval/attack splits of ``n`` records (see the module docstring)."""
+    """Target record counts of the train/eval/attack splits of ``n`` records.
+
+    The patient-level split (ERRATA E11) gets as near these as whole patients allow; see the
+    module docstring.
+    """
     n_attack = _round_half_up(ATTACK_FRACTION * n)
     rest = n - n_attack
     n_eval = _round_half_up(EVAL_FRACTION * rest)
     return {"train": rest - n_eval, "eval": n_eval, "attack": n_attack}
 
 
-def split_indices(n: int, seed: int) -> dict[str, np.ndarray]:
-    """Disjoint sorted row indices of each split of ``n`` records, deterministic in ``seed``."""
-    sizes = split_sizes(n)
-    if min(sizes.values()) < 1:
-        raise DataError(f"{n} records are too few to split into non-empty train/eval/attack "
-                        f"sets (need at least 6)")
-    perm = np.random.default_rng(np.random.SeedSequence([seed, SPLIT_STREAM])).permutation(n)
-    a, e = sizes["attack"], sizes["eval"]
-    return {"attack": np.sort(perm[:a]), "eval": np.sort(perm[a:a + e]),
-            "train": np.sort(perm[a + e:])}
+def _nearest_prefix(cum: np.ndarray, target: int, lo: int, hi: int) -> int:
+    """The k in [lo, hi] whose ``cum[k - 1]`` is nearest ``target``; ties to the smaller k."""
+    ks = np.arange(lo, hi + 1)
+    return int(ks[np.argmin(np.abs(cum[ks - 1] - target))])
+
+
+def split_indices(units: np.ndarray, seed: int) -> dict[str, np.ndarray]:
+    """Disjoint sorted row indices of each split, whole units (patients) each, deterministic in
+    ``seed`` (ERRATA E11; the rule is in the module docstring).
+
+    ``units`` holds the unit id (``patient_nbr``) of every row; every split gets at least one unit.
+    """
+    units = np.asarray(units)
+    n = len(units)
+    uniq, inverse, counts = np.unique(units, return_inverse=True, return_counts=True)
+    n_units = len(uniq)
+    if n_units < 3:
+        raise DataError(f"{n} records of {n_units} distinct patient(s) are too few to split into "
+                        f"non-empty train/eval/attack sets by patient (need at least 3 patients)")
+    perm = np.random.default_rng(np.random.SeedSequence([seed, SPLIT_STREAM])).permutation(n_units)
+    cum = np.cumsum(counts[perm])
+    a = _nearest_prefix(cum, split_sizes(n)["attack"], 1, n_units - 2)
+    n_attack = int(cum[a - 1])
+    target_eval = _round_half_up(EVAL_FRACTION * (n - n_attack))
+    e = _nearest_prefix(cum[a:] - n_attack, target_eval, 1, n_units - a - 1)
+    which = np.empty(n_units, dtype=np.int64)  # 0 attack, 1 eval, 2 train, per unique unit
+    which[perm[:a]] = 0
+    which[perm[a:a + e]] = 1
+    which[perm[a + e:]] = 2
+    row_split = which[inverse.reshape(-1)]
+    return {"attack": np.flatnonzero(row_split == 0), "eval": np.flatnonzero(row_split == 1),
+            "train": np.flatnonzero(row_split == 2)}
 
 
 def texts_sha256(texts_by_split: dict[str, list[str]]) -> str:
@@ -116,12 +161,26 @@ def _load_source(source, n_records, seed, ids_mapping, progress):
                 or n_records < 1:
             raise DataError(f"n_records must be an integer >= 1, got {n_records!r}")
         if n_records < len(records):
-            rng = np.random.default_rng(np.random.SeedSequence([seed, SUBSAMPLE_STREAM]))
-            keep = np.sort(rng.choice(len(records), size=int(n_records), replace=False))
-            records = records.iloc[keep].reset_index(drop=True)
+            records = _cap_by_patient(records, int(n_records), seed)
     info = {"source": str(path.resolve()), "synthetic": False, "note": REAL_NOTE,
             "source_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
     return records, _resolve_id_maps(ids_mapping), info
+
+
+def _cap_by_patient(records: pd.DataFrame, n_records: int, seed: int) -> pd.DataFrame:
+    """Whole patients, drawn in a seeded order until the kept rows reach ``n_records`` (E11).
+
+    The result keeps the source row order and may hold a few more than ``n_records`` rows (the
+    last patient drawn brings all of its encounters).
+    """
+    uniq, inverse, counts = np.unique(records[UNIT_COLUMN].to_numpy(), return_inverse=True,
+                                      return_counts=True)
+    rng = np.random.default_rng(np.random.SeedSequence([seed, SUBSAMPLE_STREAM]))
+    perm = rng.permutation(len(uniq))
+    n_keep = int(np.searchsorted(np.cumsum(counts[perm]), n_records)) + 1
+    kept = np.zeros(len(uniq), dtype=bool)
+    kept[perm[:n_keep]] = True
+    return records.loc[kept[inverse.reshape(-1)]].reset_index(drop=True)
 
 
 def _split_table(frame: pd.DataFrame, texts: list[str], extra: dict | None = None) -> pa.Table:
@@ -181,7 +240,9 @@ def build_dataset(
     """Build the split directory ``out_dir`` and return its manifest.
 
     ``source`` is ``"synthetic"`` (``n_records`` records, default the real table's 101766) or the
-    path of ``diabetic_data.csv`` (``n_records`` then optionally caps it by a seeded subsample).
+    path of ``diabetic_data.csv`` (``n_records`` then optionally caps it by a seeded subsample of
+    whole patients, which may keep a few more than ``n_records`` rows; ``None`` keeps every row).
+    The splits are disjoint in patients (ERRATA E11).
     ``ids_mapping`` is an ``IDs_mapping.csv`` path or :class:`IdMaps`; default the embedded tables.
     """
     seed = _check_seed("seed", seed)
@@ -192,7 +253,8 @@ def build_dataset(
                         f"(pass overwrite=True to replace it)")
 
     records, id_maps, info = _load_source(source, n_records, seed, ids_mapping, progress)
-    idx = split_indices(len(records), seed)
+    units = records[UNIT_COLUMN].to_numpy(dtype=np.int64)
+    idx = split_indices(units, seed)
     secrets, canary_rows = canaries.draw_canaries(n_canary, len(idx["train"]), canary_seed)
     frames = {s: records.iloc[idx[s]].reset_index(drop=True) for s in SPLITS}
     texts = {s: verbalise_records(frames[s], id_maps, progress=progress) for s in SPLITS}
@@ -225,7 +287,10 @@ def build_dataset(
         "canary_format": "' secret_id=<10 characters of [A-Z0-9]>.' appended to a train text",
         "n_records": int(len(records)),
         "sizes": {s: len(texts[s]) for s in SPLITS},
-        "split_rule": "attack=round(0.2*N); eval=round(0.1*(N-attack)); train=rest; half up",
+        "privacy_unit": PRIVACY_UNIT,
+        "unit_column": UNIT_COLUMN,
+        "units": {s: int(len(np.unique(units[idx[s]]))) for s in SPLITS},
+        "split_rule": SPLIT_RULE,
         "content_sha256": texts_sha256(texts),
         "split_sha256": {s: texts_sha256({s: texts[s]}) for s in SPLITS},
         "files": [f"{s}.parquet" for s in SPLITS] + ["canaries.parquet", MANIFEST],
@@ -317,16 +382,60 @@ def load_texts(dataset_dir: str | os.PathLike, split: str) -> list[str]:
         raise DataError(f"split file {f} cannot be read: {' '.join(str(e).split())}") from None
 
 
+def privacy_unit(manifest: dict[str, Any]) -> str | None:
+    """The privacy unit a manifest's splits are disjoint in: ``"patient"``, or ``None`` for a
+    directory built before ERRATA E11 (record-level splits that may share patients)."""
+    return manifest.get("privacy_unit")
+
+
+def load_units(dataset_dir: str | os.PathLike, split: str) -> np.ndarray:
+    """The unit (patient) id of every row of one split as int64, in ``load_texts`` order (E11).
+
+    A directory built before E11 (no ``privacy_unit`` in its manifest) is refused: its
+    record-level splits may put one patient in two splits, so it must be rebuilt.
+    """
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r}; expected one of train, eval, attack")
+    manifest = load_manifest(dataset_dir)
+    unit = privacy_unit(manifest)
+    if unit is None:
+        raise DataError(f"dataset {dataset_dir} was built before patient-level splits (its "
+                        f"manifest has no privacy_unit; its record-level splits may share patients "
+                        f"across train/eval/attack): rebuild it with `raydp data build`")
+    column = manifest.get("unit_column")
+    if unit != PRIVACY_UNIT or column != UNIT_COLUMN:
+        raise DataError(f"dataset {dataset_dir} has privacy_unit {unit!r} / unit_column "
+                        f"{column!r}; this raydp knows only {PRIVACY_UNIT!r} / {UNIT_COLUMN!r}")
+    f = _dataset_file(dataset_dir, f"{split}.parquet")
+    try:
+        values = pq.read_table(f, columns=[column]).column(column).to_numpy()
+    except (OSError, KeyError, pa.ArrowException) as e:
+        raise DataError(f"split file {f} cannot be read: {' '.join(str(e).split())}") from None
+    return np.asarray(values, dtype=np.int64)
+
+
 def load_canaries(dataset_dir: str | os.PathLike) -> pd.DataFrame:
     """The injected canaries: ``secret``, ``train_row``, ``encounter_id``."""
     return load_split(dataset_dir, "canaries")
 
 
 def describe_dataset(dataset_dir: str | os.PathLike) -> dict[str, Any]:
-    """Sizes, mean characters/words per narrative, an eval sample and the canary count."""
+    """Sizes, privacy unit and distinct units per split, mean characters/words per narrative, an
+    eval sample and the canary count.
+
+    ``privacy_unit`` is ``None`` (and ``units`` absent) for a directory built before ERRATA E11;
+    ``note`` then says to rebuild it.
+    """
     manifest = load_manifest(dataset_dir)
     texts = {s: load_texts(dataset_dir, s) for s in SPLITS}
     every = [t for s in SPLITS for t in texts[s]]
+    unit = privacy_unit(manifest)
+    if unit is None:
+        units: dict[str, Any] = {"units": None, "unit_note": (
+            "built before patient-level splits: record-level splits may share patients; rebuild "
+            "with `raydp data build`")}
+    else:
+        units = {"units": {s: int(len(np.unique(load_units(dataset_dir, s)))) for s in SPLITS}}
 
     def mean(xs: list[int]) -> float:
         return float(np.mean(xs)) if xs else 0.0
@@ -335,6 +444,8 @@ def describe_dataset(dataset_dir: str | os.PathLike) -> dict[str, Any]:
         "source": manifest.get("source"),
         "synthetic": manifest.get("synthetic"),
         "sizes": {s: len(texts[s]) for s in SPLITS},
+        "privacy_unit": unit,
+        **units,
         "mean_chars": mean([len(t) for t in every]),
         "mean_words": mean([len(t.split()) for t in every]),
         "mean_words_by_split": {s: mean([len(t.split()) for t in texts[s]]) for s in SPLITS},
