@@ -14,6 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from raydp.errors import ConfigError
 
 
+#: records of the embedded default's synthetic dataset
+SYNTHETIC_DEFAULT_RECORDS = 2000
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -23,10 +27,19 @@ class DataConfig(StrictModel):
 
     source: str = Field("synthetic", description="'synthetic', a diabetic_data.csv path, or a built dataset dir")
     ids_mapping: str | None = Field(None, description="IDs_mapping.csv for a real CSV (default: embedded tables)")
-    n_records: int | None = Field(2000, gt=0, description="synthetic size, or a cap on rows read from a CSV")
+    n_records: int | None = Field(None, gt=0, description="synthetic size (default 2000), or a cap on the rows "
+                                  "read from a CSV (default: all rows; a cap keeps whole patients)")
     seed: int = Field(0, ge=0, description="seed of the synthetic generator and of the splits")
     n_canary: int = Field(10, ge=0)
     canary_seed: int = Field(42, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _synthetic_size(cls, values):
+        if isinstance(values, dict) and values.get("source", "synthetic") == "synthetic" \
+                and values.get("n_records") is None:
+            values = {**values, "n_records": SYNTHETIC_DEFAULT_RECORDS}
+        return values
 
 
 class LoraConfigModel(StrictModel):
@@ -88,7 +101,15 @@ class TrainConfig(StrictModel):
     delta: float = Field(1e-5, gt=0, lt=1, description="target delta; must be < 1/N_train")
     accountant: Literal["pld", "prv", "rdp"] = Field("pld", description="upper-bound accountant that calibrates and enforces")
     clip: float | None = Field(None, gt=0, description="static clip radius (default 1.0 flat, 0.1 per pair)")
-    seed: int = Field(0, ge=0, description="training seed (initialisation, sampling, dropout)")
+    seed: int = Field(0, ge=0, description="seed of what is not private: initialisation, dropout, the "
+                      "non-private sampler (DP sampling and noise use OS entropy, ERRATA E12)")
+    privacy_unit: Literal["auto", "patient", "record"] = Field(
+        "auto", description="what DP protects (ERRATA E11): patient (all of a patient's encounters; the "
+                            "default on data with patient ids) or record (one encounter)")
+    unsafe_fixed_randomness: bool = Field(
+        False, description="UNSAFE: derive DP sampling and noise from `seed` (replayable; the epsilon is void)")
+    public_eval_records: int = Field(128, gt=0, description="PUBLIC validation records evaluated beside the "
+                                     "private eval split (selection uses them, ERRATA E15)")
     epochs: float = Field(3.0, gt=0)
     max_steps: int | None = Field(None, gt=0, description="cap on the number of steps")
     batch_size: int = Field(16, gt=0)
@@ -103,8 +124,6 @@ class TrainConfig(StrictModel):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.data.source == "synthetic" and self.data.n_records is None:
-            raise ValueError("data.n_records is required for synthetic data")
         if self.strategy != "nonprivate" and self.epsilon is None:
             raise ValueError(f"strategy {self.strategy!r} needs a target epsilon")
         return self

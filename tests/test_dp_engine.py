@@ -13,6 +13,7 @@ from raydp.model.loss import per_sequence_nll
 from raydp.privacy import BudgetGuard, PrivacyLedger
 from raydp.privacy.clipping import PerSampleGradientComputer, clip_factors, clipped_sums, group_norms, pair_norms
 from raydp.privacy.engine import DPStep
+from raydp.privacy.randomness import PrivateRandomness
 from raydp.runner.batches import Batch
 from raydp.runner.sampling import PoissonSampler
 from raydp.strategies.base import Dials, Strategy, StrategyContext
@@ -111,7 +112,7 @@ def test_noise_std_per_pair_matches_allocation(allocation):
     ids, mask = padded_batch()
     want_a, want_b, _ = naive_clipped_sums(model, pairs, ids, mask, clips, "pairwise")
     step = DPStep(model, pairs, strategy, ledger, guard, q=0.5, expected_batch_size=expected_batch,
-                  planned_steps=400, noise_seed=7, device=torch.device("cpu"))
+                  planned_steps=400, randomness=PrivateRandomness.unsafe_from_seed(7), device=torch.device("cpu"))
     residuals = [[] for _ in range(n)]
     for _ in range(40):
         step.compute(model, Batch(list(range(ids.shape[0])), ids, mask))
@@ -142,7 +143,7 @@ def test_empty_poisson_batch_releases_noise_and_counts_a_step():
     ledger = PrivacyLedger(delta=1e-5, epsilon_target=1e6)
     guard = BudgetGuard("rdp", epsilon_target=1e6, delta=1e-5, planned_steps=10, q=0.01)
     step = DPStep(model, pairs, strategy, ledger, guard, q=0.01, expected_batch_size=1.0, planned_steps=10,
-                  noise_seed=3, device=torch.device("cpu"))
+                  randomness=PrivateRandomness.unsafe_from_seed(3), device=torch.device("cpu"))
     empty = Batch([], torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long))
     metrics = step.compute(model, empty)
     assert len(ledger) == 1 and ledger.q[0] == 0.01
@@ -151,12 +152,12 @@ def test_empty_poisson_batch_releases_noise_and_counts_a_step():
 
 
 def test_poisson_sampler_is_poisson():
-    sampler = PoissonSampler(1000, 0.02, seed=0)
+    sampler = PoissonSampler(1000, 0.02, rng=np.random.default_rng(0))
     sizes = [len(sampler.next_indices()) for _ in range(3000)]
     assert np.mean(sizes) == pytest.approx(20, rel=0.03)
     assert np.var(sizes) == pytest.approx(1000 * 0.02 * 0.98, rel=0.1)  # binomial, not fixed-size
     assert sampler.expected_batch_size == 20 and sampler.steps_per_epoch == 50
-    tiny = PoissonSampler(10, 0.01, seed=1)
+    tiny = PoissonSampler(10, 0.01, rng=np.random.default_rng(1))
     assert sum(len(tiny.next_indices()) == 0 for _ in range(200)) > 150  # empty batches happen
 
 
@@ -192,9 +193,9 @@ def test_trainer_with_guard_clamps_and_stops_at_the_plan(tiny_tokenizer_dir):
     strategy.setup(StrategyContext(len(pairs), (0.0, 1.0), q, planned, sigma_0, eps, delta))
     ledger = PrivacyLedger(delta=delta, epsilon_target=eps)
     guard = BudgetGuard("pld", epsilon_target=eps, delta=delta, planned_steps=planned, q=q, sigma_hint=sigma_0)
-    sampler = PoissonSampler(len(train), q, seed=0)
+    sampler = PoissonSampler(len(train), q, rng=np.random.default_rng(0))
     step = DPStep(model, pairs, strategy, ledger, guard, q=q, expected_batch_size=sampler.expected_batch_size,
-                  planned_steps=planned, noise_seed=1, device=torch.device("cpu"))
+                  planned_steps=planned, randomness=PrivateRandomness.unsafe_from_seed(1), device=torch.device("cpu"))
     trainer = Trainer(model, train, evaluation, sampler, step, torch.device("cpu"),
                       OptimizerSettings(warmup_steps=0), eval_every=100, progress=False)
     trainer.run(planned + 5)  # asks for more steps than the budget was planned for

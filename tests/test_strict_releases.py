@@ -9,6 +9,7 @@ from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
 from raydp.privacy import BudgetGuard, PrivacyLedger, calibrate_sigma
 from raydp.privacy.engine import DPStep
+from raydp.privacy.randomness import PrivateRandomness
 from raydp.privacy.statistics import ClippedLossSum, NormHistogram, statistics_sigma_map
 from raydp.runner.batches import Batch
 from raydp.strategies.base import Dials, Strategy, StrategyContext
@@ -44,7 +45,7 @@ def run_steps(stats, steps=STEPS, sigma_map=None):
     ledger = PrivacyLedger(delta=1e-5, epsilon_target=50.0, accountant="pld")
     guard = BudgetGuard("pld", epsilon_target=50.0, delta=1e-5, planned_steps=100, q=Q, sigma_eff=sigma_map)
     step = DPStep(model, pairs, strategy, ledger, guard, q=Q, expected_batch_size=5.0, planned_steps=100,
-                  noise_seed=3, device=torch.device("cpu"))
+                  randomness=PrivateRandomness.unsafe_from_seed(3), device=torch.device("cpu"))
     ids, mask = padded_batch()
     for _ in range(steps):
         step.compute(model, Batch(list(range(ids.shape[0])), ids, mask))

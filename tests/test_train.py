@@ -26,14 +26,16 @@ def test_short_run_lowers_eval_perplexity(short_run):
     evals = pq.read_table(short_run / "eval_metrics.parquet").to_pylist()
     assert evals[0]["step"] == 0 and evals[-1]["step"] == summary["steps"]
     assert summary["final_eval_perplexity"] < 0.99 * summary["initial_eval_perplexity"]
-    assert summary["truncated_train_sequences"] == 0  # canaries at the end are never cut off
+    assert "truncated_train_sequences" not in summary and "mean_train_tokens" not in summary  # private stats
+    assert summary["final_public_perplexity"] < summary["initial_public_perplexity"]
+    assert all(row["public_perplexity"] > 1 for row in evals)
     train = pq.read_table(short_run / "train_metrics.parquet").to_pylist()
     assert len(train) == summary["steps"] and train[0]["lr"] == pytest.approx(2e-3 / 10)
 
 
 def test_outputs_are_complete_and_adapters_reload(short_run):
     for name in ("config.json", "summary.json", "train_metrics.parquet", "eval_metrics.parquet",
-                 "dataset/manifest.json", "adapter/adapter_config.json"):
+                 "private/dataset/manifest.json", "private/README", "adapter/adapter_config.json"):
         assert (short_run / name).exists(), name
     assert not list(short_run.parent.glob(".short.partial-*"))
     base = AutoModelForCausalLM.from_pretrained(ensure_embedded_model("embedded"))

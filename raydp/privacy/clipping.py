@@ -71,6 +71,42 @@ class PerSampleGradientComputer:
                 module.activations = []
 
 
+def zero_nonfinite(grads: PerSampleGrads) -> PerSampleGrads:
+    """A sample whose loss or gradient has a non-finite entry contributes zero (loss 0, gradient 0).
+
+    Otherwise one NaN turns the whole noisy release into NaN, which reveals that the sample was drawn:
+    a release no accountant bounds. Zeroing keeps the contribution's norm (0) within every clip."""
+    finite = torch.isfinite(grads.losses)
+    for ga, gb in zip(grads.a, grads.b):
+        finite &= torch.isfinite(ga.flatten(1)).all(1) & torch.isfinite(gb.flatten(1)).all(1)
+    if bool(finite.all()):
+        return grads
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        mask = finite.view(-1, *([1] * (t.dim() - 1)))
+        return torch.where(mask, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+    return PerSampleGrads([keep(g) for g in grads.a], [keep(g) for g in grads.b], keep(grads.losses))
+
+
+def combine_units(grads: PerSampleGrads, unit_index: torch.Tensor | None) -> PerSampleGrads:
+    """One contribution per privacy unit (ERRATA E11; user-level DP-SGD, McMahan et al. 2018): the
+    gradients of a unit's records are summed (then clipped as one sample), and its loss is the mean of
+    its records' losses (so a loss clipped to L still has sensitivity L). ``unit_index`` maps rows to
+    units 0..k-1; None means every row is its own unit."""
+    if unit_index is None:
+        return grads
+    n_units = int(unit_index.max()) + 1 if unit_index.numel() else 0
+
+    def summed(t: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros((n_units, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        return out.index_add_(0, unit_index, t)
+
+    counts = torch.bincount(unit_index, minlength=n_units).to(grads.losses.dtype)
+    return PerSampleGrads([summed(g) for g in grads.a], [summed(g) for g in grads.b],
+                          summed(grads.losses) / counts.clamp_min(1))
+
+
 def pair_norms(grads: PerSampleGrads) -> torch.Tensor:
     """Joint L2 norm of (g_A_i, g_B_i) per sample and pair, shape ``[batch, n_pairs]`` (Eq. 4)."""
     squared = [

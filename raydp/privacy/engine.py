@@ -4,14 +4,19 @@
 :class:`raydp.runner.Trainer`). Per step, in order:
 
 1. the strategy proposes the dials (clip per group, sigma); the budget guard may raise sigma (E4);
-2. per-sample gradients of the LoRA pairs (Opacus ``GradSampleModule``, hooks);
-3. pairwise (Eq. 4-5) or flat clipping and the sum over the Poisson batch;
-4. Gaussian noise with per-group std s_g from the allocation, so that the mechanism's true multiplier
-   sigma_eff = (sum_g C_g^2 / s_g^2)^(-1/2) equals the sigma charged to the ledger (E1);
-5. normalisation by the expected batch size q*N, never the actual one (E5);
-6. the strategy's own statistics (:mod:`raydp.privacy.statistics`) are released on the same sample with
-   noise scaled by sigma, and the ledger records all of the step's releases as one Gaussian mechanism
-   with (q, sigma_eff, clip vector, allocation) (add/remove-one, E6; ERRATA E3).
+2. per-sample gradients of the LoRA pairs (Opacus ``GradSampleModule``, hooks); a sample with a
+   non-finite loss or gradient contributes zero; the records of one privacy unit (a patient, E11) are
+   summed into one contribution;
+3. pairwise (Eq. 4-5) or flat clipping and the sum over the Poisson sample of units;
+4. the step's releases are declared (the gradient, plus the strategy's own statistics,
+   :mod:`raydp.privacy.statistics`, on the same sample with noise scaled by sigma): together one
+   Gaussian mechanism of multiplier sigma_eff (E1, E3), which the guard must admit (the Renyi filter's
+   halting rule for adaptive sigma, E13);
+5. Gaussian noise with per-group std s_g from the allocation, so that the gradient's true multiplier
+   sigma_eff = (sum_g C_g^2 / s_g^2)^(-1/2) equals the sigma charged (E1), drawn from a secret
+   generator (OS entropy, E12);
+6. normalisation by the expected number of units q*N, never the actual one (E5);
+7. the ledger records the step (q, sigma_eff, clip vector, allocation; add/remove-one of a unit, E6).
 
 After the optimiser update the strategy observes the release (noisy sums, their norms, the update).
 """
@@ -27,12 +32,15 @@ from raydp.privacy.clipping import (
     PerSampleGradientComputer,
     clip_factors,
     clipped_sums,
+    combine_units,
     group_norms,
     pair_noise_stds,
     pair_norms,
+    zero_nonfinite,
 )
 from raydp.privacy.guard import BudgetExhausted, BudgetGuard
-from raydp.privacy.ledger import PrivacyLedger, Release, allocate_noise, gradient_release
+from raydp.privacy.ledger import PrivacyLedger, Release, allocate_noise, combine_sigma_eff, gradient_release
+from raydp.privacy.randomness import PrivateRandomness
 from raydp.strategies.base import Dials, StepRelease, Strategy
 
 
@@ -53,9 +61,12 @@ class DPStep:
         q: float,
         expected_batch_size: float,
         planned_steps: int,
-        noise_seed: int,
         device: torch.device,
+        randomness: PrivateRandomness | None = None,
     ):
+        """``guard``: a :class:`BudgetGuard` (fixed schedules) or a
+        :class:`~raydp.privacy.filter.FilterGuard` (adaptive sigma). ``randomness``: the run's secret
+        seeds (default: fresh OS entropy, ERRATA E12); only the noise seed is used here."""
         self.pairs = pairs
         self.strategy = strategy
         self.ledger = ledger
@@ -66,7 +77,8 @@ class DPStep:
         self.device = device
         self.name = f"dp:{strategy.name}"
         self.per_sample = PerSampleGradientComputer(model, pairs)
-        self.generator = torch.Generator(device=device).manual_seed(noise_seed)
+        self.randomness = randomness if randomness is not None else PrivateRandomness.fresh()
+        self.generator = self.randomness.noise_generator(device)
         self._last_guarded: tuple[float, float, bool] | None = None
         self._pending: StepRelease | None = None
         self._before_update: list[torch.Tensor] = []
@@ -126,20 +138,27 @@ class DPStep:
 
         if batch.size > 0:
             grads = self.per_sample.compute(batch.input_ids, batch.attention_mask)
+            grads = zero_nonfinite(combine_units(zero_nonfinite(grads), batch.unit_index))
             norms, losses = pair_norms(grads), grads.losses
             factors = clip_factors(group_norms(norms, mode), clips)
             sums_a, sums_b = clipped_sums(grads, factors, mode)
-        else:  # an empty Poisson batch still releases noise
+        else:  # an empty Poisson sample still releases noise
             norms = torch.zeros(0, len(self.pairs), device=self.device)
             losses = torch.zeros(0, device=self.device)
             sums_a = [torch.zeros_like(p.a) for p in self.pairs]
             sums_b = [torch.zeros_like(p.b) for p in self.pairs]
 
+        # The step's releases, declared before any noise is drawn: the guard must admit them (E13).
+        charged_stds = allocate_noise(sigma, dials.clip, self.strategy.allocation)
+        releases = [gradient_release(dials.clip, charged_stds)]
+        for stat in self.statistics:  # the strategy's own releases, on the same sample (ERRATA E3)
+            sensitivity = stat.sensitivity(len(self.pairs))
+            releases.append(Release(stat.name, sensitivity, stat.noise_multiplier * sigma * sensitivity))
+        self.guard.admit(self.ledger, self.q, combine_sigma_eff(releases))
+
         # Noise is drawn in float32 (relative rounding ~6e-8): add noise for a sigma a hair above the
         # one the guard approved and the ledger charges, so the charge never exceeds the noise added.
-        charged_stds = allocate_noise(sigma, dials.clip, self.strategy.allocation)
-        group_stds = charged_stds / (1.0 - NOISE_ROUNDING_MARGIN)
-        stds = pair_noise_stds(group_stds, len(self.pairs), mode)
+        stds = pair_noise_stds(charged_stds / (1.0 - NOISE_ROUNDING_MARGIN), len(self.pairs), mode)
         noisy_a = [s + std * torch.randn(s.shape, generator=self.generator, device=self.device)
                    for s, std in zip(sums_a, stds)]
         noisy_b = [s + std * torch.randn(s.shape, generator=self.generator, device=self.device)
@@ -147,17 +166,12 @@ class DPStep:
         for pair, ga, gb in zip(self.pairs, noisy_a, noisy_b):
             pair.a.grad = (ga / self.expected_batch_size).to(pair.a.dtype)
             pair.b.grad = (gb / self.expected_batch_size).to(pair.b.dtype)
-
-        releases = [gradient_release(dials.clip, charged_stds)]
         statistics, statistics_std = {}, {}
-        for stat in self.statistics:  # the strategy's own releases, on the same sample (ERRATA E3)
-            sensitivity = stat.sensitivity(len(self.pairs))
-            charged = stat.noise_multiplier * sigma * sensitivity
+        for stat, release in zip(self.statistics, releases[1:]):
             value = stat.raw(norms, losses)
             noise = torch.randn(value.shape, generator=self.generator, device=self.device, dtype=value.dtype)
-            statistics[stat.name] = (value + noise * charged / (1.0 - NOISE_ROUNDING_MARGIN)).cpu().numpy()
-            statistics_std[stat.name] = charged
-            releases.append(Release(stat.name, sensitivity, charged))
+            statistics[stat.name] = (value + noise * release.noise_std / (1.0 - NOISE_ROUNDING_MARGIN)).cpu().numpy()
+            statistics_std[stat.name] = release.noise_std
         sigma_eff = self.ledger.record(self.q, releases, clip=dials.clip, allocation=self.strategy.allocation)
         noisy_norms = np.array([math.sqrt(float(a.pow(2).sum() + b.pow(2).sum())) for a, b in zip(noisy_a, noisy_b)])
         self._pending = StepRelease(step, dials, sigma_eff, clamped, noisy_a, noisy_b, noisy_norms,
@@ -184,7 +198,8 @@ class DPStep:
 
     def state_dict(self) -> dict:
         return {"ledger": self.ledger.to_arrow(), "generator": self.generator.get_state(),
-                "clamp_events": list(self.clamp_events), "strategy": self.strategy.state_dict()}
+                "clamp_events": list(self.clamp_events), "strategy": self.strategy.state_dict(),
+                "randomness_source": self.randomness.source}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a checkpoint into a fresh run: the ledger gets exactly the checkpoint's rows."""

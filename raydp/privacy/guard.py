@@ -231,6 +231,11 @@ class BudgetGuard:
             return proposed, False
         return self._sigma_for(s), True
 
+    def admit(self, ledger, q: float, sigma_eff: float) -> None:
+        """Per-step check before a release. A fixed schedule is enforced by its plan (``clamp`` keeps the
+        ledger plus the rest of the plan within budget), so there is nothing more to check here; the
+        Renyi filter (:class:`raydp.privacy.filter.FilterGuard`) refuses steps here."""
+
     def status(self, ledger, remaining_steps: int | None = None) -> GuardStatus:
         remaining = self._remaining(ledger, remaining_steps)
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -14,17 +15,28 @@ class Batch:
     indices: list[int]
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
+    #: privacy unit of each row as 0..n_units-1 (ERRATA E11), or None when every row is its own unit
+    unit_index: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
         return len(self.indices)
 
+    @property
+    def n_units(self) -> int:
+        """Privacy units in the batch (the DP step sums one clipped contribution per unit)."""
+        return self.size if self.unit_index is None else int(self.unit_index.max()) + 1 if self.size else 0
+
 
 class TokenizedSplit:
     """The texts of one split, tokenised once (truncated to ``max_length`` tokens)."""
 
-    def __init__(self, texts: list[str], tokenizer, max_length: int):
+    def __init__(self, texts: list[str], tokenizer, max_length: int, units=None):
+        """``units``: the privacy unit (patient) of every text, for unit-level DP (ERRATA E11)."""
         encoded = tokenizer(texts, truncation=False)["input_ids"]
+        self.units = None if units is None else np.asarray(units)
+        if self.units is not None and self.units.shape != (len(texts),):
+            raise ValueError(f"units must give one unit per text ({len(texts)}), got shape {self.units.shape}")
         self.n_truncated = sum(len(ids) > max_length for ids in encoded)
         self.sequences = [ids[:max_length] for ids in encoded]
         self.pad_token_id = tokenizer.pad_token_id
@@ -41,7 +53,11 @@ class TokenizedSplit:
             seq = self.sequences[i]
             input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
             attention_mask[row, : len(seq)] = 1
-        return Batch(list(indices), input_ids.to(device), attention_mask.to(device))
+        unit_index = None
+        if self.units is not None:
+            _, inverse = np.unique(self.units[np.asarray(indices, dtype=np.int64)], return_inverse=True)
+            unit_index = torch.as_tensor(inverse.reshape(-1), dtype=torch.long, device=device)
+        return Batch(list(indices), input_ids.to(device), attention_mask.to(device), unit_index)
 
     def mean_length(self) -> float:
         return sum(map(len, self.sequences)) / max(len(self.sequences), 1)

@@ -4,6 +4,15 @@ RLDP Sec. 3.1 training setup: AdamW (betas 0.9/0.999, no weight decay), learning
 linear warm-up of 100 steps, then constant; held-out perplexity every 48 steps and at each epoch end
 (Sec. 3.3). What differs between strategies is the gradient computation (and, under DP, the sampler);
 the loop is shared.
+
+Evaluations measure perplexity on the private held-out eval split (not a DP release: reported,
+labelled unprotected) and on a PUBLIC validation split, which is what studies select on (ERRATA E15).
+
+Order of durable state and outside observers (resume, ERRATA E12/E14): when a checkpoint callback is
+set, a step's evaluation is checkpointed before ``on_evaluation`` tells anyone outside the run; a
+controller decision is checkpointed before it is taken (its observation is then in a durable ledger)
+and again right after (its action is durable before any step uses it), so a resumed run never shows
+an outside observer something its ledger does not hold and never re-draws an action it already used.
 """
 
 from __future__ import annotations
@@ -44,8 +53,15 @@ def evaluation_steps(total_steps: int, steps_per_epoch: float, eval_every: int) 
     return steps
 
 
-def _progress_fields(metrics: dict, eval_ppl: float) -> dict:
-    fields = {"eval_ppl": f"{eval_ppl:.3f}"}
+def _shown_perplexity(row: dict) -> tuple[str, float]:
+    """What the progress bar shows: the public validation perplexity when there is one (E15)."""
+    if row.get("public_perplexity") is not None:
+        return "public_ppl", row["public_perplexity"]
+    return "eval_ppl", row["perplexity"]
+
+
+def _progress_fields(metrics: dict, shown: tuple[str, float]) -> dict:
+    fields = {shown[0]: f"{shown[1]:.3f}"}
     if "loss" in metrics:
         fields["loss"] = f"{metrics['loss']:.3f}"
     if "sigma" in metrics:
@@ -71,6 +87,7 @@ class Trainer:
         on_evaluation=None,
         on_checkpoint=None,
         checkpoint_every: int | None = None,
+        public_evaluation: TokenizedSplit | None = None,
     ):
         self.model = model
         self.train_split = train
@@ -81,7 +98,8 @@ class Trainer:
         self.eval_every = eval_every
         self.eval_max_sequences = eval_max_sequences
         self.progress = progress
-        self.on_evaluation = on_evaluation  # callable(step, perplexity), e.g. a Tune report
+        self.public_split = public_evaluation
+        self.on_evaluation = on_evaluation  # callable(step, eval row), after the row is checkpointed
         self.on_checkpoint = on_checkpoint  # callable(trainer) at checkpoint points (see run())
         self.checkpoint_every = checkpoint_every
         params = [p for p in model.parameters() if p.requires_grad]
@@ -110,6 +128,11 @@ class Trainer:
     def evaluate(self) -> PerplexityResult:
         return evaluate_perplexity(self.model, self.eval_split, self.device, max_sequences=self.eval_max_sequences)
 
+    def evaluate_public(self) -> PerplexityResult | None:
+        if self.public_split is None:
+            return None
+        return evaluate_perplexity(self.model, self.public_split, self.device)
+
     # -- the loop --------------------------------------------------------------------------------
     def train_step(self) -> dict:
         started = time.perf_counter()
@@ -125,19 +148,19 @@ class Trainer:
             metrics["seconds"] = seconds
         return metrics
 
-    def record_evaluation(self) -> PerplexityResult:
-        result = self.evaluate()
-        self.history.log_eval(
-            step=self.step_count,
-            epoch=self.step_count / self.sampler.steps_per_epoch,
-            perplexity=result.perplexity,
-            nll_per_token=result.nll_per_token,
-            utility=result.utility,
-            n_tokens=result.n_tokens,
-        )
+    def record_evaluation(self) -> dict:
+        """Evaluate and log the row (``perplexity``: private eval split; ``public_perplexity``: public)."""
+        result, public = self.evaluate(), self.evaluate_public()
+        row = {"step": self.step_count, "epoch": self.step_count / self.sampler.steps_per_epoch,
+               "perplexity": result.perplexity, "nll_per_token": result.nll_per_token, "utility": result.utility,
+               "n_tokens": result.n_tokens,
+               "public_perplexity": public.perplexity if public is not None else None}
+        self.history.log_eval(**row)
+        return row
+
+    def announce_evaluation(self, row: dict) -> None:
         if self.on_evaluation is not None:
-            self.on_evaluation(self.step_count, result.perplexity)
-        return result
+            self.on_evaluation(self.step_count, dict(row))
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -150,6 +173,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "sampler": self.sampler.state_dict(),
             "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             "train_rows": list(self.history.train_rows),
             "eval_rows": list(self.history.eval_rows),
             "gradient": self.gradient.state_dict() if hasattr(self.gradient, "state_dict") else {},
@@ -164,6 +188,8 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         torch.set_rng_state(state["torch_rng"])
+        if state.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
         self.history.train_rows = list(state["train_rows"])
         self.history.eval_rows = list(state["eval_rows"])
         if hasattr(self.gradient, "load_state_dict"):
@@ -179,33 +205,43 @@ class Trainer:
     def run(self, total_steps: int) -> MetricHistory:
         """Evaluate once before training (step 0), then train ``total_steps`` steps with scheduled evaluations."""
         if self.step_count == 0 and not self.history.eval_rows:
-            self.record_evaluation()
+            self.announce_evaluation(self.record_evaluation())  # the initial model: nothing private trained yet
         elif self.step_count > 0:  # resumed from a checkpoint taken before this step's decision: take it
-            self.gradient.between_steps(self.step_count)
+            self._decide(self.step_count)
         eval_at = evaluation_steps(total_steps, self.sampler.steps_per_epoch, self.eval_every)
         self.model.train()
         bar = tqdm(total=total_steps, initial=self.step_count, desc=f"fine-tuning ({self.gradient.name})",
                    disable=not self.progress, unit="step")
-        last_ppl = self.history.eval_rows[-1]["perplexity"]
+        last_ppl = _shown_perplexity(self.history.eval_rows[-1])
         while self.step_count < total_steps:
             try:
                 metrics = self.train_step()
             except BudgetExhausted as stop:  # the guard refuses to overspend: stop cleanly
                 self.stopped_early = str(stop)
                 if self.history.eval_rows[-1]["step"] != self.step_count:
-                    self.record_evaluation()
+                    row = self.record_evaluation()
+                    if self.on_checkpoint is not None:
+                        self.on_checkpoint(self)
+                    self.announce_evaluation(row)
                 break
             metrics["epoch"] = self.step_count / self.sampler.steps_per_epoch
             self.history.log_train(**metrics)
-            evaluated = self.step_count in eval_at
-            if evaluated:
-                last_ppl = self.record_evaluation().perplexity
-            # A checkpoint comes before any decision a controller takes on this step: whatever the
-            # controller (and a shared policy) has seen is then in a durable ledger.
-            if self._checkpoint_due(evaluated):
+            row = self.record_evaluation() if self.step_count in eval_at else None
+            if self._checkpoint_due(row is not None):
                 self.on_checkpoint(self)
-            self.gradient.between_steps(self.step_count)
+            if row is not None:
+                last_ppl = _shown_perplexity(row)
+                self.announce_evaluation(row)
+            self._decide(self.step_count)
             bar.update(1)
             bar.set_postfix(_progress_fields(metrics, last_ppl))
         bar.close()
         return self.history
+
+    def _decide(self, step: int) -> None:
+        """Let the gradient computation's controller act after ``step``; a decision is checkpointed right
+        after it is taken, before any step uses its action."""
+        decides = self.gradient.wants_checkpoint(step)
+        self.gradient.between_steps(step)
+        if decides and self.on_checkpoint is not None:
+            self.on_checkpoint(self)

@@ -1,14 +1,27 @@
-"""Wiring a DP run: checks of the request, sigma_0 calibration, ledger, guard, strategy, sampler.
+"""Wiring a DP run: privacy unit, checks of the request, sigma_0 calibration, ledger, guard, strategy,
+secret randomness, sampler.
 
 Everything here runs before the first training step, so an impossible request (epsilon <= 0,
-delta >= 1/N_train, q > 1, a target no sigma reaches) is a one-line error before any training.
+delta >= 1/N_units, q > 1, a target no sigma reaches) is a one-line error before any training.
+
+Which guarantee applies (said in every summary and ledger):
+
+* a strategy whose sigma schedule is fixed before training (static, static-pairwise, dp-lora) is
+  calibrated and enforced with the configured upper-bound accountant (PLD by default) on its ledger;
+* a strategy that chooses sigma from earlier releases (``Strategy.adaptive_sigma``: RLDP) is calibrated
+  with RDP and enforced by a Renyi filter whose budget curve is fixed before training (ERRATA E13,
+  :mod:`raydp.privacy.filter`); its reported epsilon is the filter's, not a post-hoc PLD of the ledger.
+
+The number of privacy units (patients, or records) is treated as public: q = B / N_units.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from raydp.config import TrainConfig
@@ -16,13 +29,60 @@ from raydp.errors import ConfigError
 from raydp.privacy import BudgetGuard, PrivacyLedger, calibrate_sigma, get_accountant, planned_steps
 from raydp.privacy.calibration import SigmaEffMap
 from raydp.privacy.engine import DPStep
+from raydp.privacy.filter import FILTER_NAME, FilterGuard
 from raydp.privacy.ledger import NEIGHBOURING_RELATION
+from raydp.privacy.randomness import PrivateRandomness
 from raydp.runner.sampling import PoissonSampler
 from raydp.strategies import Strategy, StrategyContext, make_strategy
 from raydp.strategies.base import PAPER_MODE_LABEL
 
 #: Accountants reported in every DP summary; only upper bounds may enforce (ERRATA E2, E9).
 REPORTED_ACCOUNTANTS = ("pld", "prv", "rdp", "gdp")
+
+
+UNIT_NOTES = {
+    "patient": "privacy unit: patient (add/remove all of one patient's encounters; ERRATA E11)",
+    "record": "privacy unit: record (add/remove one encounter); a patient with k encounters gets only "
+              "group privacy in k (ERRATA E11)",
+}
+
+
+@dataclass(frozen=True)
+class PrivacyUnits:
+    """What DP protects in a run (ERRATA E11): the unit of every training record and how many there are.
+
+    ``ids`` is None when every record is its own unit. The number of units is treated as public."""
+
+    name: str
+    count: int
+    ids: np.ndarray | None = None
+
+    @property
+    def note(self) -> str:
+        return UNIT_NOTES[self.name]
+
+
+def training_units(config: TrainConfig, dataset_dir: str | Path, n_records: int) -> PrivacyUnits:
+    """The privacy unit of a run on a built dataset: the patient by default on data with patient ids
+    (``privacy_unit: auto``), or the record when asked for (or when an old dataset has no patient split)."""
+    from raydp.data import load_manifest, load_units
+
+    manifest = load_manifest(dataset_dir)
+    has_patients = manifest.get("privacy_unit") == "patient"
+    wanted = config.privacy_unit
+    if wanted == "patient" and not has_patients:
+        raise ConfigError(f"dataset {dataset_dir} has no patient-level split; rebuild it to protect patients "
+                          "(or set privacy_unit: record)")
+    if wanted == "record" or not has_patients:
+        return PrivacyUnits("record", n_records)
+    ids = load_units(dataset_dir, "train")
+    return PrivacyUnits("patient", int(len(np.unique(ids))), ids)
+
+
+def private_randomness(config: TrainConfig) -> PrivateRandomness:
+    """Fresh OS entropy per run (ERRATA E12); derived from ``seed`` only under the unsafe option."""
+    return PrivateRandomness.unsafe_from_seed(config.seed) if config.unsafe_fixed_randomness \
+        else PrivateRandomness.fresh()
 
 
 @dataclass(frozen=True)
@@ -36,6 +96,10 @@ class PrivacyPlan:
     planned_steps: int
     sigma_0: float
     sigma_map: SigmaEffMap = SigmaEffMap()
+    #: the calibrating and enforcing accountant: the config's for a fixed schedule, "rdp" (the Renyi
+    #: filter's budget curve) for adaptive sigma
+    accountant: str = "pld"
+    adaptive: bool = False
 
 
 @dataclass
@@ -44,24 +108,28 @@ class PrivateRun:
     step: DPStep
     strategy: Strategy
     ledger: PrivacyLedger
-    guard: BudgetGuard
+    guard: BudgetGuard | FilterGuard
     q: float
     planned_steps: int
     sigma_0: float
+    units: PrivacyUnits
+    randomness: PrivateRandomness
+    plan: PrivacyPlan
 
 
 def sampling_rate(batch_size: int, n_train: int) -> float:
-    """q = B / N_train (RLDP Sec. 3.1); q > 1 is impossible."""
+    """q = B / N_units (RLDP Sec. 3.1; B is the expected number of units per step); q > 1 is impossible."""
     q = batch_size / n_train
     if q > 1:
-        raise ConfigError(f"batch_size {batch_size} exceeds the {n_train} training records (q = {q:.3g} > 1)")
+        raise ConfigError(f"batch_size {batch_size} exceeds the {n_train} training units (q = {q:.3g} > 1)")
     return q
 
 
 def check_delta_below_inverse_n(delta: float, n_train: int) -> None:
-    """delta must be < 1/N_train: a larger delta permits releasing a record outright."""
+    """delta must be < 1/N_units: a larger delta permits releasing a unit's data outright."""
     if delta >= 1.0 / n_train:
-        raise ConfigError(f"delta={delta:g} must be < 1/N_train = {1.0 / n_train:.3g} (N_train = {n_train})")
+        raise ConfigError(f"delta={delta:g} must be < 1/N_train = {1.0 / n_train:.3g} (N_train = {n_train} "
+                          "privacy units)")
 
 
 def planned_dp_steps(config: TrainConfig, q: float) -> int:
@@ -79,36 +147,47 @@ def build_strategy(config: TrainConfig, controller=None) -> Strategy:
     return make_strategy(config.strategy, **({"clip": config.clip} if config.clip else {}))
 
 
-def plan_private_run(config: TrainConfig, n_train: int, strategy: Strategy | None = None) -> PrivacyPlan:
+def plan_private_run(config: TrainConfig, n_units: int, strategy: Strategy | None = None) -> PrivacyPlan:
     """Check the request against the data and calibrate sigma_0; needs no model, so it runs first.
 
-    A strategy with its own releases is calibrated with them (ERRATA E3), so the run still lands on
-    its target epsilon."""
-    q = sampling_rate(config.batch_size, n_train)
-    check_delta_below_inverse_n(config.delta, n_train)
+    ``n_units``: the number of training privacy units (:func:`training_units`). A strategy with its own
+    releases is calibrated with them (ERRATA E3), so the run still lands on its target epsilon; a
+    strategy with adaptive sigma is calibrated with RDP, the accountant of its Renyi filter (E13)."""
+    q = sampling_rate(config.batch_size, n_units)
+    check_delta_below_inverse_n(config.delta, n_units)
     steps = planned_dp_steps(config, q)
     strategy = strategy if strategy is not None else build_strategy(config)  # its releases set sigma_eff
     multipliers = strategy.release_noise_multipliers()
     sigma_map = SigmaEffMap(relative_precision=math.fsum(1.0 / (k * k) for k in multipliers))
-    calibration = calibrate_sigma(config.epsilon, config.delta, q, steps, config.accountant, sigma_eff=sigma_map)
-    return PrivacyPlan(q=q, planned_steps=steps, sigma_0=calibration.sigma, sigma_map=sigma_map)
+    accountant = "rdp" if strategy.adaptive_sigma else config.accountant
+    calibration = calibrate_sigma(config.epsilon, config.delta, q, steps, accountant, sigma_eff=sigma_map)
+    return PrivacyPlan(q=q, planned_steps=steps, sigma_0=calibration.sigma, sigma_map=sigma_map,
+                       accountant=accountant, adaptive=strategy.adaptive_sigma)
 
 
 def setup_private_run(
-    config: TrainConfig, plan: PrivacyPlan, model: torch.nn.Module, pairs, n_train: int, device,
+    config: TrainConfig, plan: PrivacyPlan, model: torch.nn.Module, pairs, units: PrivacyUnits, device,
     strategy: Strategy | None = None, public_batch=None,
 ) -> PrivateRun:
-    """Ledger, guard, sampler and DP step for a planned run; ``public_batch`` feeds a strategy that
-    calibrates on public records (RLDP's histogram bins and loss bound)."""
+    """Ledger, guard, secret randomness, sampler and DP step for a planned run; ``public_batch`` feeds a
+    strategy that calibrates on public records (RLDP's histogram bins and loss bound)."""
     q, steps, sigma_0 = plan.q, plan.planned_steps, plan.sigma_0
     strategy = strategy if strategy is not None else build_strategy(config)
     expected = SigmaEffMap(relative_precision=math.fsum(1.0 / (k * k) for k in strategy.release_noise_multipliers()))
-    if expected.describe() != plan.sigma_map.describe():
-        raise ConfigError("the privacy plan was calibrated for other releases than this strategy makes")
-    ledger = PrivacyLedger(delta=config.delta, epsilon_target=config.epsilon, accountant=config.accountant)
-    guard = BudgetGuard(config.accountant, epsilon_target=config.epsilon, delta=config.delta,
-                        planned_steps=steps, q=q, sigma_eff=plan.sigma_map, sigma_hint=sigma_0)
-    sampler = PoissonSampler(n_train, q, seed=config.seed)
+    if expected.describe() != plan.sigma_map.describe() or plan.adaptive != strategy.adaptive_sigma:
+        raise ConfigError("the privacy plan was calibrated for another strategy than this one")
+    randomness = private_randomness(config)
+    if plan.adaptive:
+        guard = FilterGuard.for_plan(epsilon_target=config.epsilon, delta=config.delta, planned_steps=steps, q=q,
+                                     sigma_0=sigma_0, sigma_eff=plan.sigma_map)
+    else:
+        guard = BudgetGuard(config.accountant, epsilon_target=config.epsilon, delta=config.delta,
+                            planned_steps=steps, q=q, sigma_eff=plan.sigma_map, sigma_hint=sigma_0)
+    ledger = PrivacyLedger(delta=config.delta, epsilon_target=config.epsilon,
+                           accountant=FILTER_NAME if plan.adaptive else config.accountant,
+                           metadata=ledger_metadata(plan, units, randomness, strategy, guard))
+    sampler = PoissonSampler(len(units.ids) if units.ids is not None else units.count, q,
+                             rng=randomness.sampling_rng(), units=units.ids)
     strategy.setup(
         StrategyContext(
             n_pairs=len(pairs),
@@ -123,25 +202,60 @@ def setup_private_run(
         )
     )
     step = DPStep(model, pairs, strategy, ledger, guard, q=q, expected_batch_size=sampler.expected_batch_size,
-                  planned_steps=steps, noise_seed=config.seed + 1_000_003, device=device)
+                  planned_steps=steps, device=device, randomness=randomness)
     if strategy.needs_public_probe:
         if public_batch is None:
             raise ConfigError(f"strategy {strategy.name!r} needs a public probe batch")
         strategy.calibrate_public(*step.public_probe(public_batch))
-    return PrivateRun(sampler, step, strategy, ledger, guard, q, steps, sigma_0)
+    return PrivateRun(sampler, step, strategy, ledger, guard, q, steps, sigma_0, units, randomness, plan)
+
+
+def privacy_labels(strategy: Strategy, randomness: PrivateRandomness) -> list[str]:
+    """Every caveat that voids or narrows a run's epsilon; carried by every artifact that states one."""
+    labels = [PAPER_MODE_LABEL] if strategy.privacy_mode == "paper" else []
+    if randomness.label:
+        labels.append(randomness.label)
+    return labels
+
+
+def guarantee_note(plan: PrivacyPlan, accountant: str) -> str:
+    if plan.adaptive:
+        return ("sigma was chosen adaptively: epsilon is the Renyi filter's guarantee, fixed before training "
+                "(Feldman & Zrnic 2021; Lecuyer 2021); other accountants' figures compose the realized ledger "
+                "as if it were fixed in advance and are not a guarantee (ERRATA E13)")
+    return (f"sigma schedule fixed before training: epsilon is the {accountant.upper()} upper bound of the "
+            "ledger's composition")
+
+
+def ledger_metadata(plan: PrivacyPlan, units: PrivacyUnits, randomness: PrivateRandomness, strategy: Strategy,
+                    guard) -> dict:
+    """What the ledger file states beside its rows: unit, guarantee, labels (never the seeds)."""
+    return {"privacy_unit": units.name, "n_units": units.count, "unit_note": units.note,
+            "guarantee": FILTER_NAME if plan.adaptive else "fixed-schedule",
+            "guarantee_note": guarantee_note(plan, plan.accountant),
+            "filter": guard.filter.describe() if plan.adaptive else None,
+            "randomness": randomness.source, "labels": privacy_labels(strategy, randomness)}
 
 
 def privacy_summary(run: PrivateRun, config: TrainConfig) -> dict:
-    """The epsilon of every accountant from the full ledger, and the enforcing accountant's verdict."""
+    """The guarantee (the enforcing accountant's, or the Renyi filter's for adaptive sigma), every
+    accountant's composition of the ledger beside it, the unit and every label."""
     final = run.guard.final_check(run.ledger)
-    epsilons = {config.accountant: final.epsilon}
+    labels = privacy_labels(run.strategy, run.randomness)
+    epsilons = {} if run.plan.adaptive else {config.accountant: final.epsilon}
     for name in REPORTED_ACCOUNTANTS:
         if name not in epsilons:  # same discretisation as the enforcing accountant (set by the target)
             accountant = get_accountant(name).for_target(config.epsilon)
             epsilons[name] = accountant.epsilon(run.ledger, config.delta) if len(run.ledger) else 0.0
+    verdict = final.message
+    if labels:
+        verdict = f"{verdict} [{'; '.join(labels)}]"
     return {
         "mechanism": f"Poisson-subsampled Gaussian, {run.strategy.clip_mode} clipping, {run.strategy.allocation} noise",
         "neighbouring_relation": NEIGHBOURING_RELATION,
+        "privacy_unit": run.units.name,
+        "n_units": run.units.count,
+        "unit_note": run.units.note,
         "epsilon_target": config.epsilon,
         "delta": config.delta,
         "q": run.q,
@@ -150,14 +264,23 @@ def privacy_summary(run: PrivateRun, config: TrainConfig) -> dict:
         "sigma_0": run.sigma_0,
         "releases_per_step": ["gradient", *(s.name for s in run.step.statistics)],
         "sigma_eff_0": run.guard.sigma_map(run.sigma_0),
-        "enforcing_accountant": config.accountant,
+        "guarantee": FILTER_NAME if run.plan.adaptive else "fixed-schedule",
+        "guarantee_note": guarantee_note(run.plan, run.plan.accountant),
+        "enforcing_accountant": FILTER_NAME if run.plan.adaptive else config.accountant,
+        "calibration_accountant": run.plan.accountant,
+        "filter": run.guard.filter.describe() if run.plan.adaptive else None,
         "epsilon": final.epsilon,
         "within_budget": final.within_budget,
-        "verdict": final.message,
+        "verdict": verdict,
         "epsilon_by_accountant": epsilons,
+        "epsilon_by_accountant_note": ("compositions of the realized ledger as if fixed in advance: not a "
+                                       "guarantee under adaptive sigma (ERRATA E13)") if run.plan.adaptive else None,
         "gdp_note": "GDP (CLT) is an approximation reported for comparison with the paper; it enforces nothing",
         "guard_clamps": len(run.step.clamp_events),
         "strategy": run.strategy.describe(),
         "privacy_mode": run.strategy.privacy_mode,
-        "privacy_label": PAPER_MODE_LABEL if run.strategy.privacy_mode == "paper" else None,
+        "randomness": run.randomness.source,
+        "epsilon_void": not run.randomness.is_secret,
+        "labels": labels,
+        "privacy_label": "; ".join(labels) if labels else None,
     }

@@ -1,4 +1,18 @@
-"""One fine-tuning run end to end: data, model, loop, outputs (``raydp train``)."""
+"""One fine-tuning run end to end: data, model, loop, outputs (``raydp train``).
+
+Layout of a run directory (what may be released and what may not)::
+
+    adapter/                   the trained LoRA adapter (PEFT format)            released under DP
+    privacy_ledger.parquet     per-step mechanism: q, sigma_eff, clips, releases  safe (post-processing)
+    summary.json, config.json  settings, guarantee, labels, perplexities          safe, except the
+    train_metrics.parquet      per-step noisy-gradient figures (DP runs)          private-eval perplexity
+    eval_metrics.parquet       perplexity per evaluation                          (not a DP release, E15)
+    control_trace.parquet, controller_decisions.parquet, policy/   (RLDP)        safe in strict mode
+    private/                   PRIVATE: the dataset splits built for the run; never release
+
+The sampling and noise seeds are in no file (ERRATA E12); resume checkpoints (Tune's, which hold the
+RNG states and the training split's positions) are private too and live outside the run directory.
+"""
 
 from __future__ import annotations
 
@@ -19,12 +33,24 @@ from raydp.runner.batches import TokenizedSplit
 from raydp.runner.gradients import NonPrivateGradient
 from raydp.runner.loop import OptimizerSettings, Trainer
 from raydp.runner.output import staged_output
-from raydp.runner.privacy_setup import build_strategy, plan_private_run, privacy_summary, setup_private_run
+from raydp.runner.privacy_setup import (
+    build_strategy,
+    plan_private_run,
+    privacy_summary,
+    setup_private_run,
+    training_units,
+)
 from raydp.runner.sampling import ShuffledBatchSampler
 from raydp.privacy.ledger import LEDGER_FILENAME
 
 SYNTHETIC_NOTE = "synthetic records: they describe no real patient"
 PUBLIC_PROBE_SEED = 7_777
+PUBLIC_EVAL_SEED = 8_888
+PRIVATE_DIR = "private"
+PRIVATE_README = ("Everything under this directory is private data (the dataset splits built for this run). "
+                  "Never release it.\n")
+EVAL_NOTE = ("eval_perplexity is computed on the private held-out eval split: not a DP release (unprotected, "
+             "ERRATA E15); public_perplexity is on public validation records and is what studies select on")
 
 
 def prepare_dataset(config: TrainConfig, workdir: Path, progress: bool = True) -> Path:
@@ -33,7 +59,9 @@ def prepare_dataset(config: TrainConfig, workdir: Path, progress: bool = True) -
     if config.data.source != "synthetic" and source.is_dir():
         load_manifest(source)  # validates that it is a dataset directory
         return source
-    out = workdir / "dataset"
+    (workdir / PRIVATE_DIR).mkdir(exist_ok=True)
+    (workdir / PRIVATE_DIR / "README").write_text(PRIVATE_README)
+    out = workdir / PRIVATE_DIR / "dataset"
     build_dataset(
         out,
         source="synthetic" if config.data.source == "synthetic" else str(source),
@@ -58,6 +86,28 @@ def public_probe_batch(tokenizer, max_length: int, n_records: int, device):
     return split.collate(list(range(len(split))), device)
 
 
+def public_validation_split(tokenizer, max_length: int, n_records: int) -> TokenizedSplit:
+    """PUBLIC validation records (the public population, drawn apart from the probe and pre-training)."""
+    return TokenizedSplit(public_corpus(n_records, seed=PUBLIC_EVAL_SEED), tokenizer, max_length)
+
+
+def policy_provenance(private, config: TrainConfig, manifest: dict, privacy: dict) -> dict:
+    """What a policy trained by this run must remember about it (ERRATA E14): which private dataset it
+    touched, in which mode, and the run's RDP curve (the Renyi filter's budget for adaptive sigma)."""
+    from raydp.privacy.accounting import RDPAccountant
+    from raydp.privacy.accounting.rdp import DEFAULT_ORDERS
+
+    if privacy.get("filter"):
+        orders, curve = privacy["filter"]["orders"], privacy["filter"]["budget_rdp"]
+    else:
+        acc = RDPAccountant(grid=None)
+        orders, curve = list(DEFAULT_ORDERS), acc.rdp_of_groups(list(private.ledger.to_histogram().groups(None))).tolist()
+    return {"dataset_sha256": manifest.get("content_sha256"), "privacy_mode": private.strategy.privacy_mode,
+            "privacy_unit": private.units.name, "epsilon": privacy["epsilon"], "delta": config.delta,
+            "guarantee": privacy["guarantee"], "labels": privacy["labels"], "rdp_orders": list(orders),
+            "rdp_curve": list(curve)}
+
+
 def run_training(config: TrainConfig, output: str | Path, overwrite: bool = False, progress: bool = True,
                  client=None, on_evaluation=None, on_checkpoint=None, checkpoint_every: int | None = None,
                  resume: dict | None = None) -> dict:
@@ -77,7 +127,8 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
         manifest = load_manifest(dataset_dir)
         train_texts = load_texts(dataset_dir, "train")
         strategy = build_strategy(config, client) if config.is_private else None
-        plan = plan_private_run(config, len(train_texts), strategy) if config.is_private else None
+        units = training_units(config, dataset_dir, len(train_texts)) if config.is_private else None
+        plan = plan_private_run(config, units.count, strategy) if config.is_private else None
         torch.manual_seed(config.seed)
         loaded = load_model(
             config.model,
@@ -86,13 +137,14 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             progress=progress,
         )
         max_length = config.max_length or min(loaded.max_positions, 512)
-        train = TokenizedSplit(train_texts, loaded.tokenizer, max_length)
+        train = TokenizedSplit(train_texts, loaded.tokenizer, max_length, units=units.ids if units else None)
         evaluation = TokenizedSplit(load_texts(dataset_dir, "eval"), loaded.tokenizer, max_length)
+        public_eval = public_validation_split(loaded.tokenizer, max_length, config.public_eval_records)
         private = None
         if config.is_private:
             probe = (public_probe_batch(loaded.tokenizer, max_length, config.rldp.public_probe_records, loaded.device)
                      if strategy.needs_public_probe else None)
-            private = setup_private_run(config, plan, loaded.model, loaded.pairs, len(train), loaded.device,
+            private = setup_private_run(config, plan, loaded.model, loaded.pairs, units, loaded.device,
                                         strategy=strategy, public_batch=probe)
             sampler, gradient, total_steps = private.sampler, private.step, private.planned_steps
         else:
@@ -112,24 +164,27 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             on_evaluation=on_evaluation,
             on_checkpoint=(lambda t: on_checkpoint({"trainer": t.state_dict()})) if on_checkpoint else None,
             checkpoint_every=checkpoint_every,
+            public_evaluation=public_eval,
         )
         if resume is not None:
             trainer.load_state_dict(resume["trainer"])
         history = trainer.run(total_steps)
         history.write(staging)
         evals = [row["perplexity"] for row in history.eval_rows]
+        public = [row["public_perplexity"] for row in history.eval_rows]
         controller = None
+        privacy = privacy_summary(private, config) if private else {"mechanism": "none", "epsilon": None}
         if private is not None:
             private.ledger.save(staging / LEDGER_FILENAME)
             controller = private.strategy.finish(staging) or None
             if client is not None and client.service is not None:
-                privacy = privacy_summary(private, config)
                 client.save_policy(staging / "policy", trained_on={
                     "model": config.model, "n_adapter_pairs": len(loaded.pairs), "epsilon": config.epsilon,
                     "steps": trainer.step_count, "privacy_mode": private.strategy.privacy_mode,
                     "decisions": controller.get("decisions") if controller else None},
-                    results={"final_eval_perplexity": evals[-1], "best_eval_perplexity": min(evals),
-                             "epsilon": privacy["epsilon"]})
+                    results={"final_public_perplexity": public[-1], "best_public_perplexity": min(public),
+                             "epsilon": privacy["epsilon"], "labels": privacy["labels"]},
+                    provenance=policy_provenance(private, config, manifest, privacy))
         loaded.model.save_pretrained(staging / "adapter")
         summary = {
             "raydp_version": __version__,
@@ -140,22 +195,26 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             "n_adapter_pairs": len(loaded.pairs),
             "adapter_pairs": [pair.describe() for pair in loaded.pairs],
             "strategy": config.strategy,
-            "privacy": privacy_summary(private, config) if private else {"mechanism": "none", "epsilon": None},
+            "privacy": privacy,
             "controller": controller,
             "resumed_from_step": resume["trainer"]["step_count"] if resume is not None else None,
             "stopped_early": trainer.stopped_early,
             "data_source": manifest.get("source"),
+            "dataset_sha256": manifest.get("content_sha256"),
             "data_note": SYNTHETIC_NOTE if manifest.get("synthetic") else None,
-            "train_records": len(train),
+            "train_records": len(train),  # treated as public, like the number of units (q = B / N)
             "eval_records": len(evaluation),
-            "mean_train_tokens": round(train.mean_length(), 1),
-            "truncated_train_sequences": train.n_truncated,
+            "public_eval_records": len(public_eval),
             "max_length": max_length,
             "steps": trainer.step_count,
             "steps_per_epoch": sampler.steps_per_epoch,
+            "initial_public_perplexity": public[0],
+            "final_public_perplexity": public[-1],
+            "best_public_perplexity": min(public),
             "initial_eval_perplexity": evals[0],
             "final_eval_perplexity": evals[-1],
             "best_eval_perplexity": min(evals),
+            "eval_note": EVAL_NOTE,
             "train_loop_seconds": round(trainer.train_seconds, 2),
             "wall_seconds": round(time.perf_counter() - started, 2),
         }

@@ -50,26 +50,41 @@ class ShuffledBatchSampler:
 
 
 class PoissonSampler:
-    """Poisson subsampling: each record joins a step's batch independently with probability ``q``.
+    """Poisson subsampling of privacy units: each unit joins a step's sample independently with rate ``q``.
 
-    This is the sampling the Poisson-subsampled accountants assume (ERRATA E5); batch sizes vary and
-    may be 0. Gradient sums are normalised by :attr:`expected_batch_size` = q * N, never by the
-    actual (private) batch size.
+    This is the sampling the Poisson-subsampled accountants assume (ERRATA E5); sample sizes vary and
+    may be 0. ``units`` gives the privacy unit of every record (ERRATA E11: the patient); a sampled unit
+    brings all of its records, which the DP step combines into one contribution. Without ``units`` every
+    record is its own unit. Gradient sums are normalised by :attr:`expected_batch_size` = q * N_units,
+    never by the actual (private) sample size.
+
+    ``rng`` must be secret (ERRATA E12): by default a generator seeded from OS entropy; a DP run passes
+    :meth:`raydp.privacy.randomness.PrivateRandomness.sampling_rng`.
     """
 
-    def __init__(self, n_records: int, q: float, seed: int):
+    def __init__(self, n_records: int, q: float, rng: np.random.Generator | None = None, units=None):
         if n_records <= 0:
             raise ValueError("n_records must be positive")
         if not 0.0 < q <= 1.0:
             raise ValueError(f"sampling rate q must be in (0, 1], got {q}")
         self.n_records = n_records
         self.q = float(q)
-        self._rng = np.random.default_rng(seed)
+        if rng is None:
+            from raydp.privacy.randomness import PrivateRandomness
 
-    @classmethod
-    def for_batch_size(cls, n_records: int, batch_size: int, seed: int) -> "PoissonSampler":
-        """q = B / N (RLDP Sec. 3.1)."""
-        return cls(n_records, min(1.0, batch_size / n_records), seed)
+            rng = PrivateRandomness.fresh().sampling_rng()
+        self._rng = rng
+        self._members: list[np.ndarray] | None = None
+        self.n_units = n_records
+        if units is not None:
+            units = np.asarray(units)
+            if units.shape != (n_records,):
+                raise ValueError(f"units must give one unit per record ({n_records}), got shape {units.shape}")
+            _, inverse = np.unique(units, return_inverse=True)
+            order = np.argsort(inverse, kind="stable")
+            bounds = np.flatnonzero(np.diff(inverse[order])) + 1
+            self._members = np.split(order, bounds)
+            self.n_units = len(self._members)
 
     @property
     def steps_per_epoch(self) -> float:
@@ -77,10 +92,14 @@ class PoissonSampler:
 
     @property
     def expected_batch_size(self) -> float:
-        return self.q * self.n_records
+        """q * N_units: the expected number of units per step (public given N_units)."""
+        return self.q * self.n_units
 
     def next_indices(self) -> list[int]:
-        return np.flatnonzero(self._rng.random(self.n_records) < self.q).tolist()
+        chosen = np.flatnonzero(self._rng.random(self.n_units) < self.q)
+        if self._members is None:
+            return chosen.tolist()
+        return np.concatenate([self._members[u] for u in chosen]).tolist() if chosen.size else []
 
     def state_dict(self) -> dict:
         return {"rng": self._rng.bit_generator.state}

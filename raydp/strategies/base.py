@@ -85,6 +85,11 @@ class Strategy(ABC):
     privacy_mode: str = "strict"
     #: whether :meth:`calibrate_public` must be called with a public probe before the first step
     needs_public_probe: bool = False
+    #: whether sigma is chosen during training from earlier releases. Such runs are enforced and
+    #: reported with a Renyi filter, valid under fully adaptive composition (ERRATA E13,
+    #: :mod:`raydp.privacy.filter`); fixed schedules keep PLD/PRV/RDP accounting of the ledger. Choosing
+    #: only the clip radii needs no filter: the noise allocation keeps sigma_eff = sigma (E1).
+    adaptive_sigma: bool = False
 
     def setup(self, context: StrategyContext) -> None:
         self.context = context

@@ -70,6 +70,7 @@ class RLDPStrategy(Strategy):
     clip_mode = "pairwise"
     allocation = "proportional"
     needs_public_probe = True
+    adaptive_sigma = True  # Eq. 13-14: sigma follows the policy's actions (Renyi filter, ERRATA E13)
 
     def __init__(self, settings, client=None):
         self.settings = settings
