@@ -23,7 +23,8 @@ def _add_data_source_args(parser: argparse.ArgumentParser, defaults: bool) -> No
     parser.add_argument("--source", dest="source", default=d("synthetic"),
                         help="'synthetic' (embedded generator), a diabetic_data.csv path, or (train) a built dataset dir")
     parser.add_argument("--ids-mapping", default=None, help="IDs_mapping.csv of the real dataset")
-    parser.add_argument("--n-records", type=int, default=d(2000), help="synthetic size / cap on CSV rows")
+    parser.add_argument("--n-records", type=int, default=None,
+                        help="synthetic size (default 2000) / cap on CSV rows (default: all; whole patients kept)")
     parser.add_argument("--data-seed", type=int, default=d(0), help="seed of generator and splits")
     parser.add_argument("--n-canary", type=int, default=d(10), help="number of secret canaries in train")
     parser.add_argument("--canary-seed", type=int, default=d(42))
@@ -64,7 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--eval-every", type=int)
     train.add_argument("--eval-max-records", type=int)
     train.add_argument("--max-length", type=int)
-    train.add_argument("--seed", type=int)
+    train.add_argument("--seed", type=int, help="seed of initialisation and dropout (DP sampling and noise use "
+                       "OS entropy)")
+    train.add_argument("--privacy-unit", choices=["auto", "patient", "record"],
+                       help="what DP protects: patient (default on data with patient ids) or record")
+    train.add_argument("--unsafe-fixed-randomness", action="store_true", default=None,
+                       help="UNSAFE, for debugging: DP sampling and noise from --seed (replayable; epsilon void)")
     train.add_argument("--device", help="auto (default), cpu, cuda, cuda:1, ...")
     train.add_argument("--cpus", type=int, help="CPU threads of the run (default: all)")
     _add_data_source_args(train, defaults=False)
@@ -105,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     pexport.add_argument("--to", required=True, help="archive to write (.tar.gz)")
     pexport.add_argument("--policy-dir", default="policies")
     pexport.add_argument("--overwrite", action="store_true")
+    pexport.add_argument("--include-private-replay", action="store_true",
+                         help="export a paper-mode policy although its replay buffer holds unprivatized "
+                              "statistics of private data (ERRATA E14)")
     return parser
 
 
@@ -113,7 +122,8 @@ def train_config_from_args(args: argparse.Namespace):
 
     values = load_yaml_mapping(args.config) if args.config else {}
     for key in ("model", "strategy", "epsilon", "delta", "accountant", "clip", "epochs", "max_steps", "batch_size",
-                "lr", "warmup_steps", "eval_every", "eval_max_records", "max_length", "seed", "device", "cpus"):
+                "lr", "warmup_steps", "eval_every", "eval_max_records", "max_length", "seed", "device", "cpus",
+                "privacy_unit", "unsafe_fixed_randomness"):
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)
     data = dict(values.get("data") or {})
@@ -137,9 +147,12 @@ def train_config_from_args(args: argparse.Namespace):
 def cmd_data_build(args) -> int:
     from raydp.data import build_dataset, describe_dataset
 
+    from raydp.config import SYNTHETIC_DEFAULT_RECORDS
+
     if args.n_records is not None and args.n_records <= 0:
         raise ConfigError("--n-records must be positive")
-    build_dataset(args.output, source=args.source, n_records=args.n_records, seed=args.data_seed,
+    n_records = SYNTHETIC_DEFAULT_RECORDS if args.source == "synthetic" and args.n_records is None else args.n_records
+    build_dataset(args.output, source=args.source, n_records=n_records, seed=args.data_seed,
                   n_canary=args.n_canary, canary_seed=args.canary_seed, ids_mapping=args.ids_mapping,
                   overwrite=args.overwrite)
     _print_dataset(describe_dataset(args.output), args.output)
@@ -169,16 +182,25 @@ def cmd_train(args) -> int:
                     overwrite_policy=args.overwrite_policy)
     print(f"run written to {Path(args.output).absolute()}")
     keys = ("model", "strategy", "device", "n_adapter_pairs", "train_records", "steps",
-            "initial_eval_perplexity", "final_eval_perplexity", "best_eval_perplexity", "wall_seconds")
+            "initial_public_perplexity", "final_public_perplexity", "initial_eval_perplexity",
+            "final_eval_perplexity", "wall_seconds")
     for key in keys:
         print(f"  {key:<26} {summary[key]}")
+    print("  (eval_perplexity: private eval split, not a DP release; public_perplexity: public validation)")
     privacy = summary["privacy"]
     if privacy.get("epsilon") is not None:
+        print(f"  privacy unit               {privacy['privacy_unit']} ({privacy['n_units']} in train)")
         print(f"  sigma_0                    {privacy['sigma_0']:.4f} (q={privacy['q']:.4g}, "
               f"{privacy['planned_steps']} planned steps, {privacy['neighbouring_relation']})")
+        if privacy.get("filter"):
+            print(f"  epsilon[renyi-filter]      {privacy['epsilon']:.4f}  (enforcing: the guarantee under "
+                  "adaptive sigma)")
         for name, eps in privacy["epsilon_by_accountant"].items():
-            kind = "enforcing, upper bound" if name == privacy["enforcing_accountant"] else (
-                "approximation" if name == "gdp" else "upper bound")
+            if privacy.get("filter"):
+                kind = "ledger composed as if fixed in advance; not a guarantee"
+            else:
+                kind = "enforcing, upper bound" if name == privacy["enforcing_accountant"] else (
+                    "approximation" if name == "gdp" else "upper bound")
             print(f"  epsilon[{name}]{'':<{17 - len(name)}} {eps:.4f}  ({kind})")
         print(f"  verdict                    {privacy['verdict']}")
         if privacy.get("privacy_label"):
@@ -241,31 +263,56 @@ def cmd_policy_list(args) -> int:
     if not policies:
         print(f"no saved policies in {args.policy_dir}")
         return 0
-    print(f"{'name':<28} {'arch':<7} {'trained on':<34} {'transitions':>11}  final ppl")
+    print(f"{'name':<28} {'arch':<7} {'trained on':<34} {'transitions':>11}  {'final ppl':<10} provenance (E14)")
     for p in policies:
         t, r = p.get("trained_on") or {}, p.get("results") or {}
         on = f"{t.get('model')} ({t.get('n_adapter_pairs')} pairs, eps {t.get('epsilon')})"
-        ppl = r.get("final_eval_perplexity")
+        ppl = r.get("final_public_perplexity", r.get("final_eval_perplexity"))  # public split first (E15)
         print(f"{p['name']:<28} {p['architecture']:<7} {on:<34} {p.get('transitions') or 0:>11}  "
-              f"{'' if ppl is None else f'{ppl:.4f}'}")
+              f"{'' if ppl is None else f'{ppl:.4f}':<10} {_provenance_brief(p['provenance'], p['privacy_mode'])}")
     return 0
+
+
+def _provenance_brief(provenance: list[dict], mode: str) -> str:
+    """'paper|strict, N run(s) on dataset(s) <sha12>, ...' (ERRATA E14)."""
+    hashes = list(dict.fromkeys((e.get("dataset_sha256") or "unknown")[:12] for e in provenance))
+    return f"{mode}, {len(provenance)} run(s) on dataset(s) {', '.join(hashes) or 'none recorded'}"
+
+
+def _manifest_for_display(manifest: dict) -> dict:
+    """The manifest with its provenance made explicit (legacy manifests included) and each RDP curve
+    abbreviated (the full curves are in manifest.json)."""
+    from raydp.control.store import policy_privacy_mode, provenance_of
+
+    entries = []
+    for e in provenance_of(manifest):
+        e = dict(e)
+        for key in ("rdp_orders", "rdp_curve"):
+            if isinstance(e.get(key), list):
+                e[key] = f"{len(e[key])} values (see manifest.json)"
+        entries.append(e)
+    return {**manifest, "privacy_mode": policy_privacy_mode(manifest), "provenance": entries}
 
 
 def cmd_policy_show(args) -> int:
     from raydp.control.store import load_manifest, resolve_policy
 
     path = resolve_policy(args.name, args.policy_dir)
-    print(json.dumps({"path": str(path), **load_manifest(path)}, indent=2))
+    print(json.dumps({"path": str(path), **_manifest_for_display(load_manifest(path))}, indent=2))
     return 0
 
 
 def cmd_policy_export(args) -> int:
-    from raydp.control.store import export_policy, load_manifest, resolve_policy
+    from raydp.control.store import export_policy, load_manifest, policy_privacy_mode, resolve_policy
 
     path = resolve_policy(args.name, args.policy_dir)
-    load_manifest(path)
-    archive = export_policy(path, Path(args.to), overwrite=args.overwrite)
+    manifest = load_manifest(path)
+    archive = export_policy(path, Path(args.to), overwrite=args.overwrite,
+                            include_private_replay=args.include_private_replay)
     print(f"policy {path.name} exported to {archive.absolute()}")
+    if policy_privacy_mode(manifest) == "paper":
+        print("  WARNING: paper-mode policy: the archive's replay buffer holds unprivatized statistics of "
+              "private data (ERRATA E14)")
     return 0
 
 

@@ -45,6 +45,33 @@ def test_fresh_randomness_differs_and_hides_its_seeds():
     assert unsafe == PrivateRandomness.unsafe_from_seed(0) and not unsafe.is_secret and unsafe.label == VOID_LABEL
 
 
+def test_noise_uses_every_bit_of_its_seed():
+    """torch's CPU generator keeps only the low 32 bits of a seed (recoverable by search from one release):
+    seeds that differ only above bit 32, or above bit 64, must give different noise."""
+    from raydp.privacy.randomness import GaussianNoise
+
+    low = 0x1234_5678
+    draws = [GaussianNoise(seed).randn((16,)) for seed in (low, low + (7 << 32), low + (7 << 64))]
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+    assert torch.equal(GaussianNoise(low).randn((16,)), draws[0])  # a seed still determines its draws
+
+
+def test_checkpoints_hold_no_sampling_or_noise_state():
+    """A checkpoint holding a generator's state lets its holder rewind to every past batch and noise;
+    a resumed run draws fresh secret randomness instead."""
+    sampler = PoissonSampler(100, 0.1)
+    assert sampler.state_dict() == {}
+    model, pairs = tiny_lora_model()
+    strategy = FixedDials([0.1] * len(pairs), 1.0, "proportional")
+    strategy.setup(StrategyContext(len(pairs), (0.0, 0.5, 1.0), q=0.5, planned_steps=10, sigma_0=1.0,
+                                   epsilon_target=1e6, delta=1e-5))
+    step = DPStep(model, pairs, strategy, PrivacyLedger(delta=1e-5),
+                  BudgetGuard("rdp", epsilon_target=1e6, delta=1e-5, planned_steps=10, q=0.5), q=0.5,
+                  expected_batch_size=2.5, planned_steps=10, device=CPU)
+    state = step.state_dict()
+    assert set(state) == {"ledger", "clamp_events", "strategy", "randomness_source"}
+
+
 def test_samplers_and_noise_of_identical_setups_differ():
     """Two runs with the same config draw different batches and different noise (no shared seed)."""
     first = [PoissonSampler(5000, 0.01).next_indices() for _ in range(2)]

@@ -91,7 +91,10 @@ def test_saved_policy_reloads_and_gives_identical_actions(trained_session, tmp_p
         client = frozen.client("reuse")
         first = client.decide(obs, None)
         again = client.decide(obs, 0.0)
-        assert np.array_equal(first, expected) and np.array_equal(again, expected)
+        assert np.array_equal(first, again)  # frozen: the same action for the same observation
+        # The frozen policy acts in another process (the broker actor), whose BLAS may sum in another
+        # order: equal up to float32 rounding, not bit for bit.
+        np.testing.assert_allclose(first, expected, rtol=0, atol=1e-6)
         assert frozen.info()["pending"] == 0  # a frozen policy records no transitions
     # restoring for further training keeps the replay buffer
     with PolicySession(LAYOUT, SETTINGS, restore=tmp_path / "p") as resumed:
@@ -162,7 +165,7 @@ def test_two_runs_share_a_policy_and_one_can_die(local_ray, tmp_path):
     from raydp.runner.actor import FineTuningRun
 
     with PolicySession(ObservationLayout("shared", 8), SACSettings(b_sac=4, k=2, hidden=32)) as session:
-        survivor_cfg = tiny_config(max_steps=40, rldp={"t_rl": 2, "t_warm": 2})
+        survivor_cfg = tiny_config(max_steps=40, epochs=5, rldp={"t_rl": 2, "t_warm": 2})  # 5 epochs > 40 steps
         victim_cfg = tiny_config(max_steps=400, data={"n_records": 400, "seed": 1}, rldp={"t_rl": 2, "t_warm": 2})
         survivor, victim = (FineTuningRun.options(num_cpus=1).remote(1) for _ in range(2))
         done = survivor.run.remote(survivor_cfg.model_dump(mode="json"), str(tmp_path / "a"), False,

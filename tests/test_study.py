@@ -107,10 +107,25 @@ def test_study_results_table(tiny_study):
         assert (Path(run_dir) / "privacy_ledger.parquet").exists()
     assert (Path(table[table["strategy"] == "rldp"].iloc[0]["run_dir"]) / "control_trace.parquet").exists()
     summary = json.loads((tiny_study / "study_summary.json").read_text())
-    tuning = summary["tuning_aware_epsilon"]["2"]
-    assert tuning["trials"] == 2
+    sha = json.loads((tiny_study / "dataset" / "manifest.json").read_text())["content_sha256"]
+    tuning = summary["tuning_aware_epsilon"][sha]  # one figure per dataset (E7/E14)
+    assert tuning["trials"] == 2 and tuning["unknown_spend"] == []
     assert tuning["tuning_aware_epsilon"] == tuning["composition_epsilon_rdp"] > tuning["max_single_trial_epsilon_rdp"]
     assert tuning["repeat_and_select_epsilon_rdp"] > tuning["max_single_trial_epsilon_rdp"]
+    assert summary["selection"]["requested"] == "public"  # E15 (falls back, labelled, where runs lack it)
+    assert {"final_public_perplexity", "privacy_labels", "selection_split"} <= set(table)
+
+
+def test_evaluations_reach_tune_only_with_their_checkpoint(tiny_study):
+    """E: every Tune result that carries a perplexity is a checkpoint's report (or the final one)."""
+    for result_file in (tiny_study / "tune" / "tiny").glob("*/result.json"):
+        results = [json.loads(line) for line in result_file.read_text().splitlines() if line.strip()]
+        assert results
+        for r in results:
+            if r.get("eval_perplexity") is not None:
+                assert r.get("checkpoint") or r.get("done"), r
+            assert "selection_perplexity" in r and r["selection_split"] in ("public", "private")
+        assert "privacy_label" in results[-1] and results[-1]["done"]
 
 
 def test_report_prints_the_paper_tables(tiny_study, capsys):
@@ -182,7 +197,7 @@ def test_a_stopped_study_resumes_with_tuner_restore(tmp_path, raydp_cache):
     from raydp.privacy.ledger import PrivacyLedger
 
     path = write_study(tmp_path, name="stopped", strategies=["static"], wandb={"mode": "disabled"},
-                       base={**TINY_STUDY["base"], "max_steps": 48})
+                       base={**TINY_STUDY["base"], "max_steps": 48, "epochs": 6})  # ~150 patients: 6 epochs > 48 steps
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     cmd = [sys.executable, "-m", "raydp", "study", str(path), "--results-dir", str(out), "--quiet"]
@@ -214,7 +229,7 @@ def test_a_killed_trial_resumes_with_exactly_the_planned_ledger(tiny_study, tmp_
     from raydp.study.runner import run_study
 
     path = write_study(tmp_path, name="killed", strategies=["rldp"], max_failures=2,
-                       base={**TINY_STUDY["base"], "max_steps": 48})
+                       base={**TINY_STUDY["base"], "max_steps": 48, "epochs": 6})  # ~150 patients: 6 epochs > 48 steps
     study_dir = tmp_path / "out" / "killed"
     killed = {}
 

@@ -59,7 +59,7 @@ def test_no_output_file_holds_the_sampling_or_noise_seed(two_runs):
     runs, drawn = two_runs
     needles = []
     for r in drawn:
-        for value, width in ((r.sampling_entropy, 16), (r.noise_seed, 8)):
+        for value, width in ((r.sampling_entropy, 16), (r.noise_seed, 16)):
             needles += [str(value).encode(), format(value, "x").encode(), format(value, "X").encode(),
                         value.to_bytes(width, "little"), value.to_bytes(width, "big")]
     files = [p for run in runs for p in run.rglob("*") if p.is_file()]
@@ -84,6 +84,7 @@ def test_summary_and_ledger_state_the_patient_unit_and_the_guarantee(two_runs):
     assert meta["privacy_unit"] == "patient" and meta["randomness"] == "os-entropy" and meta["labels"] == []
     assert "seed" not in json.dumps(meta)
     assert (run / "private" / "README").exists() and not (run / "dataset").exists()
+    assert summary["dropout"].startswith("off")  # dropout would draw from the public-seeded generator
 
 
 def test_unsafe_fixed_randomness_replays_and_voids_the_epsilon(tmp_path, raydp_cache):
@@ -104,3 +105,9 @@ def test_record_unit_on_request(tmp_path, raydp_cache):
     assert summary["privacy"]["privacy_unit"] == "record"
     assert summary["privacy"]["n_units"] == summary["train_records"]
     assert "group privacy" in summary["privacy"]["unit_note"]
+
+
+def test_a_csv_source_keeps_all_rows_unless_capped():
+    assert TrainConfig(data={"source": "diabetic_data.csv"}).data.n_records is None
+    assert TrainConfig(data={"source": "diabetic_data.csv", "n_records": 500}).data.n_records == 500
+    assert TrainConfig().data.n_records == 2000  # the embedded default's synthetic size

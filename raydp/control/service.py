@@ -6,6 +6,12 @@ each, :mod:`raydp.control.sac`) and RLlib's weight sync pushes the new weights t
 waits on a run: with no transition pending it sleeps. :class:`PolicySession` is the driver-side handle:
 it starts the broker (and, unless the policy is frozen, the service), hands out :class:`PolicyClient`\\ s
 to runs, saves the policy and shuts everything down.
+
+Provenance (ERRATA E14): the service keeps the list of runs that trained its policy: the restored
+policy's list (inherited), plus one entry for each run that saves the policy with
+``save_policy(..., provenance=entry)`` (:mod:`raydp.control.store` gives the entry's shape). Every saved
+manifest carries the list as it stands. A shared service's snapshot saved when one run ends has also
+learned from runs still going, whose entries come when they save.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from raydp.control.store import (
     REPLAY_FILE,
     load_manifest,
     policy_layout,
+    provenance_entry,
+    provenance_of,
     read_replay,
     write_manifest,
     write_replay,
@@ -53,6 +61,7 @@ class PolicyService:
         self.module_steps_trained = 0
         self.transitions_trained = 0
         self.errors: list[str] = []
+        self.provenance: list[dict] = []  # runs that trained this policy (ERRATA E14), inherited first
         if restore:
             self._restore(Path(restore))
         self._stop = threading.Event()
@@ -61,6 +70,7 @@ class PolicyService:
         self.thread.start()
 
     def _restore(self, path: Path) -> None:
+        self.provenance = provenance_of(load_manifest(path))  # a continued policy inherits its runs (E14)
         self.algo.restore_from_path(str(path / MODULE_DIR), component=LEARNER_MODULE)  # also syncs the broker
         replay = read_replay(path / REPLAY_FILE)
         if replay and len(replay["reward"]):
@@ -106,10 +116,17 @@ class PolicyService:
             time.sleep(0.02)
         return False
 
-    def save(self, path: str, trained_on: dict, results: dict, name: str | None = None) -> dict:
-        """Write module checkpoint, replay buffer and manifest to ``path`` (a fresh directory)."""
+    def save(self, path: str, trained_on: dict, results: dict, name: str | None = None,
+             provenance: dict | None = None) -> dict:
+        """Write module checkpoint, replay buffer and manifest to ``path`` (a fresh directory).
+
+        ``provenance``: the entry of the run that saves (shape in :mod:`raydp.control.store`); it is
+        appended to the policy's provenance list, which the manifest records (ERRATA E14)."""
+        entry = provenance_entry(provenance) if provenance is not None else None  # validate before writing
         self.wait_idle()
         with self.lock:
+            if entry is not None and entry["entry_id"] not in {e.get("entry_id") for e in self.provenance}:
+                self.provenance.append(entry)
             out = Path(path)
             out.mkdir(parents=True, exist_ok=False)
             module = self.algo.learner_group._learner.module["default_policy"]
@@ -117,7 +134,8 @@ class PolicyService:
             write_replay(out / REPLAY_FILE, _transitions(self.algo.local_replay_buffer))
             return write_manifest(out, layout=self.layout, sac=self.settings.as_dict(), trained_on=trained_on,
                                   results=results, transitions=self.transitions_trained,
-                                  updates=self.train_calls * self.settings.k, name=name)
+                                  updates=self.train_calls * self.settings.k, name=name,
+                                  provenance=self.provenance)
 
     def stop(self) -> None:
         self._stop.set()
@@ -173,11 +191,16 @@ class PolicyClient:
     def end(self) -> None:
         ray.get(self.broker.end.remote(self.run_id))
 
-    def save_policy(self, path: Path, trained_on: dict, results: dict) -> dict | None:
-        """Snapshot the shared policy (None for a frozen policy: it does not change)."""
+    def save_policy(self, path: Path, trained_on: dict, results: dict, provenance: dict | None = None) -> dict | None:
+        """Snapshot the shared policy (None for a frozen policy: it does not change).
+
+        ``provenance``: this run's entry (ERRATA E14), a dict ``{"dataset_sha256", "privacy_mode"
+        ('strict'|'paper'), "privacy_unit", "epsilon", "delta", "guarantee", "rdp_orders", "rdp_curve"}``
+        (:mod:`raydp.control.store`); appended to the policy's inherited provenance. None: a snapshot
+        (e.g. a checkpoint) that adds no run."""
         if self.service is None:
             return None
-        return ray.get(self.service.save.remote(str(path), trained_on, results))
+        return ray.get(self.service.save.remote(str(path), trained_on, results, None, provenance))
 
 
 def _module_weights(path: Path) -> dict:
@@ -225,7 +248,9 @@ class PolicySession:
     def info(self) -> dict:
         return ray.get(self.broker.info.remote())
 
-    def save(self, path: Path, trained_on: dict, results: dict, overwrite: bool = False) -> dict:
+    def save(self, path: Path, trained_on: dict, results: dict, overwrite: bool = False,
+             provenance: dict | None = None) -> dict:
+        """Save the policy as ``path`` (see :meth:`PolicyClient.save_policy` for ``provenance``)."""
         if self.service is None:
             raise ValueError("a frozen policy is not trained; nothing new to save")
         path = Path(path)
@@ -235,7 +260,7 @@ class PolicySession:
 
                 raise ConfigError(f"policy {path} already exists (pass --overwrite to replace it)")
             shutil.rmtree(path)
-        return ray.get(self.service.save.remote(str(path), trained_on, results, path.name))
+        return ray.get(self.service.save.remote(str(path), trained_on, results, path.name, provenance))
 
     def close(self) -> None:
         if self.service is not None:

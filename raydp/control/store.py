@@ -3,11 +3,33 @@
 Layout of a policy directory::
 
     manifest.json   format, architecture, observation layout (versioned), SAC settings, what it was
-                    trained on (model, adapter pairs, epsilon, steps, decisions), results
+                    trained on (model, adapter pairs, epsilon, steps, decisions), results, provenance
     module/         RLModule.save_to_path (actor, twin critics and their targets)
     replay.npz      the replay buffer's transitions (RLlib's new stack does not checkpoint it)
 
 A policy is found by name under the policy directory (``--policy-dir``, default ``policies``) or by path.
+
+Provenance (ERRATA E14). A policy is a function of the releases its training runs saw, so every one of
+those runs' privacy spend stays attached to it: ``manifest["provenance"]`` is a list with one entry per
+run that trained the policy (a policy continued from a saved one inherits the earlier list and appends;
+:func:`copy_policy` keeps it)::
+
+    {"dataset_sha256": str | None,        # the private dataset's content_sha256 (its identity)
+     "privacy_mode": "strict" | "paper",  # paper: the controller saw unprivatized statistics (E3)
+     "privacy_unit": str | None,          # "record" / "patient" (E11)
+     "epsilon": float | None, "delta": float | None,
+     "guarantee": str | None,             # e.g. "renyi_filter" or "ledger" (how rdp_curve is justified)
+     "rdp_orders": [float, ...] | None,   # the RDP curve of the run: (alpha, rdp_curve[i])-RDP at
+     "rdp_curve": [float, ...] | None,    # each order alpha = rdp_orders[i]
+     "entry_id": str}                     # added when the entry is recorded (de-duplication)
+
+A study composes the entries whose ``dataset_sha256`` is its own dataset's with its trials (RDP
+composition, Mironov 2017, Prop. 1; see :mod:`raydp.study.results`). A strict-mode policy is
+post-processing of DP releases: reusing it costs nothing more. A paper-mode policy saw unprivatized
+statistics of private data: it may not drive a strict run (:func:`check_policy_privacy_mode`), whatever it
+touches inherits the paper-mode label, and its replay buffer is private data (:func:`export_policy`
+refuses it unless asked explicitly). Manifests written before provenance existed are read as one legacy
+entry built from ``trained_on`` (dataset unknown).
 """
 
 from __future__ import annotations
@@ -16,6 +38,7 @@ import json
 import shutil
 import tarfile
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -70,8 +93,88 @@ def list_policies(policy_dir: str | Path = "policies") -> list[dict]:
             except ConfigError:
                 continue
             out.append({"name": child.name, "path": str(child), **{k: m.get(k) for k in
-                        ("architecture", "created", "trained_on", "results", "transitions")}})
+                        ("architecture", "created", "trained_on", "results", "transitions")},
+                        "provenance": provenance_of(m), "privacy_mode": policy_privacy_mode(m)})
     return out
+
+
+PRIVACY_MODES = ("strict", "paper")
+PROVENANCE_KEYS = ("dataset_sha256", "privacy_mode", "privacy_unit", "epsilon", "delta", "guarantee",
+                   "rdp_orders", "rdp_curve")
+
+
+def _jsonable(value):
+    """numpy scalars/arrays (an RDP curve) as plain JSON values."""
+    if isinstance(value, np.ndarray):
+        return [float(v) for v in value.tolist()]
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def provenance_entry(entry: dict) -> dict:
+    """Validate one provenance entry (the dict a run passes to ``save_policy(..., provenance=entry)``;
+    shape in the module docstring) and return it JSON-ready, with an ``entry_id`` (kept if present) that
+    identifies the run across copies and continuations, so a study never composes one run twice."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"a policy provenance entry is a dict, not {type(entry).__name__}")
+    if entry.get("privacy_mode") not in PRIVACY_MODES and not entry.get("legacy"):
+        raise ValueError(f"provenance privacy_mode must be one of {PRIVACY_MODES}, not {entry.get('privacy_mode')!r}")
+    orders, curve = entry.get("rdp_orders"), entry.get("rdp_curve")
+    if (orders is None) != (curve is None) or (orders is not None and len(orders) != len(curve)):
+        raise ValueError("provenance rdp_orders and rdp_curve must both be given, with the same length")
+    out = {k: _jsonable(entry.get(k)) for k in PROVENANCE_KEYS}
+    out.update({k: _jsonable(v) for k, v in entry.items() if k not in out})
+    out["entry_id"] = str(entry.get("entry_id") or uuid.uuid4().hex)
+    return out
+
+
+def provenance_of(manifest: dict) -> list[dict]:
+    """The runs that trained a policy (ERRATA E14): ``manifest["provenance"]``; a manifest written before
+    provenance existed gives one legacy entry from its ``trained_on`` (dataset and RDP curve unknown)."""
+    if manifest.get("provenance") is not None:
+        return [dict(e) for e in manifest["provenance"]]
+    trained = manifest.get("trained_on") or {}
+    if not trained:
+        return []
+    return [{"legacy": True, "dataset_sha256": None, "privacy_mode": trained.get("privacy_mode"),
+             "privacy_unit": None, "epsilon": trained.get("epsilon"), "delta": None, "guarantee": None,
+             "rdp_orders": None, "rdp_curve": None, "model": trained.get("model"),
+             "entry_id": f"legacy:{manifest.get('name')}:{manifest.get('created')}"}]
+
+
+def policy_privacy_mode(manifest: dict) -> str:
+    """'paper' if any run that trained the policy ran in paper mode (a provenance entry, or the legacy
+    ``trained_on.privacy_mode``), else 'strict' (ERRATA E3/E14)."""
+    modes = [e.get("privacy_mode") for e in provenance_of(manifest)]
+    modes.append((manifest.get("trained_on") or {}).get("privacy_mode"))
+    return "paper" if "paper" in modes else "strict"
+
+
+def check_policy_privacy_mode(manifest: dict, privacy_mode: str, name: str) -> None:
+    """A paper-mode policy saw unprivatized statistics of private data (ERRATA E3/E14): driving a strict
+    run with it would make that run's strict guarantee false. ConfigError (one line) in that case."""
+    if privacy_mode == "strict" and policy_privacy_mode(manifest) == "paper":
+        raise ConfigError(f"policy {name} was trained in paper mode (it saw unprivatized statistics); "
+                          "use rldp.privacy_mode=paper or a strict policy")
+
+
+def provenance_summary(manifest: dict) -> list[str]:
+    """One short line per provenance entry: mode, dataset hash (12 hex digits), epsilon, guarantee."""
+    lines = []
+    for e in provenance_of(manifest):
+        sha, eps, guarantee = e.get("dataset_sha256"), e.get("epsilon"), e.get("guarantee")
+        line = f"{e.get('privacy_mode') or 'unknown mode'} on dataset {sha[:12] if sha else 'unknown'}"
+        if eps is not None:
+            line += f", eps {eps:g}"
+        if guarantee:
+            line += f" ({guarantee})"
+        if e.get("legacy"):
+            line += " [legacy manifest]"
+        lines.append(line)
+    return lines
 
 
 def write_replay(path: Path, transitions: dict[str, np.ndarray]) -> None:
@@ -86,7 +189,10 @@ def read_replay(path: Path) -> dict[str, np.ndarray]:
 
 
 def write_manifest(path: Path, *, layout: ObservationLayout, sac: dict, trained_on: dict, results: dict,
-                   transitions: int, updates: int, name: str | None = None) -> dict:
+                   transitions: int, updates: int, name: str | None = None,
+                   provenance: list[dict] | None = None) -> dict:
+    """Write ``manifest.json``; ``provenance``: one entry per run that trained the policy (module
+    docstring; ERRATA E14), inherited entries first."""
     manifest = {
         "format": POLICY_FORMAT,
         "name": name or path.name,
@@ -97,6 +203,7 @@ def write_manifest(path: Path, *, layout: ObservationLayout, sac: dict, trained_
         "results": results,
         "transitions": transitions,
         "sac_updates": updates,
+        "provenance": [provenance_entry(e) for e in (provenance or [])],
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "raydp_version": __version__,
     }
@@ -105,7 +212,8 @@ def write_manifest(path: Path, *, layout: ObservationLayout, sac: dict, trained_
 
 
 def copy_policy(source: Path, dest: Path, overwrite: bool = False) -> Path:
-    """Copy a policy directory (atomically: a temporary sibling renamed into place)."""
+    """Copy a policy directory (atomically: a temporary sibling renamed into place). The copy keeps the
+    manifest, provenance included (ERRATA E14); only its name changes."""
     if dest.exists():
         if not overwrite:
             raise ConfigError(f"policy {dest} already exists (pass --overwrite to replace it)")
@@ -122,8 +230,18 @@ def copy_policy(source: Path, dest: Path, overwrite: bool = False) -> Path:
     return dest
 
 
-def export_policy(source: Path, archive: Path, overwrite: bool = False) -> Path:
-    """A portable ``.tar.gz`` of a policy directory."""
+def export_policy(source: Path, archive: Path, overwrite: bool = False,
+                  include_private_replay: bool = False) -> Path:
+    """A portable ``.tar.gz`` of a policy directory.
+
+    A paper-mode policy's replay buffer holds the unprivatized statistics its runs observed (per-sample
+    gradient-norm quartiles, batch losses...: private data, ERRATA E3/E14): exporting it is refused
+    unless ``include_private_replay`` says the caller knows."""
+    source = Path(source)
+    manifest = json.loads((source / MANIFEST).read_text())
+    if policy_privacy_mode(manifest) == "paper" and not include_private_replay:
+        raise ConfigError(f"policy {source.name} was trained in paper mode: its replay buffer holds unprivatized "
+                          "statistics of private data (ERRATA E14); pass --include-private-replay to export it anyway")
     if archive.exists() and not overwrite:
         raise ConfigError(f"{archive} already exists (pass --overwrite to replace it)")
     archive.parent.mkdir(parents=True, exist_ok=True)

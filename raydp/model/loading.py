@@ -186,3 +186,20 @@ def expected_adapter_pairs(name_or_path: str, lora: LoraSettings | None = None) 
     if not targets:
         raise ModelError(f"no default LoRA targets for model type {model_type!r}; set lora.target_modules")
     return int(n_layers) * len(targets)
+
+
+def disable_dropout(model) -> int:
+    """Set every dropout probability to 0 (LoRA's and the backbone's); returns how many modules changed.
+
+    DP runs call this (ERRATA E12): dropout masks come from torch's global generator, seeded from the
+    public ``seed``, and are laid out over the whole padded batch, so with known masks a record's
+    gradient depends on which other records were sampled and the per-sample sensitivity argument no
+    longer holds. Without dropout nothing random but the secret sampling and noise touches private data."""
+    import torch
+
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p != 0.0:
+            module.p = 0.0
+            changed += 1
+    return changed

@@ -78,7 +78,7 @@ class DPStep:
         self.name = f"dp:{strategy.name}"
         self.per_sample = PerSampleGradientComputer(model, pairs)
         self.randomness = randomness if randomness is not None else PrivateRandomness.fresh()
-        self.generator = self.randomness.noise_generator(device)
+        self.noise = self.randomness.noise(device)
         self._last_guarded: tuple[float, float, bool] | None = None
         self._pending: StepRelease | None = None
         self._before_update: list[torch.Tensor] = []
@@ -159,17 +159,15 @@ class DPStep:
         # Noise is drawn in float32 (relative rounding ~6e-8): add noise for a sigma a hair above the
         # one the guard approved and the ledger charges, so the charge never exceeds the noise added.
         stds = pair_noise_stds(charged_stds / (1.0 - NOISE_ROUNDING_MARGIN), len(self.pairs), mode)
-        noisy_a = [s + std * torch.randn(s.shape, generator=self.generator, device=self.device)
-                   for s, std in zip(sums_a, stds)]
-        noisy_b = [s + std * torch.randn(s.shape, generator=self.generator, device=self.device)
-                   for s, std in zip(sums_b, stds)]
+        noisy_a = [s + std * self.noise.randn(s.shape) for s, std in zip(sums_a, stds)]
+        noisy_b = [s + std * self.noise.randn(s.shape) for s, std in zip(sums_b, stds)]
         for pair, ga, gb in zip(self.pairs, noisy_a, noisy_b):
             pair.a.grad = (ga / self.expected_batch_size).to(pair.a.dtype)
             pair.b.grad = (gb / self.expected_batch_size).to(pair.b.dtype)
         statistics, statistics_std = {}, {}
         for stat, release in zip(self.statistics, releases[1:]):
             value = stat.raw(norms, losses)
-            noise = torch.randn(value.shape, generator=self.generator, device=self.device, dtype=value.dtype)
+            noise = self.noise.randn(value.shape, dtype=value.dtype).to(value.device)
             statistics[stat.name] = (value + noise * release.noise_std / (1.0 - NOISE_ROUNDING_MARGIN)).cpu().numpy()
             statistics_std[stat.name] = release.noise_std
         sigma_eff = self.ledger.record(self.q, releases, clip=dials.clip, allocation=self.strategy.allocation)
@@ -197,16 +195,15 @@ class DPStep:
         self.strategy.between_steps(step)
 
     def state_dict(self) -> dict:
-        return {"ledger": self.ledger.to_arrow(), "generator": self.generator.get_state(),
-                "clamp_events": list(self.clamp_events), "strategy": self.strategy.state_dict(),
-                "randomness_source": self.randomness.source}
+        # No RNG state: a resumed run draws fresh secret randomness (ERRATA E12, raydp.privacy.randomness).
+        return {"ledger": self.ledger.to_arrow(), "clamp_events": list(self.clamp_events),
+                "strategy": self.strategy.state_dict(), "randomness_source": self.randomness.source}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a checkpoint into a fresh run: the ledger gets exactly the checkpoint's rows."""
         if len(self.ledger):
             raise ValueError("restore a DP step before its first step, into an empty ledger")
         self.ledger.extend_from_arrow(state["ledger"])
-        self.generator.set_state(state["generator"])
         self.clamp_events = list(state["clamp_events"])
         self.strategy.load_state_dict(state["strategy"])
 

@@ -7,19 +7,24 @@ and the one unknown record tested exactly. The same seed in two runs also makes 
 noise, so that the difference of two releases cancels the noise.
 
 So every DP run draws its sampling and noise seeds from the operating system's entropy
-(:func:`secrets.randbits`, i.e. ``os.urandom``), fresh for every run and every trial. They live only in
-memory and in resume checkpoints (the RNG *states* are checkpointed so that a resumed run continues
-the same draws); they are never written to a file meant for release (ledger, summary, metrics,
-adapters, configs). ``seed`` in a config keeps controlling what is not private: initialisation, splits,
-synthetic data, dropout.
+(:func:`secrets.randbits`, i.e. ``os.urandom``; 128 bits each), fresh for every run, every trial and
+every resume. They live only in memory: neither the seeds nor the generators' states are written to
+any file, checkpoints included (a resumed run draws fresh seeds, which is sound because nothing drawn
+after its checkpoint was observed outside the run; see :mod:`raydp.runner.loop`). ``seed`` in a config
+keeps controlling what is not private: initialisation, splits, synthetic data. (Dropout would draw from
+torch's global generator, seeded from ``seed``, on private batches; DP runs switch dropout off,
+:func:`raydp.model.disable_dropout`.)
+
+Noise generators: on CPU, numpy's PCG64 seeded with all 128 bits (torch's CPU Mersenne Twister takes
+only the low 32 bits of a seed, which a search over 2^32 candidates recovers from one released
+gradient); on CUDA, torch's Philox generator, which takes the full 64-bit seed.
 
 ``unsafe_fixed_randomness`` derives both from the config seed instead, for debugging and tests that must
 replay a run exactly. Such a run's outputs carry :data:`VOID_LABEL`: its epsilon is void.
 
-What this does not cover: the generators are fast PRNGs (numpy PCG64 for sampling, torch's Mersenne
-Twister for noise), seeded secretly but not cryptographically secure, and floating-point Gaussian
-sampling has known attacks on its low-order bits (Mironov 2012). Opacus's ``secure_mode`` addresses
-both with a CSPRNG; that dependency is not used here.
+What this does not cover: the generators are fast PRNGs seeded secretly, not cryptographically secure,
+and floating-point Gaussian sampling has known attacks on its low-order bits (Mironov 2012). Opacus's
+``secure_mode`` addresses both with a CSPRNG; that dependency is not used here.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-__all__ = ["OS_ENTROPY", "UNSAFE_FIXED_SEED", "VOID_LABEL", "PrivateRandomness"]
+__all__ = ["OS_ENTROPY", "UNSAFE_FIXED_SEED", "VOID_LABEL", "GaussianNoise", "PrivateRandomness"]
 
 OS_ENTROPY = "os-entropy"
 UNSAFE_FIXED_SEED = "unsafe-fixed-seed"
@@ -43,7 +48,7 @@ _NOISE_STREAM = 0x4E4F4953  # "NOIS"
 
 @dataclass(frozen=True)
 class PrivateRandomness:
-    """The two secret seeds of one DP run: Poisson sampling (128 bits) and noise (64 bits, torch's limit).
+    """The two secret seeds of one DP run: Poisson sampling and noise, 128 bits each.
 
     Build with :meth:`fresh` (OS entropy, the default) or :meth:`unsafe_from_seed`. The seeds are kept
     out of ``repr`` so that logging the object reveals nothing."""
@@ -54,13 +59,14 @@ class PrivateRandomness:
 
     @classmethod
     def fresh(cls) -> PrivateRandomness:
-        return cls(secrets.randbits(128), secrets.randbits(64), OS_ENTROPY)
+        return cls(secrets.randbits(128), secrets.randbits(128), OS_ENTROPY)
 
     @classmethod
-    def unsafe_from_seed(cls, seed: int) -> PrivateRandomness:
-        """Reproducible randomness from a public seed: the epsilon of a run that uses it is void."""
-        sampling = np.random.SeedSequence([int(seed), _SAMPLING_STREAM]).generate_state(4, np.uint32)
-        noise = np.random.SeedSequence([int(seed), _NOISE_STREAM]).generate_state(2, np.uint32)
+    def unsafe_from_seed(cls, seed: int, start_step: int = 0) -> PrivateRandomness:
+        """Reproducible randomness from a public seed (and the step a resumed run starts at): the epsilon
+        of a run that uses it is void."""
+        sampling = np.random.SeedSequence([int(seed), _SAMPLING_STREAM, int(start_step)]).generate_state(4, np.uint32)
+        noise = np.random.SeedSequence([int(seed), _NOISE_STREAM, int(start_step)]).generate_state(4, np.uint32)
         as_int = lambda words: sum(int(w) << (32 * i) for i, w in enumerate(words))  # noqa: E731
         return cls(as_int(sampling), as_int(noise), UNSAFE_FIXED_SEED)
 
@@ -75,5 +81,27 @@ class PrivateRandomness:
     def sampling_rng(self) -> np.random.Generator:
         return np.random.default_rng(np.random.SeedSequence(self.sampling_entropy))
 
-    def noise_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
-        return torch.Generator(device=device).manual_seed(self.noise_seed)
+    def noise(self, device: torch.device | str = "cpu") -> GaussianNoise:
+        return GaussianNoise(self.noise_seed, device)
+
+
+class GaussianNoise:
+    """Standard normal draws for the DP noise from a secret seed, on the device of the tensors they noise.
+
+    CPU: numpy ``PCG64`` seeded with the full 128-bit seed (torch's CPU generator would keep 32 bits).
+    CUDA: torch's Philox generator with the low 64 bits (its whole seed). There is no state to save."""
+
+    def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cpu":
+            self._numpy = np.random.Generator(np.random.PCG64(np.random.SeedSequence(int(seed))))
+            self._torch = None
+        else:
+            self._numpy = None
+            self._torch = torch.Generator(device=self.device).manual_seed(int(seed) & (2**64 - 1))
+
+    def randn(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self._numpy is not None:
+            np_dtype = np.float64 if dtype == torch.float64 else np.float32
+            return torch.from_numpy(self._numpy.standard_normal(tuple(shape), dtype=np_dtype)).to(dtype)
+        return torch.randn(tuple(shape), generator=self._torch, device=self.device, dtype=dtype)

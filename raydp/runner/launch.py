@@ -51,15 +51,28 @@ def sac_settings(config: TrainConfig):
                        alpha=s.alpha, replay_capacity=s.replay_capacity, hidden=s.hidden, seed=config.seed)
 
 
-def start_policy(config: TrainConfig, restore: Path | None = None):
-    """A :class:`~raydp.control.service.PolicySession` for the config's RLDP settings (``restore``: a
-    policy snapshot to continue from, e.g. a trial's checkpoint, instead of ``rldp.policy``)."""
-    from raydp.control.service import PolicySession
-    from raydp.control.store import resolve_policy
+def check_policy_privacy(config: TrainConfig, restore: Path | None = None) -> Path | None:
+    """The saved policy an RLDP config starts from (``restore``, else ``rldp.policy``; None if neither),
+    after checking it may drive this run: a policy trained in paper mode saw unprivatized statistics of
+    private data (ERRATA E3/E14), so it may not drive a strict run (one-line ConfigError)."""
+    from raydp.control.store import check_policy_privacy_mode, load_manifest, resolve_policy
 
     s = config.rldp
     if restore is None:
         restore = resolve_policy(s.policy, s.policy_dir) if s.policy else None
+    if restore is not None:
+        check_policy_privacy_mode(load_manifest(restore), s.privacy_mode, s.policy or str(restore))
+    return restore
+
+
+def start_policy(config: TrainConfig, restore: Path | None = None):
+    """A :class:`~raydp.control.service.PolicySession` for the config's RLDP settings (``restore``: a
+    policy snapshot to continue from, e.g. a trial's checkpoint, instead of ``rldp.policy``). A
+    paper-mode policy refuses to drive a strict run (:func:`check_policy_privacy`, ERRATA E14)."""
+    from raydp.control.service import PolicySession
+
+    s = config.rldp
+    restore = check_policy_privacy(config, restore)
     layout = None if restore is not None else policy_layout_for(config)
     return PolicySession(layout, sac_settings(config), restore=restore, frozen=s.frozen, namespace=RAY_NAMESPACE)
 
@@ -85,6 +98,7 @@ def train(config: TrainConfig, output: str | Path, overwrite: bool = False, prog
     from raydp.runner.actor import FineTuningRun
 
     check_model_name(config.model)
+    check_policy_privacy(config)  # before Ray starts: a paper-mode policy may not drive a strict run (E14)
     s = config.rldp
     named = Path(s.policy_dir).expanduser() / s.save_policy if s.save_policy else None
     if named is not None and named.exists() and not overwrite_policy:

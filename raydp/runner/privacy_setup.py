@@ -79,9 +79,10 @@ def training_units(config: TrainConfig, dataset_dir: str | Path, n_records: int)
     return PrivacyUnits("patient", int(len(np.unique(ids))), ids)
 
 
-def private_randomness(config: TrainConfig) -> PrivateRandomness:
-    """Fresh OS entropy per run (ERRATA E12); derived from ``seed`` only under the unsafe option."""
-    return PrivateRandomness.unsafe_from_seed(config.seed) if config.unsafe_fixed_randomness \
+def private_randomness(config: TrainConfig, start_step: int = 0) -> PrivateRandomness:
+    """Fresh OS entropy per run and per resume (ERRATA E12); derived from ``seed`` (and the step a resumed
+    run starts at) only under the unsafe option."""
+    return PrivateRandomness.unsafe_from_seed(config.seed, start_step) if config.unsafe_fixed_randomness \
         else PrivateRandomness.fresh()
 
 
@@ -167,7 +168,7 @@ def plan_private_run(config: TrainConfig, n_units: int, strategy: Strategy | Non
 
 def setup_private_run(
     config: TrainConfig, plan: PrivacyPlan, model: torch.nn.Module, pairs, units: PrivacyUnits, device,
-    strategy: Strategy | None = None, public_batch=None,
+    strategy: Strategy | None = None, public_batch=None, start_step: int = 0,
 ) -> PrivateRun:
     """Ledger, guard, secret randomness, sampler and DP step for a planned run; ``public_batch`` feeds a
     strategy that calibrates on public records (RLDP's histogram bins and loss bound)."""
@@ -176,7 +177,7 @@ def setup_private_run(
     expected = SigmaEffMap(relative_precision=math.fsum(1.0 / (k * k) for k in strategy.release_noise_multipliers()))
     if expected.describe() != plan.sigma_map.describe() or plan.adaptive != strategy.adaptive_sigma:
         raise ConfigError("the privacy plan was calibrated for another strategy than this one")
-    randomness = private_randomness(config)
+    randomness = private_randomness(config, start_step)
     if plan.adaptive:
         guard = FilterGuard.for_plan(epsilon_target=config.epsilon, delta=config.delta, planned_steps=steps, q=q,
                                      sigma_0=sigma_0, sigma_eff=plan.sigma_map)

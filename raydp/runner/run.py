@@ -27,7 +27,7 @@ from raydp import __version__
 from raydp.config import TrainConfig
 from raydp.data import build_dataset, load_manifest, load_texts, public_corpus
 from raydp.errors import ConfigError
-from raydp.model import LoraSettings, load_model
+from raydp.model import LoraSettings, disable_dropout, load_model
 from raydp.model.loading import check_model_name
 from raydp.runner.batches import TokenizedSplit
 from raydp.runner.gradients import NonPrivateGradient
@@ -136,6 +136,8 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             lora=LoraSettings(**config.lora.model_dump()),
             progress=progress,
         )
+        if config.is_private:  # dropout draws from the public-seeded global generator (ERRATA E12)
+            disable_dropout(loaded.model)
         max_length = config.max_length or min(loaded.max_positions, 512)
         train = TokenizedSplit(train_texts, loaded.tokenizer, max_length, units=units.ids if units else None)
         evaluation = TokenizedSplit(load_texts(dataset_dir, "eval"), loaded.tokenizer, max_length)
@@ -145,7 +147,8 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             probe = (public_probe_batch(loaded.tokenizer, max_length, config.rldp.public_probe_records, loaded.device)
                      if strategy.needs_public_probe else None)
             private = setup_private_run(config, plan, loaded.model, loaded.pairs, units, loaded.device,
-                                        strategy=strategy, public_batch=probe)
+                                        strategy=strategy, public_batch=probe,
+                                        start_step=resume["trainer"]["step_count"] if resume else 0)
             sampler, gradient, total_steps = private.sampler, private.step, private.planned_steps
         else:
             sampler = ShuffledBatchSampler(len(train), config.batch_size, seed=config.seed)
@@ -196,6 +199,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             "adapter_pairs": [pair.describe() for pair in loaded.pairs],
             "strategy": config.strategy,
             "privacy": privacy,
+            "dropout": "off (DP run: ERRATA E12)" if private else "as configured",
             "controller": controller,
             "resumed_from_step": resume["trainer"]["step_count"] if resume is not None else None,
             "stopped_early": trainer.stopped_early,

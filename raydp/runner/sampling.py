@@ -102,7 +102,10 @@ class PoissonSampler:
         return np.concatenate([self._members[u] for u in chosen]).tolist() if chosen.size else []
 
     def state_dict(self) -> dict:
-        return {"rng": self._rng.bit_generator.state}
+        """Nothing: the generator's state would let anyone holding a checkpoint rewind it to every past
+        sample (ERRATA E12). Each Poisson step is independent, so a resumed run simply draws on with
+        fresh secret randomness."""
+        return {}
 
     def load_state_dict(self, state: dict) -> None:
-        self._rng.bit_generator.state = state["rng"]
+        pass

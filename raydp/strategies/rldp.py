@@ -41,7 +41,7 @@ from raydp.control.features import (
 from raydp.control.reward import reward as rldp_reward
 from raydp.errors import ConfigError
 from raydp.privacy.statistics import ClippedLossSum, NormHistogram
-from raydp.strategies.base import Dials, StepRelease, Strategy, StrategyContext
+from raydp.strategies.base import PAPER_MODE_LABEL, Dials, StepRelease, Strategy, StrategyContext
 
 TRACE_FILE = "control_trace.parquet"
 DECISIONS_FILE = "controller_decisions.parquet"
@@ -194,7 +194,9 @@ class RLDPStrategy(Strategy):
                                "action": [float(a) for a in action], "sigma_next": decoded.sigma,
                                "sigma_proposed": decoded.sigma_proposed, "step_size": decoded.step_size,
                                "clip_next": list(decoded.clip),
-                               "latency_s": self.client.latencies[-1] if self.client.latencies else None})
+                               "latency_s": self.client.latencies[-1] if self.client.latencies else None,
+                               "privacy_mode": self.privacy_mode,
+                               "privacy_label": PAPER_MODE_LABEL if self.privacy_mode == "paper" else None})
         self._interval = _Interval(ctx.n_pairs, self.settings.histogram_bins)
 
     # -- checkpoints -------------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 A study is the cartesian product models x epsilons x seeds x strategies, where each ``rldp`` entry is
 further expanded over the SAC grid T_RL x B_SAC x K (RLDP Sec. 3.2), or sampled by Optuna over the
 same ranges. ``base`` holds the :class:`~raydp.config.TrainConfig` fields every trial shares (data,
-epochs, batch size...). Every trial's config is built and validated up front, and every distinct
+epochs, batch size...). ``selection`` says which perplexity picks trials (ERRATA E15): the public
+validation split by default; ``private`` uses the private eval split, which is not a DP release, and every
+output says so. Every trial's config is built and validated up front, and every distinct
 privacy plan is calibrated (an impossible budget is an error naming the trial), so a bad study file
 fails before Ray starts anything.
 """
@@ -85,6 +87,10 @@ class StudyConfig(StrictModel):
     transfer: TransferSettings | None = None
     wandb: WandbSettings = WandbSettings()
     target_baseline: Literal["best"] = "best"
+    selection: Literal["public", "private"] = Field(
+        "public", description="the perplexity that picks trials, drives Optuna, steps-to-target and the report: "
+                              "on the PUBLIC validation split (default), or on the private eval split, which no "
+                              "accountant covers (ERRATA E15; labelled in results and reports)")
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -1,4 +1,4 @@
-"""Study results: one Parquet row per trial, steps-to-target (RLDP Sec. 4.2), tuning-aware epsilon (E7).
+"""Study results: one Parquet row per trial, steps-to-target (RLDP Sec. 4.2), tuning-aware epsilon (E7/E14).
 
 ``results.parquet`` columns (one row per trial):
 
@@ -7,74 +7,176 @@ trial, status              the trial's name (strategy_model_eps_seed[_SAC cell])
 model, strategy, epsilon_target, seed, t_rl, b_sac, k    the varied settings (SAC cell: rldp only)
 frozen_policy              an RLDP trial driven by a frozen, transferred policy (transfer studies)
 config                     the trial's full TrainConfig as JSON
-initial/final/best_eval_perplexity   held-out perplexity at step 0, at the end, and the best
+initial/final/best_eval_perplexity     perplexity on the PRIVATE held-out eval split at step 0, at the
+                           end, and the best: not a DP release, no accountant covers it (ERRATA E15)
+initial/final/best_public_perplexity   the same on the PUBLIC validation split (NaN for runs written
+                           before it existed): what selection uses by default (E15)
 steps, planned_steps       steps run and planned (ceil(epochs / q), E10)
-steps_to_target            first eval step at which the trial's eval perplexity is <= the best
-                           baseline's final perplexity (same model, epsilon and seed), divided by its
+steps_to_target            first eval step at which the trial's selection perplexity is <= the best
+                           baseline's final one (same model, epsilon and seed), divided by its planned
                            steps; NaN if never reached (Sec. 4.2; baselines = the non-RLDP DP trials)
 epsilon_pld/prv/rdp/gdp    final epsilon from the trial's full ledger per accountant (GDP: approximation)
 enforcing_accountant, within_budget, verdict   the enforcing accountant and its verdict
 privacy_mode, privacy_label   'strict' / 'paper' (+ the E3 label) for RLDP trials
+privacy_labels             every label of the run's epsilon ('; '-joined; E3 paper mode, E12 void
+                           epsilon...), None if it has none
+dataset_sha256             the private dataset's identity (its ``content_sha256``; E14)
+rdp_curve_source           'renyi_filter' (the run was enforced by a Renyi filter: its budget curve is its
+                           guarantee) or 'ledger' (the RDP curve of its ledger)
 trial_seconds, wall_seconds   the trial's run time as Tune saw it, and the run's own wall time
 run_dir                    the trial's outputs (train/eval metrics, ledger, control trace, adapters)
 =========================  ==========================================================================
 
-Tuning-aware epsilon (ERRATA E7): releasing the best of the K trials that share a target epsilon costs
-more than one trial. ``study_summary.json`` reports, per target epsilon, ``tuning_aware_epsilon``: the
-RDP composition of all K trials' ledgers (errored trials included, from their last checkpoint), which
-holds for this study's fixed grid, Optuna's adaptive choices and a shared policy alike; beside it the
-largest per-trial epsilon and Papernot & Steinke's repeat-and-select figure (dp_accounting's RDP for a
-Poisson(K) number of runs of the worst trial's mechanism), which would hold only if the number of
-trials were random that way and settings were drawn independently. Skipped when the study says its
-data is public. Held-out evaluation perplexity is computed on private held-out records and is not a DP
-release: the controller never sees it (strict mode), but Tune's table, Optuna's choices and
-steps-to-target use it.
+Tuning-aware epsilon (ERRATA E7, E14). Every run that touched a private dataset spends the budget of the
+people in it, whatever its target epsilon: every trial of the study (errored ones from their last
+checkpoint), transfer stage-1 policy-training trials and transfer stages, trials sharing one policy, and
+the runs that trained a saved policy a trial starts from (its manifest's provenance, when it names the
+same dataset). The study therefore reports ONE figure per dataset identity (the dataset's
+``content_sha256``): the RDP composition of all those runs' curves (Mironov 2017, Prop. 1: RDP at order
+alpha adds up under adaptive composition), converted to (epsilon, delta) at the study's delta. Each run's
+curve is, on the orders :data:`raydp.privacy.accounting.rdp.DEFAULT_ORDERS`:
+
+* an adaptive run enforced by a Renyi filter (its summary's ``privacy.filter`` holds ``orders`` and
+  ``budget_rdp``): the filter's budget curve B(alpha). Feldman & Zrnic 2021 (Thm. 3.1, "individual privacy
+  filters"/Renyi filter): a run whose realized per-step RDP curves are stopped before their sum exceeds
+  B(alpha) is (alpha, B(alpha))-RDP at each order, under fully adaptive choices (ERRATA E13);
+* otherwise the RDP curve of its ledger, recomputed with :func:`raydp.privacy.accounting.rdp.rdp_vector`
+  (the sum over steps of the Poisson-subsampled Gaussian's RDP, Mironov et al. 2019);
+* a saved policy's training run: the ``rdp_orders``/``rdp_curve`` of its provenance entry.
+
+A curve given on other orders is mapped onto the grid conservatively (:func:`curve_on_orders`: Renyi
+divergence is non-decreasing in its order, van Erven & Harremoes 2014, Thm. 3). The composition holds
+for a fixed grid, Optuna's adaptive choices and a shared policy alike. Beside it: the largest single trial's
+epsilon and Papernot & Steinke's repeat-and-select figure (2022; dp_accounting's RDP for a Poisson(K)
+number of runs of the worst trial's mechanism), which would hold only if the number of trials were random
+that way and settings were drawn independently. The figure lists the labels of every composed run (paper
+mode, void epsilon...), the trials that errored before any checkpoint ("unknown spend": not in the figure,
+never silently dropped), non-private trials on the same data, and saved policies whose provenance is
+unknown. Identity is the content hash: two different datasets of the same people (e.g. two sizes of
+one CSV) are not recognised as such. Skipped when the study says its data is public.
+
+Selection (ERRATA E15): with the study's ``selection: public`` (default), Optuna, Tune's selection metric,
+steps-to-target and the report's tables use the public validation split; ``selection: private`` uses the
+private eval split, and results, summary and report say "selection used the private eval split:
+unprotected (E15)" (also when public figures are missing from the runs).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, rdp_epsilon, rdp_vector
 from raydp.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 
 BASELINE_EXCLUDED = ("rldp", "nonprivate")
 
+#: the selection metric's columns: (results.parquet final column, eval_metrics.parquet column)
+SELECTION_COLUMNS = {"public": ("final_public_perplexity", "public_perplexity"),
+                     "private": ("final_eval_perplexity", "perplexity")}
+SELECTION_PUBLIC_NOTE = "selection used the public validation split (E15)"
+SELECTION_PRIVATE_NOTE = "selection used the private eval split: unprotected (E15)"
+SELECTION_FALLBACK_NOTE = ("selection asked for the public validation split but the runs report none: "
+                           "selection used the private eval split: unprotected (E15)")
+PAPER_POLICY_LABEL = ("a policy trained in paper mode drove a run: its controller saw unprivatized statistics "
+                      "(E3/E14); epsilon covers the gradient releases only")
 
-def _trial_row(trial: dict, run_dir: Path, status: str, result: dict) -> dict:
+
+# -- per-trial rows --------------------------------------------------------------------------------
+def trial_labels(summary: dict | None) -> list[str]:
+    """The labels of a run's epsilon (ERRATA E3, E12...): its summary's ``privacy.labels`` plus the
+    paper-mode ``privacy.privacy_label`` (summaries written before ``labels`` existed have only that)."""
+    privacy = (summary or {}).get("privacy") or {}
+    labels = [str(label) for label in (privacy.get("labels") or [])]
+    if privacy.get("privacy_label"):
+        labels.append(str(privacy["privacy_label"]))
+    return list(dict.fromkeys(labels))
+
+
+def selection_value(private: float | None, public: float | None, selection: str) -> tuple[float | None, str]:
+    """The perplexity that selects (ERRATA E15) and the split it came from: the public one unless the
+    study selects on the private split or the run has no public figure (then: 'private', labelled)."""
+    if selection == "public" and public is not None and not _isnan(public):
+        return float(public), "public"
+    return (None if private is None else float(private)), "private"
+
+
+def _isnan(x) -> bool:
+    return isinstance(x, float) and math.isnan(x)
+
+
+def _read_summary(run_dir: Path) -> dict | None:
+    path = run_dir / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _trial_row(trial: dict, run_dir: Path, status: str, result: dict, s: dict | None = None) -> dict:
     row = {"trial": trial["name"], "status": status, "model": trial["model"], "strategy": trial["strategy"],
            "epsilon_target": trial.get("epsilon"), "seed": trial["seed"], "t_rl": trial.get("t_rl"),
            "b_sac": trial.get("b_sac"), "k": trial.get("k"), "frozen_policy": bool(trial.get("frozen_from")),
            "run_dir": str(run_dir),
            "trial_seconds": result.get("trial_seconds")}
-    summary_path = run_dir / "summary.json"
-    if not summary_path.exists():
+    s = s if s is not None else _read_summary(run_dir)
+    if s is None:
         return row
-    s = json.loads(summary_path.read_text())
     privacy = s.get("privacy") or {}
     eps = privacy.get("epsilon_by_accountant") or {}
+    labels = trial_labels(s)
     row.update({
         "config": (run_dir / "config.json").read_text() if (run_dir / "config.json").exists() else None,
         "initial_eval_perplexity": s["initial_eval_perplexity"], "final_eval_perplexity": s["final_eval_perplexity"],
-        "best_eval_perplexity": s["best_eval_perplexity"], "steps": s["steps"],
+        "best_eval_perplexity": s["best_eval_perplexity"],
+        **{f"{w}_public_perplexity": _float_or_nan(s.get(f"{w}_public_perplexity"))
+           for w in ("initial", "final", "best")},
+        "steps": s["steps"],
         "planned_steps": privacy.get("planned_steps", s["steps"]),
         **{f"epsilon_{a}": eps.get(a) for a in ("pld", "prv", "rdp", "gdp")},
         "enforcing_accountant": privacy.get("enforcing_accountant"), "within_budget": privacy.get("within_budget"),
         "verdict": privacy.get("verdict"), "privacy_mode": privacy.get("privacy_mode"),
-        "privacy_label": privacy.get("privacy_label"), "wall_seconds": s["wall_seconds"],
+        "privacy_label": privacy.get("privacy_label"), "privacy_labels": "; ".join(labels) or None,
+        "epsilon": privacy.get("epsilon"), "guarantee": privacy.get("guarantee"),
+        "privacy_unit": privacy.get("privacy_unit"),
+        "dataset_sha256": s.get("dataset_sha256"),
+        "rdp_curve_source": ("renyi_filter" if privacy.get("filter") is not None else "ledger")
+        if privacy.get("epsilon") is not None else None,
+        "wall_seconds": s["wall_seconds"],
     })
     return row
 
 
-def steps_to_target(table: pd.DataFrame) -> pd.Series:
-    """Sec. 4.2: first eval step reaching the best baseline's final perplexity, over total steps."""
+def _float_or_nan(x) -> float:
+    return float("nan") if x is None else float(x)
+
+
+def selection_split(table: pd.DataFrame, selection: str) -> tuple[str, str]:
+    """(split used, note) for the study's tables: 'public' when every finished trial has a public final
+    perplexity, else 'private' (ERRATA E15: labelled, never silent)."""
+    if selection == "private":
+        return "private", SELECTION_PRIVATE_NOTE
+    if "final_eval_perplexity" not in table:
+        return "public", SELECTION_PUBLIC_NOTE
+    finished = table["final_eval_perplexity"].notna()
+    public = table["final_public_perplexity"] if "final_public_perplexity" in table else None
+    if not finished.any() or (public is not None and public[finished].notna().all()):
+        return "public", SELECTION_PUBLIC_NOTE
+    return "private", SELECTION_FALLBACK_NOTE
+
+
+def steps_to_target(table: pd.DataFrame, selection: str = "private") -> pd.Series:
+    """Sec. 4.2: first eval step reaching the best baseline's final perplexity, over total steps, on the
+    ``selection`` split's perplexity ('public' or 'private', :data:`SELECTION_COLUMNS`)."""
+    final_col, eval_col = SELECTION_COLUMNS[selection]
     out = pd.Series(np.nan, index=table.index)
+    if final_col not in table:
+        return out
     for (model, eps, seed), group in table.groupby(["model", "epsilon_target", "seed"], dropna=True):
-        baselines = group[~group["strategy"].isin(BASELINE_EXCLUDED)]["final_eval_perplexity"].dropna()
+        baselines = group[~group["strategy"].isin(BASELINE_EXCLUDED)][final_col].dropna()
         if baselines.empty:
             continue
         target = float(baselines.min())
@@ -83,39 +185,95 @@ def steps_to_target(table: pd.DataFrame) -> pd.Series:
             if not path.exists() or not row.get("steps"):
                 continue
             evals = pd.read_parquet(path)
-            hit = evals[(evals["step"] > 0) & (evals["perplexity"] <= target)]
+            if eval_col not in evals:
+                continue
+            hit = evals[(evals["step"] > 0) & (evals[eval_col] <= target)]
             if len(hit):
                 total = row.get("planned_steps") or row["steps"]  # planned: a run stopped early is not flattered
                 out[idx] = float(hit["step"].iloc[0]) / float(total)
     return out
 
 
-def _rdp_curve(ledger: PrivacyLedger, orders) -> np.ndarray:
-    from dp_accounting import dp_event
-    from dp_accounting.rdp import rdp_privacy_accountant as rdp
+# -- RDP curves on one order grid ------------------------------------------------------------------
+ORDERS = np.asarray(DEFAULT_ORDERS, dtype=np.float64)
 
-    acc = rdp.RdpAccountant(list(orders))
-    for (q, sigma), count in pd.Series(list(zip(ledger.q.tolist(), ledger.sigma_eff.tolist()))).value_counts().items():
-        if math.isinf(sigma):
+
+def ledger_rdp_curve(ledger: PrivacyLedger, orders: Sequence[float] = DEFAULT_ORDERS) -> np.ndarray:
+    """The RDP curve of a ledger: the sum over its steps of the Poisson-subsampled Gaussian's RDP at each
+    order (RDP composition, Mironov 2017, Prop. 1; per-step RDP from Mironov et al. 2019 via
+    :func:`~raydp.privacy.accounting.rdp.rdp_vector`). Steps with no private release (sigma_eff = inf)
+    cost nothing; sigma_eff = 0 gives an infinite curve."""
+    total = np.zeros(len(orders))
+    for (q, sigma), count in Counter(zip(ledger.q.tolist(), ledger.sigma_eff.tolist())).items():
+        if math.isinf(sigma) or q == 0.0:
             continue
-        acc.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), int(count))
-    return np.asarray(acc._rdp)
+        total = total + count * rdp_vector(q, sigma, orders)
+    return total
 
 
-def tuning_aware_epsilon(ledgers: list[PrivacyLedger], delta: float) -> dict:
-    """The epsilon of releasing the best of K trials: the composition of all K ledgers (the guarantee
-    for a fixed grid, adaptive search or a shared policy), with the repeat-and-select figure beside it
-    (valid only when the number of trials is Poisson(K) and settings are drawn independently)."""
+def curve_on_orders(orders: Sequence[float], curve: Sequence[float],
+                    target: Sequence[float] = DEFAULT_ORDERS) -> np.ndarray:
+    """An RDP curve given at ``orders``, as an upper bound at every ``target`` order.
+
+    Renyi divergence is non-decreasing in its order (van Erven & Harremoes 2014, Thm. 3), so a mechanism
+    that is (alpha', eps')-RDP is (alpha, eps')-RDP for every alpha <= alpha': the bound at alpha is the
+    smallest given value at an order >= alpha, and infinity above the largest given order. A curve
+    given on the target orders comes back unchanged (or lower, where a larger order's value is smaller)."""
+    orders = np.asarray(orders, dtype=np.float64)
+    curve = np.asarray(curve, dtype=np.float64)
+    if orders.shape != curve.shape or orders.ndim != 1:
+        raise ValueError("an RDP curve needs one value per order")
+    sort = np.argsort(orders)
+    orders, curve = orders[sort], curve[sort]
+    curve = np.where(np.isnan(curve), np.inf, curve)
+    suffix_min = np.minimum.accumulate(curve[::-1])[::-1]  # min over orders >= orders[i]
+    out = np.full(len(target), np.inf)
+    for i, alpha in enumerate(np.asarray(target, dtype=np.float64)):
+        j = int(np.searchsorted(orders, alpha * (1 - 1e-12), side="left"))
+        if j < len(orders):
+            out[i] = suffix_min[j]
+    return out
+
+
+def _filter_curve(filt) -> np.ndarray | None:
+    if isinstance(filt, dict) and filt.get("orders") is not None and filt.get("budget_rdp") is not None:
+        return curve_on_orders(filt["orders"], filt["budget_rdp"])
+    return None
+
+
+def run_rdp_curve(summary: dict | None, ledger: PrivacyLedger | None) -> tuple[np.ndarray | None, str]:
+    """A run's RDP curve on :data:`ORDERS` and where it comes from: the Renyi filter's budget curve when
+    the run was enforced by one (``summary['privacy']['filter']``, else the ledger's ``filter`` metadata;
+    Feldman & Zrnic 2021: the filter's budget B(alpha) is the run's guarantee under fully adaptive
+    composition, ERRATA E13), else its ledger's RDP curve."""
+    curve = _filter_curve(((summary or {}).get("privacy") or {}).get("filter"))
+    if curve is None and ledger is not None:
+        curve = _filter_curve(ledger.metadata.get("filter"))
+    if curve is not None:
+        return curve, "renyi_filter"
+    if ledger is not None:
+        return ledger_rdp_curve(ledger), "ledger"
+    return None, "unknown"
+
+
+def tuning_aware_epsilon(curves: list, delta: float) -> dict:
+    """The epsilon of releasing the best of K runs on the same data: the RDP composition of all K curves
+    (Mironov 2017, Prop. 1; the guarantee for a fixed grid, adaptive search or a shared policy), with the
+    repeat-and-select figure beside it (Papernot & Steinke 2022; valid only when the number of trials is
+    Poisson(K) and settings are drawn independently). ``curves``: RDP curves on :data:`ORDERS` (or
+    ledgers, whose curves are computed)."""
     from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
-    orders = np.concatenate([np.linspace(1.01, 8, 50), np.arange(8, 64, 0.5), np.arange(64, 512, 4)])
-    curves = np.stack([_rdp_curve(led, orders) for led in ledgers])
-    k = len(ledgers)
+    curves = np.stack([ledger_rdp_curve(c) if isinstance(c, PrivacyLedger) else np.asarray(c, float) for c in curves])
+    k = len(curves)
     worst = curves.max(axis=0)
-    selected = rdp._compute_rdp_repeat_and_select(orders, worst, k, math.inf)
-    eps_select = rdp.compute_epsilon(orders, selected, delta)[0]
-    eps_compose = rdp.compute_epsilon(orders, curves.sum(axis=0), delta)[0]
-    eps_single = max(rdp.compute_epsilon(orders, c, delta)[0] for c in curves)
+    finite = np.isfinite(worst)
+    eps_select = math.inf
+    if finite.any():
+        selected = rdp._compute_rdp_repeat_and_select(ORDERS[finite], worst[finite], k, math.inf)
+        eps_select = rdp_epsilon(np.asarray(selected), ORDERS[finite], delta)
+    eps_compose = rdp_epsilon(curves.sum(axis=0), ORDERS, delta)
+    eps_single = max(rdp_epsilon(c, ORDERS, delta) for c in curves)
     return {"trials": k, "max_single_trial_epsilon_rdp": float(eps_single),
             "tuning_aware_epsilon": float(eps_compose), "composition_epsilon_rdp": float(eps_compose),
             "repeat_and_select_epsilon_rdp": float(eps_select),
@@ -124,8 +282,73 @@ def tuning_aware_epsilon(ledgers: list[PrivacyLedger], delta: float) -> dict:
                     "if the number of trials were Poisson(K) with settings drawn independently"}
 
 
-def _checkpoint_ledger(result) -> PrivacyLedger | None:
-    """The ledger of a trial that never finished, from its latest Tune checkpoint (what it spent)."""
+def compose_dataset(sha: str, runs: list[dict], delta: float, *, unknown_spend: Sequence[dict] = (),
+                    nonprivate: Sequence[str] = (), warnings: Sequence[str] = ()) -> dict:
+    """The tuning-aware figure of one dataset (ERRATA E7/E14): the RDP composition of every run on it,
+    whatever its target epsilon (Mironov 2017, Prop. 1, for runs one after another; trials that run side
+    by side, e.g. sharing a policy, compose the same way by concurrent composition of RDP, Lyu 2022).
+    The privacy units of the runs are stated; record-level runs composed with patient-level ones make
+    the figure a bound per record only (a patient with k records gets group privacy in k, ERRATA E11).
+
+    ``runs``: one dict per run, ``{"name", "kind" ('trial' | 'errored_trial' | 'policy_training_run'),
+    "curve_source" ('ledger' | 'checkpoint_ledger' | 'renyi_filter' | 'policy_provenance'),
+    "curve" (RDP on :data:`ORDERS`), "epsilon_target", "labels" (list of str)}``. The repeat-and-select
+    figure is over the study's own trials (kind 'trial'/'errored_trial'), labelled as such."""
+    figure: dict = {"dataset_sha256": sha, "runs": len(runs), "delta": float(delta),
+                    "orders": "raydp.privacy.accounting.rdp.DEFAULT_ORDERS"}
+    trials = [r for r in runs if r["kind"] != "policy_training_run"]
+    if runs:
+        figure["tuning_aware_epsilon"] = figure["composition_epsilon_rdp"] = float(
+            rdp_epsilon(np.sum([r["curve"] for r in runs], axis=0), ORDERS, delta))
+    else:
+        figure["tuning_aware_epsilon"] = figure["composition_epsilon_rdp"] = None
+    if trials:
+        selected = tuning_aware_epsilon([r["curve"] for r in trials], delta)
+        figure.update(trials=len(trials), max_single_trial_epsilon_rdp=selected["max_single_trial_epsilon_rdp"],
+                      trials_composition_epsilon_rdp=selected["composition_epsilon_rdp"],
+                      repeat_and_select_epsilon_rdp=selected["repeat_and_select_epsilon_rdp"])
+    else:
+        figure.update(trials=0, max_single_trial_epsilon_rdp=None, repeat_and_select_epsilon_rdp=None)
+    figure["target_epsilons"] = sorted({float(r["epsilon_target"]) for r in runs
+                                        if r.get("epsilon_target") is not None})
+    figure["composed"] = [{"name": r["name"], "kind": r["kind"], "curve": r["curve_source"],
+                           "epsilon_target": r.get("epsilon_target"),
+                           "epsilon_rdp": float(rdp_epsilon(r["curve"], ORDERS, delta))} for r in runs]
+    figure["labels"] = list(dict.fromkeys(label for r in runs for label in r.get("labels") or []))
+    units = sorted({r.get("privacy_unit") or "unknown" for r in runs})
+    figure["privacy_units"] = units
+    if len(units) > 1:
+        warnings = [*warnings, f"runs of different privacy units ({', '.join(units)}) are composed: the figure "
+                    "bounds the smallest unit only; a patient with k records gets group privacy in k (E11)"]
+    figure["unknown_spend"] = list(unknown_spend)
+    figure["nonprivate_trials"] = list(nonprivate)
+    figure["warnings"] = list(warnings)
+    if unknown_spend:
+        figure["warnings"].append(
+            f"unknown spend: {len(unknown_spend)} trial(s) started on this dataset and errored before any "
+            "checkpoint; their spend is NOT in tuning_aware_epsilon: " + ", ".join(u["trial"] for u in unknown_spend))
+    if nonprivate:
+        figure["warnings"].append(
+            "non-private trial(s) trained on this dataset: anything derived from them (models, metrics) has no "
+            "DP guarantee; the figure covers the DP runs only: " + ", ".join(nonprivate))
+    figure["note"] = ("tuning_aware_epsilon composes every run on this dataset (all target epsilons, errored "
+                      "trials from their checkpoint, transfer stages, the training runs of saved policies the "
+                      "trials started from); repeat_and_select (Papernot & Steinke 2022) would hold only if the "
+                      "number of trials were Poisson(K) with settings drawn independently")
+    return figure
+
+
+# -- the study ------------------------------------------------------------------------------------
+def _arrow_ledger_metadata(table) -> dict:
+    """The file-level metadata a ledger table carries (filter, labels, unit...; see ``PrivacyLedger.to_arrow``)."""
+    raw = (table.schema.metadata or {}).get(b"raydp.privacy_ledger")
+    return json.loads(raw) if raw else {}
+
+
+def _checkpoint_spend(result) -> dict | None:
+    """What a trial that never finished spent, from its latest Tune checkpoint: its ledger, the Renyi
+    filter's budget curve if the ledger's metadata records one (an adaptive run: that budget, not the
+    realized sum, is its guarantee, E13), and its labels."""
     import torch
 
     checkpoint = getattr(result, "checkpoint", None)
@@ -135,22 +358,164 @@ def _checkpoint_ledger(result) -> PrivacyLedger | None:
         path = Path(d) / "state.pt"
         if not path.exists():
             return None
-        table = torch.load(path, weights_only=False)["trainer"]["gradient"].get("ledger")
+        gradient = torch.load(path, weights_only=False)["trainer"]["gradient"]
+    table = gradient.get("ledger")
     if table is None:
         return None
+    meta = _arrow_ledger_metadata(table)
     ledger = PrivacyLedger()
     ledger.extend_from_arrow(table)
-    return ledger
+    return {"ledger": ledger, "filter": meta.get("filter") or gradient.get("filter"),
+            "labels": [str(label) for label in meta.get("labels") or []]}
+
+
+def _checkpoint_ledger(result) -> PrivacyLedger | None:
+    spend = _checkpoint_spend(result)
+    return None if spend is None else spend["ledger"]
 
 
 def trial_delta(study) -> float:
     return float(study.base.get("delta", 1e-5))
 
 
-def collect_results(study, study_dir: Path, trials: list[dict], grid) -> pd.DataFrame:
-    """Write ``results.parquet`` and return the table (``table.attrs`` carries the tuning-aware epsilons)."""
-    statuses, unfinished_ledgers = {}, {}
+def dataset_identity(dataset_dir: str | Path | None) -> str | None:
+    """A built dataset's identity: its manifest's ``content_sha256`` (ERRATA E14), else its path."""
+    if dataset_dir is None:
+        return None
+    path = Path(dataset_dir) / "manifest.json"
+    if not path.exists():
+        return None
+    sha = json.loads(path.read_text()).get("content_sha256")
+    return sha or f"unhashed:{Path(dataset_dir).resolve()}"
+
+
+def _paper_rldp(study) -> bool:
+    return (study.base.get("rldp") or {}).get("privacy_mode") == "paper"
+
+
+def _trial_policy(study, trial: dict) -> tuple[str | None, Path | None, str | None]:
+    """(name, resolved path, problem) of the saved policy an RLDP trial starts from (``rldp.policy``),
+    if any. A frozen transfer trial's policy is its stage-1 trial's, which the study composes itself."""
+    from raydp.control.store import resolve_policy
+    from raydp.errors import ConfigError
+
+    if trial.get("strategy") != "rldp":
+        return None, None, None
+    rldp = study.base.get("rldp") or {}
+    name = trial.get("policy_path") if trial.get("frozen_from") else rldp.get("policy")
+    if not name:
+        return None, None, None
+    try:
+        return name, resolve_policy(name, rldp.get("policy_dir", "policies")).resolve(), None
+    except ConfigError as exc:
+        return name, None, str(exc)
+
+
+def _policy_runs(study, trial: dict, study_dir: Path, sha: str | None,
+                 seen: set) -> tuple[list[dict], list[str], list[str]]:
+    """(runs to compose, labels for the trial, warnings) for the saved policy a trial starts from: the
+    training runs in its manifest's provenance that name the trial's dataset (ERRATA E14), each once per
+    study (``seen``: entry ids already composed)."""
+    from raydp.control.store import load_manifest, policy_privacy_mode, provenance_of
+    from raydp.strategies.base import PAPER_MODE_LABEL
+
+    name, path, problem = _trial_policy(study, trial)
+    if name is None:
+        return [], [], []
+    if path is None:
+        return [], [], [f"trial {trial['name']} started from policy {name}, which cannot be read ({problem}): "
+                        "the spend of the runs that trained it is unknown"]
+    manifest = load_manifest(path)
+    labels = [PAPER_POLICY_LABEL] if policy_privacy_mode(manifest) == "paper" else []
+    if path == study_dir or study_dir in path.parents:  # trained by a trial of this study: composed as a trial
+        return [], labels, []
+    runs, warnings = [], []
+    for entry in provenance_of(manifest):
+        if entry.get("dataset_sha256") is None or entry.get("rdp_curve") is None:
+            warnings.append(f"policy {name} has a training run of unknown dataset or RDP curve "
+                            f"({'legacy manifest' if entry.get('legacy') else 'incomplete provenance'}): "
+                            "if it trained on this dataset, its spend is not in the figure")
+            continue
+        if entry["dataset_sha256"] != sha:
+            continue
+        key = entry.get("entry_id") or json.dumps(entry, sort_keys=True)
+        if key in seen:
+            continue
+        seen.add(key)
+        runs.append({"name": f"policy {name}: training run {str(entry.get('entry_id', '?'))[:12]}",
+                     "kind": "policy_training_run", "curve_source": "policy_provenance",
+                     "curve": curve_on_orders(entry["rdp_orders"], entry["rdp_curve"]),
+                     "epsilon_target": entry.get("epsilon"), "privacy_unit": entry.get("privacy_unit"),
+                     "labels": [str(label) for label in entry.get("labels") or []]
+                     + ([PAPER_MODE_LABEL] if entry.get("privacy_mode") == "paper" else [])})
+    return runs, labels, warnings
+
+
+def study_privacy(study, study_dir: Path, table: pd.DataFrame, unfinished: dict[str, dict],
+                  dataset_sha: str | None, specs: dict[str, dict] | None = None) -> dict:
+    """The tuning-aware figure of every dataset the study's runs touched (see the module docstring):
+    ``{dataset_sha256: compose_dataset(...)}``. ``unfinished``: trial name -> its checkpoint's spend
+    (:func:`_checkpoint_spend`); ``specs``: trial name -> trial spec (its saved policy)."""
+    from raydp.strategies.base import PAPER_MODE_LABEL
+
+    delta = trial_delta(study)
+    study_dir = Path(study_dir).resolve()
+    specs = specs or {}
+    per: dict[str, dict] = {}
+    for _, row in table.iterrows():
+        if row["status"] == "NOT_RUN":
+            continue
+        run_dir = Path(row["run_dir"])
+        summary = _read_summary(run_dir)
+        sha = (summary or {}).get("dataset_sha256") or dataset_sha or "unknown dataset"
+        b = per.setdefault(sha, {"runs": [], "unknown": [], "nonprivate": [], "warnings": [], "seen": set()})
+        if row["strategy"] == "nonprivate":
+            b["nonprivate"].append(row["trial"])
+            continue
+        labels = trial_labels(summary)
+        if summary is None and row["strategy"] == "rldp" and _paper_rldp(study):
+            labels = [PAPER_MODE_LABEL]
+        spec = {**specs.get(row["trial"], {}), "name": row["trial"], "strategy": row["strategy"]}
+        policy_runs, policy_labels, warnings = _policy_runs(study, spec, study_dir, sha, b["seen"])
+        b["warnings"].extend(warnings)
+        labels = list(dict.fromkeys(labels + policy_labels))
+        kind = "errored_trial" if row["status"] == "ERROR" else "trial"
+        if (run_dir / LEDGER_FILENAME).exists():
+            curve, source = run_rdp_curve(summary, PrivacyLedger.load(run_dir / LEDGER_FILENAME))
+        elif row["trial"] in unfinished:  # errored trials spent budget too (their last checkpoint)
+            spend = unfinished[row["trial"]]
+            labels = list(dict.fromkeys(labels + spend.get("labels", [])))
+            curve = _filter_curve(spend.get("filter"))
+            source = "renyi_filter" if curve is not None else "checkpoint_ledger"
+            if curve is None:
+                curve = ledger_rdp_curve(spend["ledger"])
+        else:
+            curve, source = None, "unknown"
+        if curve is None:
+            b["unknown"].append({"trial": row["trial"], "status": row["status"],
+                                 "reason": "errored before any checkpoint" if row["status"] == "ERROR"
+                                 else "no ledger in its run directory", "labels": labels})
+        else:
+            target = row.get("epsilon_target")
+            b["runs"].append({"name": row["trial"], "kind": kind, "curve_source": source, "curve": curve,
+                              "epsilon_target": None if _isnan(target) else target, "labels": labels,
+                              "privacy_unit": ((summary or {}).get("privacy") or {}).get("privacy_unit")})
+        b["runs"].extend(policy_runs)
+    return {sha: compose_dataset(sha, b["runs"], delta, unknown_spend=b["unknown"], nonprivate=b["nonprivate"],
+                                 warnings=list(dict.fromkeys(b["warnings"])))
+            for sha, b in per.items()}
+
+
+def collect_results(study, study_dir: Path, trials: list[dict], grid, dataset_dir: str | Path | None = None
+                    ) -> pd.DataFrame:
+    """Write ``results.parquet`` and return the table; ``table.attrs`` carries the tuning-aware epsilon
+    of each dataset (``tuning_aware_epsilon``: {dataset_sha256: figure}, ERRATA E7/E14) and the
+    selection split (``selection``, E15). ``dataset_dir``: the study's built dataset (default
+    ``study_dir/dataset``), whose ``content_sha256`` identifies runs whose summary predates
+    ``dataset_sha256``."""
+    statuses, unfinished = {}, {}
     trials = list(trials)
+    selection = getattr(study, "selection", "public")
     for result in grid:
         metrics = result.metrics or {}
         config = result.config or {}
@@ -165,30 +530,25 @@ def collect_results(study, study_dir: Path, trials: list[dict], grid) -> pd.Data
             trials.append(trial)
         statuses[trial["name"]] = ("ERROR" if result.error else "TERMINATED", metrics)
         if result.error:
-            ledger = _checkpoint_ledger(result)
-            if ledger is not None:
-                unfinished_ledgers[trial["name"]] = ledger
+            spend = _checkpoint_spend(result)
+            if spend is not None:
+                unfinished[trial["name"]] = spend
     rows = []
     for trial in trials:
         status, metrics = statuses.get(trial["name"], ("NOT_RUN", {}))
         rows.append(_trial_row(trial, study_dir / "trials" / trial["name"], status, metrics))
     table = pd.DataFrame(rows)
+    split, note = selection_split(table, selection)
     if "final_eval_perplexity" in table:
-        table["steps_to_target"] = steps_to_target(table)
+        table["steps_to_target"] = steps_to_target(table, split)
+    table["selection_split"] = split
     table.to_parquet(study_dir / "results.parquet", index=False)
-    tuning = {}
-    if study.private_data and "epsilon_target" in table:
-        delta = None
-        for eps, group in table.dropna(subset=["epsilon_target"]).groupby("epsilon_target"):
-            ledgers = []
-            for name, run_dir in zip(group["trial"], group["run_dir"]):
-                if (Path(run_dir) / LEDGER_FILENAME).exists():
-                    ledgers.append(PrivacyLedger.load(Path(run_dir) / LEDGER_FILENAME))
-                    delta = ledgers[-1].delta
-                elif name in unfinished_ledgers:  # errored trials spent budget too
-                    ledgers.append(unfinished_ledgers[name])
-            if ledgers:
-                tuning[f"{eps:g}"] = tuning_aware_epsilon(ledgers, delta or trial_delta(study))
-    table.attrs = {"tuning_aware_epsilon": tuning} if study.private_data else {
-        "tuning_aware_epsilon": "not applicable: the study declares its data public"}
+    attrs = {"selection": {"requested": selection, "split": split, "note": note}}
+    if study.private_data:
+        sha = dataset_identity(dataset_dir if dataset_dir is not None else Path(study_dir) / "dataset")
+        attrs["tuning_aware_epsilon"] = study_privacy(study, study_dir, table, unfinished, sha,
+                                                      {t["name"]: t for t in trials})
+    else:
+        attrs["tuning_aware_epsilon"] = "not applicable: the study declares its data public"
+    table.attrs = attrs
     return table

@@ -7,8 +7,13 @@ distinct privacy plan is calibrated, so an impossible budget fails with the tria
 Each trial is a Tune function trainable: the trial's actor IS the run (it owns the training loop) and
 its resources are a ``tune.PlacementGroupFactory`` bundle ({CPU: cpus_per_trial, GPU: gpus_per_trial});
 its torch threads equal its CPUs. An RLDP trial either starts its own policy (broker and SAC service,
-zero-CPU actors that fit its placement group) or connects to the study's shared policy. Evaluations are
-reported to Tune as they happen (the live table); the final report carries the trial's results.
+zero-CPU actors that fit its placement group) or connects to the study's shared policy. Every evaluation
+reaches Tune only with its checkpoint (the training loop checkpoints an evaluation step before it calls
+``on_evaluation``), so a reported perplexity always has the ledger that produced it; ``on_evaluation``
+logs numbers to wandb. Reports carry ``eval_perplexity`` (the PRIVATE eval split: not a DP release,
+ERRATA E15), ``public_perplexity`` (the public validation split) and ``selection_perplexity``, the one
+the study selects on (``selection``: public by default; Optuna's metric); the final report carries the
+trial's results and ``privacy_label`` (every label of its epsilon, '; '-joined; E3/E12).
 
 Outputs under ``<results_dir>/<study name>/``: ``dataset/``, ``trials/<trial>/`` (each run's outputs:
 metrics, ledger, controller traces, adapters), ``tune/`` (Tune's experiment state, for
@@ -45,7 +50,7 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
     """Build the dataset, validate every trial and calibrate every plan; returns (dataset_dir, trials).
     ``build_models``: also build the embedded models the study uses, once, here (not in every trial)."""
     from raydp.data import build_dataset, load_manifest, load_texts
-    from raydp.runner.privacy_setup import build_strategy, plan_private_run
+    from raydp.runner.privacy_setup import build_strategy, plan_private_run, training_units
 
     probe = trial_config(study, trial_grid(study)[0])  # validates base + the first trial before building
     dataset_dir = study_dir / "dataset"
@@ -63,12 +68,22 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
     trials, plans = [], {}
     for trial in trial_grid(study):
         config = trial_config(study, trial, dataset)
+        if config.strategy == "rldp" and config.rldp.policy and not trial.get("frozen_from"):
+            from raydp.runner.launch import check_policy_privacy
+
+            try:  # a paper-mode policy may not drive a strict trial (ERRATA E14): fail before Ray starts
+                check_policy_privacy(config)
+            except ConfigError as exc:
+                raise ConfigError(f"trial {trial_name(trial)}: {exc}") from None
         if config.is_private:
+            strategy = build_strategy(config)
             key = (config.epsilon, config.delta, config.batch_size, config.epochs, config.max_steps,
-                   config.accountant, build_strategy(config).release_noise_multipliers())
+                   config.accountant, config.privacy_unit, strategy.adaptive_sigma,
+                   strategy.release_noise_multipliers())
             if key not in plans:
                 try:
-                    plans[key] = plan_private_run(config, n_train, build_strategy(config))
+                    units = training_units(config, dataset, n_train)  # patients by default (E11)
+                    plans[key] = plan_private_run(config, units.count, strategy)
                 except ConfigError as exc:
                     raise ConfigError(f"trial {trial_name(trial)}: {exc}") from None
         trials.append({**trial, "name": trial_name(trial)})
@@ -81,8 +96,34 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
     return dataset, trials
 
 
+#: eval-row fields logged to wandb (numbers only) and their names there
+WANDB_EVAL_FIELDS = {"perplexity": "eval_perplexity", "public_perplexity": "public_perplexity",
+                     "nll_per_token": "nll_per_token", "public_nll_per_token": "public_nll_per_token"}
+
+
+def evaluation_metrics(row: dict, selection: str) -> dict:
+    """Tune metrics of one evaluation row (``perplexity``: private eval split; ``public_perplexity``:
+    public validation split): both, and ``selection_perplexity`` from the study's ``selection`` split
+    (ERRATA E15; a run without a public figure falls back to the private one, and ``selection_split``
+    says so)."""
+    from raydp.study.results import selection_value
+
+    private, public = row.get("perplexity"), row.get("public_perplexity")
+    value, split = selection_value(private, public, selection)
+    return {"eval_perplexity": private, "public_perplexity": public, "selection_perplexity": value,
+            "selection_split": split}
+
+
+def privacy_label_of(summary: dict) -> str:
+    """Every label of a run's epsilon, '; '-joined ('' if none): ERRATA E3 (paper mode), E12 (void)..."""
+    from raydp.study.results import trial_labels
+
+    return "; ".join(trial_labels(summary))
+
+
 class _Reporter:
-    """Evaluations to Tune (the live table) and, unless disabled, to wandb (numbers only)."""
+    """Evaluations to wandb (numbers only), unless disabled. Tune gets evaluations with their checkpoint
+    (:func:`run_trial`), never from here."""
 
     def __init__(self, study: StudyConfig, trial: dict, config, study_dir: Path):
         self.run = None
@@ -92,26 +133,46 @@ class _Reporter:
             safe = {k: v for k, v in trial.items() if k not in ("policy_path",)}  # settings only, no data
             self.run = wandb.init(project=study.wandb.project, entity=study.wandb.entity, mode=study.wandb.mode,
                                   group=study.name, name=trial["name"], dir=str(study_dir), reinit="create_new",
+                                  # no system metrics: memory and CPU over time follow the private batch sizes
+                                  settings=wandb.Settings(x_disable_stats=True),
                                   config={**safe, "epochs": config.epochs, "batch_size": config.batch_size,
                                           "delta": config.delta, "accountant": config.accountant})
 
-    def evaluation(self, step: int, perplexity: float) -> None:
-        from ray import tune
-
-        tune.report({"step": step, "eval_perplexity": perplexity})
-        if self.run is not None:
-            self.run.log({"eval_perplexity": perplexity}, step=step)
+    def evaluation(self, step: int, row) -> None:
+        """``on_evaluation(step, row)``: ``row`` is the eval row (step, epoch, perplexity,
+        public_perplexity, nll_per_token...); a bare number is read as the private perplexity."""
+        if self.run is None:
+            return
+        if not isinstance(row, dict):
+            row = {"perplexity": row}
+        numbers = {name: float(row[key]) for key, name in WANDB_EVAL_FIELDS.items()
+                   if isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool)}
+        if numbers:
+            self.run.log(numbers, step=step)
 
     def finish(self, summary: dict) -> None:
         if self.run is not None:
             privacy = summary.get("privacy") or {}
             self.run.summary.update({"final_eval_perplexity": summary["final_eval_perplexity"],
                                      "best_eval_perplexity": summary["best_eval_perplexity"],
-                                     "epsilon": privacy.get("epsilon"), "steps": summary["steps"]})
+                                     "final_public_perplexity": summary.get("final_public_perplexity"),
+                                     "best_public_perplexity": summary.get("best_public_perplexity"),
+                                     "epsilon": privacy.get("epsilon"), "steps": summary["steps"],
+                                     "privacy_label": privacy_label_of(summary)})
             self.run.finish()
 
 
 CHECKPOINT_STATE = "state.pt"
+STUDY_PRIVACY_NOTE = """What in this study directory is private (ERRATA E11-E15):
+- dataset/  the private splits: never release.
+- work/     per-trial scratch, including restored checkpoints: keep private.
+- tune/     Tune's state and checkpoints (adapter weights, optimizer moments, ledger: post-processing of DP
+            releases, but paper-mode trials' controller state holds unprivatized statistics) and Tune's
+            automatic timings, which depend on the private batch sizes: keep private.
+Releasable: results.parquet, study_summary.json and trials/<trial>/ except trials/<trial>/private/ (and
+their private-eval perplexities, which no accountant covers, and timings are unprotected).
+No file here holds a sampling or noise seed or generator state.
+"""
 
 
 def _restore_point(workdir: Path) -> tuple[dict | None, Path | None]:
@@ -137,7 +198,9 @@ def run_trial(params: dict) -> None:
 
     Checkpoints (adapters, optimizer, RNG, sampler, ledger, strategy state, and a per-trial policy's
     snapshot) go to Tune at every evaluation and before every controller decision; a retried trial
-    resumes from the latest one with exactly its ledger."""
+    resumes from the latest one with exactly its ledger. Each checkpoint's report carries the step and
+    the latest evaluation's perplexities (:func:`evaluation_metrics`): an evaluation reaches Tune only
+    with (or after) the checkpoint of its step."""
     import tempfile
 
     import torch
@@ -168,9 +231,12 @@ def run_trial(params: dict) -> None:
         with tempfile.TemporaryDirectory(dir=workdir) as d:
             torch.save(state, Path(d) / CHECKPOINT_STATE)
             if session is not None and not config.rldp.frozen:
-                client.save_policy(Path(d) / "policy", trained_on={"model": config.model}, results={})
-            tune.report({"step": state["trainer"]["step_count"], "checkpoint": True,
-                         "eval_perplexity": state["trainer"]["eval_rows"][-1]["perplexity"]},
+                client.save_policy(Path(d) / "policy", trained_on={"model": config.model,
+                                                                   "privacy_mode": config.rldp.privacy_mode},
+                                   results={})  # a snapshot: no new provenance entry (the run adds it at its end)
+            rows = state["trainer"].get("eval_rows") or [{}]
+            tune.report({"step": state["trainer"]["step_count"], "checkpoint": True, "eval_step": rows[-1].get("step"),
+                         **evaluation_metrics(rows[-1], study.selection)},
                         checkpoint=Checkpoint.from_directory(d))
 
     entered_at = time.time()
@@ -188,10 +254,15 @@ def run_trial(params: dict) -> None:
     finally:
         if session is not None:
             session.close()
-    tune.report({"step": summary["steps"], "eval_perplexity": summary["final_eval_perplexity"],
+    final = evaluation_metrics({"perplexity": summary["final_eval_perplexity"],
+                                "public_perplexity": summary.get("final_public_perplexity")}, study.selection)
+    tune.report({"step": summary["steps"], **final,
                  "final_eval_perplexity": summary["final_eval_perplexity"],
                  "best_eval_perplexity": summary["best_eval_perplexity"],
+                 "final_public_perplexity": summary.get("final_public_perplexity"),
+                 "best_public_perplexity": summary.get("best_public_perplexity"),
                  "epsilon": (summary["privacy"] or {}).get("epsilon"),
+                 "privacy_label": privacy_label_of(summary),
                  "trial_seconds": time.perf_counter() - started, "trial_name": trial["name"],
                  "entered_at": entered_at, "run_wall_seconds": summary["wall_seconds"],
                  "trial_spec": json.dumps(trial), "done": True})
@@ -216,7 +287,14 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
 
     study = load_study(path)
     study_dir = (Path(results_dir) / study.name).resolve()
+    trials_dir = study_dir / "trials"
+    if not resume and trials_dir.is_dir() and any(trials_dir.iterdir()):
+        # A second fit here would overwrite the first one's trials, and its spend on the same private
+        # data would drop out of the tuning-aware epsilon (ERRATA E7/E14).
+        raise ConfigError(f"study directory {study_dir} already holds trials: finish it with --resume, or run "
+                          "into another --results-dir (removing it forgets what its runs spent)")
     study_dir.mkdir(parents=True, exist_ok=True)
+    (study_dir / "PRIVACY.txt").write_text(STUDY_PRIVACY_NOTE)
     dataset, trials = prepare_study(study, study_dir, progress=progress, build_models=True)
     (study_dir / "study.json").write_text(json.dumps(study.model_dump(mode="json"), indent=2))
     ensure_ray()
@@ -255,7 +333,7 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
             session.close()
     wall = time.perf_counter() - started
     results = [r for g in grids for r in g]
-    table = collect_results(study, study_dir, trials, results)
+    table = collect_results(study, study_dir, trials, results, dataset_dir=dataset)
     summary = {"study": study.name, "trials": len(trials), "wall_seconds": round(wall, 1),
                "results": str(study_dir / "results.parquet"), **_overheads(results, fit_started)}
     summary.update(table.attrs if hasattr(table, "attrs") else {})
@@ -280,7 +358,7 @@ def _fit(trainable, param_space: dict, storage: str, name: str, study: StudyConf
                 name=name, storage_path=storage,
                 failure_config=tune.FailureConfig(max_failures=study.max_failures),
                 progress_reporter=tune.CLIReporter(
-                    metric_columns=["step", "eval_perplexity", "epsilon"],
+                    metric_columns=["step", "selection_perplexity", "eval_perplexity", "epsilon"],
                     parameter_columns={"trial_name": "trial"}, max_report_frequency=30),
                 verbose=1 if progress else 0),
         )
@@ -288,7 +366,8 @@ def _fit(trainable, param_space: dict, storage: str, name: str, study: StudyConf
 
 
 def _fit_optuna(trainable, study: StudyConfig, common: dict, storage: str, progress: bool, resume: bool):
-    """RLDP's SAC cell (T_RL, B_SAC, K) chosen by Optuna (TPE) over the study's grid values."""
+    """RLDP's SAC cell (T_RL, B_SAC, K) chosen by Optuna (TPE) over the study's grid values, on the
+    ``selection_perplexity`` metric: the public validation split unless ``selection: private`` (E15)."""
     from ray import tune
     from ray.tune.search.optuna import OptunaSearch
 
@@ -300,7 +379,7 @@ def _fit_optuna(trainable, study: StudyConfig, common: dict, storage: str, progr
     tuner = tune.Tuner(
         trainable,
         param_space={**common, **space},
-        tune_config=tune.TuneConfig(search_alg=OptunaSearch(metric="eval_perplexity", mode="min",
+        tune_config=tune.TuneConfig(search_alg=OptunaSearch(metric="selection_perplexity", mode="min",
                                                             seed=study.optuna.seed),
                                     num_samples=study.optuna.num_samples),
         run_config=tune.RunConfig(name=f"{study.name}-optuna", storage_path=storage,

@@ -1,0 +1,190 @@
+"""Saved policies carry the provenance of the runs that trained them (ERRATA E14): inherited on copy and
+continuation, a paper-mode policy refuses to drive a strict run, and its replay buffer does not leave
+with ``raydp policy export`` unless asked."""
+
+import json
+import os
+import tarfile
+
+import numpy as np
+import pytest
+
+from raydp.control.features import ObservationLayout
+from raydp.control.store import (
+    MANIFEST,
+    check_policy_privacy_mode,
+    copy_policy,
+    load_manifest,
+    policy_privacy_mode,
+    provenance_entry,
+    provenance_of,
+    write_manifest,
+    write_replay,
+)
+from raydp.errors import ConfigError
+from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, rdp_vector
+
+LAYOUT = ObservationLayout("shared", 8)
+SAC = {"b_sac": 4, "k": 2}
+
+
+def entry(mode="strict", sha="a" * 64, eps=2.0):
+    curve = 100 * rdp_vector(0.05, 1.2)
+    return {"dataset_sha256": sha, "privacy_mode": mode, "privacy_unit": "record", "epsilon": eps, "delta": 1e-5,
+            "guarantee": "ledger", "rdp_orders": np.asarray(DEFAULT_ORDERS), "rdp_curve": curve}
+
+
+def fake_policy(root, name, provenance=None, trained_on=None, legacy=False):
+    """A policy directory with a manifest and a replay file (no RLlib module: these tests never load it)."""
+    path = root / name
+    path.mkdir(parents=True)
+    write_replay(path / "replay.npz", {"obs": np.zeros((2, 3)), "action": np.zeros((2, 1)),
+                                       "reward": np.zeros(2), "next_obs": np.zeros((2, 3))})
+    write_manifest(path, layout=LAYOUT, sac=SAC, trained_on=trained_on or {"model": "embedded-tiny"}, results={},
+                   transitions=2, updates=4, provenance=provenance)
+    if legacy:  # a manifest written before provenance existed
+        manifest = json.loads((path / MANIFEST).read_text())
+        del manifest["provenance"]
+        (path / MANIFEST).write_text(json.dumps(manifest))
+    return path
+
+
+def test_manifest_records_provenance_json_ready_with_ids(tmp_path):
+    path = fake_policy(tmp_path, "p", provenance=[entry()])
+    manifest = load_manifest(path)
+    (e,) = manifest["provenance"]
+    assert e["dataset_sha256"] == "a" * 64 and e["privacy_mode"] == "strict" and e["entry_id"]
+    assert e["rdp_orders"] == list(DEFAULT_ORDERS) and len(e["rdp_curve"]) == len(DEFAULT_ORDERS)
+    assert policy_privacy_mode(manifest) == "strict"
+    with pytest.raises(ValueError, match="privacy_mode"):
+        provenance_entry({**entry(), "privacy_mode": "lenient"})
+    with pytest.raises(ValueError, match="same length"):
+        provenance_entry({**entry(), "rdp_curve": [1.0]})
+
+
+def test_copy_keeps_provenance_and_continuation_inherits_it(tmp_path):
+    first = fake_policy(tmp_path, "first", provenance=[entry()])
+    copied = copy_policy(first, tmp_path / "copy")
+    assert load_manifest(copied)["provenance"] == load_manifest(first)["provenance"]
+    assert load_manifest(copied)["name"] == "copy"
+    # continuing from the copy: the service starts from provenance_of(restored) and appends its run
+    inherited = provenance_of(load_manifest(copied))
+    second = fake_policy(tmp_path, "second", provenance=inherited + [provenance_entry(entry(eps=0.5))])
+    chain = load_manifest(second)["provenance"]
+    assert [e["epsilon"] for e in chain] == [2.0, 0.5]
+    assert chain[0]["entry_id"] == load_manifest(first)["provenance"][0]["entry_id"]  # the same run, same id
+
+
+def test_legacy_manifest_reads_as_one_entry_and_keeps_its_mode(tmp_path):
+    legacy = fake_policy(tmp_path, "old", trained_on={"model": "embedded", "epsilon": 2.0, "privacy_mode": "paper"},
+                         legacy=True)
+    (e,) = provenance_of(load_manifest(legacy))
+    assert e["legacy"] and e["dataset_sha256"] is None and e["privacy_mode"] == "paper"
+    assert policy_privacy_mode(load_manifest(legacy)) == "paper"
+    # a policy continued from it stays paper-mode, although its own run was strict
+    continued = fake_policy(tmp_path, "continued", provenance=provenance_of(load_manifest(legacy)) + [entry()])
+    assert policy_privacy_mode(load_manifest(continued)) == "paper"
+
+
+def test_shipped_policy_is_strict_and_usable():
+    from raydp.control.store import resolve_policy
+
+    manifest = load_manifest(resolve_policy("embedded-eps2", "policies"))
+    assert policy_privacy_mode(manifest) == "strict"
+    check_policy_privacy_mode(manifest, "strict", "embedded-eps2")  # no error
+
+
+def test_paper_policy_refuses_to_drive_a_strict_run(tmp_path):
+    from raydp.config import TrainConfig, validate_config
+    from raydp.runner.launch import check_policy_privacy, start_policy
+
+    fake_policy(tmp_path, "paperpol", provenance=[entry(), entry(mode="paper")])
+    fake_policy(tmp_path, "strictpol", provenance=[entry()])
+
+    def config(policy, mode):
+        return validate_config(TrainConfig, {"model": "embedded-tiny", "strategy": "rldp", "epsilon": 2.0,
+                                             "rldp": {"policy": policy, "policy_dir": str(tmp_path),
+                                                      "privacy_mode": mode}})
+
+    message = ("policy paperpol was trained in paper mode (it saw unprivatized statistics); "
+               "use rldp.privacy_mode=paper or a strict policy")
+    with pytest.raises(ConfigError) as err:
+        start_policy(config("paperpol", "strict"))  # before any Ray actor starts
+    assert str(err.value) == message
+    assert check_policy_privacy(config("paperpol", "paper")) == (tmp_path / "paperpol")
+    assert check_policy_privacy(config("strictpol", "strict")) == (tmp_path / "strictpol")
+
+
+def test_cli_train_refuses_a_paper_policy_in_strict_mode(tmp_path, capsys):
+    from raydp.cli import main
+
+    fake_policy(tmp_path, "paperpol", provenance=[entry(mode="paper")])
+    code = main(["train", "--output", str(tmp_path / "run"), "--model", "embedded-tiny", "--strategy", "rldp",
+                 "--epsilon", "2", "--policy", "paperpol", "--policy-dir", str(tmp_path), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "trained in paper mode" in err and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_export_of_a_paper_policy_needs_include_private_replay(tmp_path, capsys):
+    from raydp.cli import main
+
+    fake_policy(tmp_path, "paperpol", provenance=[entry(mode="paper")])
+    archive = tmp_path / "out.tar.gz"
+    assert main(["policy", "export", "paperpol", "--policy-dir", str(tmp_path), "--to", str(archive)]) == 2
+    err = capsys.readouterr().err
+    assert "replay buffer holds unprivatized statistics of private data" in err and err.count("\n") == 1
+    assert "--include-private-replay" in err and not archive.exists()
+    assert main(["policy", "export", "paperpol", "--policy-dir", str(tmp_path), "--to", str(archive),
+                 "--include-private-replay"]) == 0
+    assert "unprivatized statistics" in capsys.readouterr().out
+    with tarfile.open(archive) as tar:
+        assert "paperpol/replay.npz" in tar.getnames()
+    # a strict policy exports without the flag
+    fake_policy(tmp_path, "strictpol", provenance=[entry()])
+    assert main(["policy", "export", "strictpol", "--policy-dir", str(tmp_path), "--to",
+                 str(tmp_path / "s.tar.gz")]) == 0
+
+
+def test_policy_show_and_list_print_provenance(tmp_path, capsys):
+    from raydp.cli import main
+
+    fake_policy(tmp_path, "mixed", provenance=[entry(sha="b" * 64), entry(mode="paper", sha="c" * 64)])
+    assert main(["policy", "show", "mixed", "--policy-dir", str(tmp_path)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["format"] == "raydp-policy-v1" and shown["privacy_mode"] == "paper"
+    assert [e["dataset_sha256"] for e in shown["provenance"]] == ["b" * 64, "c" * 64]
+    assert [e["privacy_mode"] for e in shown["provenance"]] == ["strict", "paper"]
+    assert main(["policy", "list", "--policy-dir", str(tmp_path)]) == 0
+    listing = capsys.readouterr().out
+    assert "paper, 2 run(s) on dataset(s) bbbbbbbbbbbb, cccccccccccc" in listing
+
+
+@pytest.mark.slow
+def test_policy_service_inherits_and_appends_provenance(tmp_path, raydp_cache):
+    """The live service: a policy continued from a saved one records the earlier runs and its own."""
+    import ray
+
+    from raydp.control.sac import SACSettings
+    from raydp.control.service import PolicySession
+    from raydp.runner.launch import RAY_NAMESPACE
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, log_to_driver=False,
+                 runtime_env={"env_vars": {"RAYDP_CACHE": os.environ["RAYDP_CACHE"]}})
+    try:
+        settings = SACSettings(b_sac=3, k=1, hidden=16)
+        with PolicySession(ObservationLayout("shared", 4), settings) as first:
+            m1 = first.save(tmp_path / "one", trained_on={"model": "x"}, results={}, provenance=entry(eps=0.5))
+            snapshot = first.client("r").save_policy(tmp_path / "snap", trained_on={"model": "x"}, results={})
+        assert [e["epsilon"] for e in m1["provenance"]] == [0.5]
+        assert snapshot["provenance"] == m1["provenance"]  # a snapshot adds no run
+        with PolicySession(None, settings, restore=tmp_path / "one") as second:
+            m2 = second.save(tmp_path / "two", trained_on={"model": "x"}, results={}, provenance=entry(eps=1.0))
+        assert [e["epsilon"] for e in m2["provenance"]] == [0.5, 1.0]
+        assert m2["provenance"][0]["entry_id"] == m1["provenance"][0]["entry_id"]
+        assert load_manifest(tmp_path / "two")["provenance"] == m2["provenance"]
+    finally:
+        if started:
+            ray.shutdown()

@@ -1,0 +1,298 @@
+"""The study's reported epsilon (ERRATA E7, E12, E14, E15), from hand-made run directories: no Tune.
+
+Every trial on the same private dataset composes (RDP, Mironov 2017), whatever its target epsilon; a
+Renyi-filtered run composes with its filter's budget curve (Feldman & Zrnic 2021); a saved policy's
+training runs on the same data compose too; errored trials without a checkpoint are listed as unknown
+spend; labels reach results.parquet and the figure; selection uses the public split by default.
+"""
+
+import json
+import math
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from dp_accounting import dp_event
+from dp_accounting.rdp import rdp_privacy_accountant as dp_rdp
+
+from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, rdp_vector
+from raydp.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
+from raydp.study.config import StudyConfig
+from raydp.study.results import collect_results, curve_on_orders, ledger_rdp_curve
+
+SHA = "d" * 64
+DELTA = 1e-5
+ORDERS = list(DEFAULT_ORDERS)
+
+
+def make_study(**changes):
+    values = {"name": "hand", "models": ["embedded-tiny"], "epsilons": [0.5, 2.0], "strategies": ["static"],
+              "base": {"delta": DELTA}, "wandb": {"mode": "disabled"}}
+    values.update(changes)
+    return StudyConfig(**values)
+
+
+def make_ledger(q, sigma, steps, eps_target):
+    ledger = PrivacyLedger(delta=DELTA, epsilon_target=eps_target, accountant="rdp")
+    for _ in range(steps):
+        ledger.record_gaussian(q, sigma)
+    return ledger
+
+
+def write_run(study_dir, name, *, ledger=None, eps_target=2.0, labels=None, filt=None, sha=SHA, public=True,
+              evals=None, final=(1.5, 1.6)):
+    run = study_dir / "trials" / name
+    run.mkdir(parents=True)
+    private_final, public_final = final
+    summary = {"initial_eval_perplexity": 3.0, "final_eval_perplexity": private_final,
+               "best_eval_perplexity": private_final, "steps": 10, "wall_seconds": 1.0,
+               "privacy": {"epsilon": eps_target, "epsilon_target": eps_target, "planned_steps": 10,
+                           "epsilon_by_accountant": {"rdp": eps_target}, "enforcing_accountant": "rdp",
+                           "within_budget": True, "verdict": "ok", "privacy_mode": None, "privacy_label": None,
+                           "labels": labels or [], "filter": filt}}
+    if sha is not None:
+        summary["dataset_sha256"] = sha
+    if public:
+        summary.update(initial_public_perplexity=3.1, final_public_perplexity=public_final,
+                       best_public_perplexity=public_final)
+    (run / "summary.json").write_text(json.dumps(summary))
+    if ledger is not None:
+        ledger.save(run / LEDGER_FILENAME)
+    if evals is not None:
+        pd.DataFrame(evals).to_parquet(run / "eval_metrics.parquet")
+    return run
+
+
+def study_dir_with_dataset(tmp_path):
+    d = tmp_path / "hand"
+    (d / "dataset").mkdir(parents=True)
+    (d / "dataset" / "manifest.json").write_text(json.dumps({"content_sha256": SHA}))
+    return d
+
+
+def spec(name, eps, strategy="static", seed=0):
+    return {"name": name, "model": "embedded-tiny", "epsilon": eps, "seed": seed, "strategy": strategy}
+
+
+def result(trial, error=None, checkpoint=None):
+    return SimpleNamespace(metrics={}, config={"trial_specs": {trial["name"]: trial}, "trial_name": trial["name"]},
+                           error=error, path=f"/tune/{trial['name']}", checkpoint=checkpoint)
+
+
+def independent_rdp(ledgers):
+    """dp_accounting's own RDP accountant over every ledger's steps (not raydp's code)."""
+    acc = dp_rdp.RdpAccountant(ORDERS)
+    for ledger in ledgers:
+        for q, sigma in zip(ledger.q, ledger.sigma_eff):
+            acc.compose(dp_event.PoissonSampledDpEvent(float(q), dp_event.GaussianDpEvent(float(sigma))))
+    return np.asarray(acc._rdp)
+
+
+def test_trials_at_different_target_epsilons_compose_into_one_figure(tmp_path):
+    """E7/E14: trials at eps 0.5 and 2 on the same data give ONE figure, larger than each trial's."""
+    study, d = make_study(), study_dir_with_dataset(tmp_path)
+    low, high = make_ledger(0.05, 4.0, 40, 0.5), make_ledger(0.05, 1.5, 40, 2.0)
+    t_low, t_high = spec("static_eps0.5", 0.5), spec("static_eps2", 2.0)
+    write_run(d, t_low["name"], ledger=low, eps_target=0.5)
+    write_run(d, t_high["name"], ledger=high, eps_target=2.0)
+    table = collect_results(study, d, [t_low, t_high], [result(t_low), result(t_high)])
+    tuning = table.attrs["tuning_aware_epsilon"]
+    assert list(tuning) == [SHA]  # one figure per dataset, not per target epsilon
+    fig = tuning[SHA]
+    assert fig["trials"] == 2 and fig["runs"] == 2 and fig["target_epsilons"] == [0.5, 2.0]
+    singles = {c["name"]: c["epsilon_rdp"] for c in fig["composed"]}
+    assert fig["tuning_aware_epsilon"] > max(singles.values()) == fig["max_single_trial_epsilon_rdp"]
+    expected, _ = dp_rdp.compute_epsilon(ORDERS, independent_rdp([low, high]), DELTA)
+    assert fig["tuning_aware_epsilon"] == pytest.approx(expected, rel=1e-6)
+    assert fig["repeat_and_select_epsilon_rdp"] > fig["max_single_trial_epsilon_rdp"]
+    assert fig["unknown_spend"] == [] and fig["labels"] == []
+
+
+def test_filtered_run_composes_with_its_budget_curve(tmp_path):
+    """A run enforced by a Renyi filter is (alpha, B(alpha))-RDP (Feldman & Zrnic 2021): its budget curve,
+    not its (smaller) realized ledger curve, is what composes."""
+    study, d = make_study(), study_dir_with_dataset(tmp_path)
+    realized, other = make_ledger(0.05, 1.5, 30, 2.0), make_ledger(0.05, 3.0, 30, 0.5)
+    budget = 60 * rdp_vector(0.05, 1.5)  # the filter's budget curve on DEFAULT_ORDERS, above the realized sum
+    t_filt, t_other = spec("rldp_filtered", 2.0, strategy="rldp"), spec("static_other", 0.5)
+    t_filt.update(t_rl=4, b_sac=4, k=2)
+    write_run(d, t_filt["name"], ledger=realized, filt={"orders": ORDERS, "budget_rdp": budget.tolist()})
+    write_run(d, t_other["name"], ledger=other, eps_target=0.5)
+    table = collect_results(study, d, [t_filt, t_other], [result(t_filt), result(t_other)])
+    fig = table.attrs["tuning_aware_epsilon"][SHA]
+    sources = {c["name"]: c["curve"] for c in fig["composed"]}
+    assert sources == {"rldp_filtered": "renyi_filter", "static_other": "ledger"}
+    assert list(table["rdp_curve_source"]) == ["renyi_filter", "ledger"]
+    # independent: the budget curve plus dp_accounting's RDP of the other run, by direct sums
+    expected, _ = dp_rdp.compute_epsilon(ORDERS, budget + independent_rdp([other]), DELTA)
+    assert fig["tuning_aware_epsilon"] == pytest.approx(expected, rel=1e-6)
+    realized_only, _ = dp_rdp.compute_epsilon(ORDERS, independent_rdp([realized, other]), DELTA)
+    assert fig["tuning_aware_epsilon"] > realized_only
+
+
+def test_curves_on_other_orders_are_mapped_conservatively():
+    """RDP is non-decreasing in the order: the value at the next given order above bounds every order."""
+    coarse_orders = [2.0, 8.0, 32.0]
+    coarse = [0.1, 0.5, 2.0]
+    mapped = curve_on_orders(coarse_orders, coarse)
+    orders = np.asarray(DEFAULT_ORDERS)
+    assert np.all(mapped[orders <= 2.0] == 0.1) and np.all(mapped[(orders > 2.0) & (orders <= 8.0)] == 0.5)
+    assert np.all(mapped[(orders > 8.0) & (orders <= 32.0)] == 2.0) and np.all(np.isinf(mapped[orders > 32.0]))
+    exact = 10 * rdp_vector(0.1, 1.0)
+    assert np.array_equal(curve_on_orders(DEFAULT_ORDERS, exact), exact)  # same orders: unchanged
+    ledger = make_ledger(0.1, 1.0, 10, 1.0)
+    assert np.allclose(ledger_rdp_curve(ledger), exact)
+
+
+@contextmanager
+def _as_directory(path):
+    yield str(path)
+
+
+def test_errored_trials_compose_from_their_checkpoint_or_are_listed_as_unknown_spend(tmp_path):
+    study, d = make_study(), study_dir_with_dataset(tmp_path)
+    done, partial = make_ledger(0.05, 1.5, 40, 2.0), make_ledger(0.05, 1.5, 12, 2.0)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    torch.save({"trainer": {"gradient": {"ledger": partial.to_arrow()}}}, ckpt / "state.pt")
+    checkpoint = SimpleNamespace(as_directory=lambda: _as_directory(ckpt))
+    t_done, t_ckpt, t_lost = spec("static_done", 2.0), spec("static_ckpt", 0.5), spec("static_lost", 0.5, seed=1)
+    write_run(d, t_done["name"], ledger=done)
+    table = collect_results(study, d, [t_done, t_ckpt, t_lost],
+                            [result(t_done), result(t_ckpt, error=RuntimeError("x"), checkpoint=checkpoint),
+                             result(t_lost, error=RuntimeError("y"))])
+    fig = table.attrs["tuning_aware_epsilon"][SHA]
+    assert {c["name"]: c["curve"] for c in fig["composed"]} == {"static_done": "ledger",
+                                                                 "static_ckpt": "checkpoint_ledger"}
+    assert [u["trial"] for u in fig["unknown_spend"]] == ["static_lost"]
+    assert any("unknown spend" in w and "static_lost" in w for w in fig["warnings"])
+    expected, _ = dp_rdp.compute_epsilon(ORDERS, independent_rdp([done, partial]), DELTA)
+    assert fig["tuning_aware_epsilon"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_an_errored_adaptive_trial_composes_with_its_filter_budget(tmp_path):
+    """The checkpoint's ledger carries the Renyi filter (metadata): its budget, not the realized sum,
+    bounds the errored adaptive run (E13); its labels come along."""
+    study, d = make_study(), study_dir_with_dataset(tmp_path)
+    budget = 50 * rdp_vector(0.05, 1.5)
+    partial = PrivacyLedger(delta=DELTA, epsilon_target=2.0, accountant="renyi_filter",
+                            metadata={"filter": {"orders": ORDERS, "budget_rdp": budget.tolist()},
+                                      "labels": ["LABEL X"]})
+    for _ in range(5):
+        partial.record_gaussian(0.05, 1.5)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    torch.save({"trainer": {"gradient": {"ledger": partial.to_arrow()}}}, ckpt / "state.pt")
+    t = {**spec("rldp_err", 2.0, strategy="rldp"), "t_rl": 4, "b_sac": 4, "k": 2}
+    checkpoint = SimpleNamespace(as_directory=lambda: _as_directory(ckpt))
+    table = collect_results(study, d, [t], [result(t, error=RuntimeError("x"), checkpoint=checkpoint)])
+    fig = table.attrs["tuning_aware_epsilon"][SHA]
+    assert [c["curve"] for c in fig["composed"]] == ["renyi_filter"] and fig["labels"] == ["LABEL X"]
+    expected, _ = dp_rdp.compute_epsilon(ORDERS, budget, DELTA)
+    assert fig["tuning_aware_epsilon"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_labels_reach_results_and_the_figure(tmp_path):
+    """E12/E3: a run's labels go to results.parquet ('; '-joined) and to its dataset's figure."""
+    study, d = make_study(), study_dir_with_dataset(tmp_path)
+    void = "epsilon is void: sampling and noise were seeded from a recorded seed (E12)"
+    t_void, t_plain = spec("static_void", 2.0), spec("static_plain", 0.5)
+    write_run(d, t_void["name"], ledger=make_ledger(0.05, 1.5, 10, 2.0), labels=[void, "second label"])
+    write_run(d, t_plain["name"], ledger=make_ledger(0.05, 3.0, 10, 0.5), eps_target=0.5)
+    collect_results(study, d, [t_void, t_plain], [result(t_void), result(t_plain)])
+    table = pd.read_parquet(d / "results.parquet")
+    assert table["privacy_labels"].iloc[0] == f"{void}; second label" and pd.isna(table["privacy_labels"].iloc[1])
+    assert "privacy_label" in table  # today's column stays
+    summary_labels = collect_results(study, d, [t_void, t_plain], [result(t_void), result(t_plain)]
+                                     ).attrs["tuning_aware_epsilon"][SHA]["labels"]
+    assert summary_labels == [void, "second label"]
+
+
+def test_a_saved_policys_training_runs_on_the_same_data_compose(tmp_path, monkeypatch):
+    """E14: the runs that trained the policy a trial starts from compose when they used this dataset."""
+    from raydp.control.features import ObservationLayout
+    from raydp.control.store import write_manifest
+
+    policies = tmp_path / "policies"
+    pol = policies / "prior"
+    pol.mkdir(parents=True)
+    trained = make_ledger(0.05, 1.5, 50, 2.0)
+    same = {"dataset_sha256": SHA, "privacy_mode": "strict", "privacy_unit": "record", "epsilon": 2.0,
+            "delta": DELTA, "guarantee": "ledger", "rdp_orders": ORDERS,
+            "rdp_curve": ledger_rdp_curve(trained).tolist()}
+    elsewhere = {**same, "dataset_sha256": "e" * 64}
+    write_manifest(pol, layout=ObservationLayout("shared", 8), sac={}, trained_on={"model": "embedded"}, results={},
+                   transitions=1, updates=1, provenance=[same, elsewhere])
+    study = make_study(strategies=["rldp"], base={"delta": DELTA, "rldp": {"policy": "prior",
+                                                                          "policy_dir": str(policies)}})
+    d = study_dir_with_dataset(tmp_path)
+    trial = {**spec("rldp_a", 0.5, strategy="rldp"), "t_rl": 4, "b_sac": 4, "k": 2}
+    trial_b = {**spec("rldp_b", 2.0, strategy="rldp"), "t_rl": 4, "b_sac": 4, "k": 2}
+    own_a, own_b = make_ledger(0.05, 3.0, 20, 0.5), make_ledger(0.05, 1.5, 20, 2.0)
+    write_run(d, trial["name"], ledger=own_a, eps_target=0.5)
+    write_run(d, trial_b["name"], ledger=own_b)
+    fig = collect_results(study, d, [trial, trial_b], [result(trial), result(trial_b)]
+                          ).attrs["tuning_aware_epsilon"][SHA]
+    kinds = [c["kind"] for c in fig["composed"]]
+    assert kinds.count("policy_training_run") == 1  # used by two trials, composed once; other dataset: not
+    assert fig["trials"] == 2 and fig["runs"] == 3
+    expected, _ = dp_rdp.compute_epsilon(ORDERS, independent_rdp([own_a, own_b, trained]), DELTA)
+    assert fig["tuning_aware_epsilon"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_selection_uses_the_public_split_by_default_and_labels_the_private_one(tmp_path):
+    """E15: steps-to-target on the public validation perplexity; 'private' says it is unprotected."""
+    evals_base = {"step": [0, 5, 10], "perplexity": [3.0, 1.9, 1.5], "public_perplexity": [3.1, 2.5, 1.6]}
+    evals_rldp = {"step": [0, 5, 10], "perplexity": [3.0, 1.4, 1.3], "public_perplexity": [3.1, 1.55, 1.5]}
+    results = {}
+    for selection in ("public", "private"):
+        study, d = make_study(epsilons=[2.0], strategies=["static", "rldp"], selection=selection), \
+            study_dir_with_dataset(tmp_path / selection)
+        base = spec("static", 2.0)
+        rldp = {**spec("rldp", 2.0, strategy="rldp"), "t_rl": 4, "b_sac": 4, "k": 2}
+        write_run(d, base["name"], ledger=make_ledger(0.05, 1.5, 10, 2.0), evals=evals_base, final=(1.5, 1.6))
+        write_run(d, rldp["name"], ledger=make_ledger(0.05, 1.5, 10, 2.0), evals=evals_rldp, final=(1.3, 1.5))
+        table = collect_results(study, d, [base, rldp], [result(base), result(rldp)])
+        results[selection] = table
+        saved = pd.read_parquet(d / "results.parquet")
+        assert {"final_public_perplexity", "final_eval_perplexity", "selection_split"} <= set(saved)
+    public, private = results["public"], results["private"]
+    # public: the baseline's final public ppl is 1.6; RLDP reaches it (1.55) at step 5 -> 0.5
+    assert public.attrs["selection"]["split"] == "public"
+    assert public.set_index("trial")["steps_to_target"]["rldp"] == pytest.approx(0.5)
+    assert private.attrs["selection"] == {"requested": "private", "split": "private",
+                                          "note": "selection used the private eval split: unprotected (E15)"}
+    assert private.set_index("trial")["steps_to_target"]["rldp"] == pytest.approx(0.5)  # 1.4 <= 1.5 at 5
+    assert list(pd.read_parquet(tmp_path / "private" / "hand" / "results.parquet")["selection_split"]) == \
+        ["private", "private"]
+
+
+def test_old_summaries_without_public_figures_fall_back_with_a_label(tmp_path):
+    study, d = make_study(epsilons=[2.0]), study_dir_with_dataset(tmp_path)
+    t = spec("static_old", 2.0)
+    write_run(d, t["name"], ledger=make_ledger(0.05, 1.5, 10, 2.0), public=False, sha=None)
+    table = collect_results(study, d, [t], [result(t)])
+    assert table.attrs["selection"]["split"] == "private"
+    assert "unprotected (E15)" in table.attrs["selection"]["note"]
+    assert list(table.attrs["tuning_aware_epsilon"]) == [SHA]  # identity from the study's dataset manifest
+    assert math.isnan(table["final_public_perplexity"].iloc[0])
+
+
+def test_report_prints_the_figure_labels_and_selection(tmp_path, capsys):
+    from raydp.cli import main
+
+    study, d = make_study(), study_dir_with_dataset(tmp_path)
+    t1, t2 = spec("static_a", 0.5), spec("static_b", 2.0)
+    write_run(d, t1["name"], ledger=make_ledger(0.05, 3.0, 10, 0.5), eps_target=0.5, labels=["VOID (E12)"])
+    write_run(d, t2["name"], ledger=make_ledger(0.05, 1.5, 10, 2.0))
+    table = collect_results(study, d, [t1, t2], [result(t1), result(t2, error=RuntimeError("x"))])
+    (d / "study_summary.json").write_text(json.dumps({"study": "hand", **table.attrs}, default=str))
+    assert main(["report", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert f"dataset {SHA[:16]}: 2 runs" in out and "LABEL: VOID (E12)" in out
+    assert "selection used the public validation split (E15)" in out
+    assert "final public validation perplexity" in out
