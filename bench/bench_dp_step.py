@@ -101,7 +101,7 @@ def main() -> None:
     ledger = PrivacyLedger(delta=1e-5, epsilon_target=epsilon)
     guard = BudgetGuard("pld", epsilon_target=epsilon, delta=1e-5, planned_steps=planned, q=q)
     dp = DPStep(loaded.model, loaded.pairs, strategy, ledger, guard, q=q, expected_batch_size=args.batch,
-                planned_steps=planned, noise_seed=0, device=loaded.device)
+                planned_steps=planned, device=loaded.device)
 
     def dp_step():
         dp.compute(loaded.model, batch)

@@ -37,7 +37,6 @@ class TokenizedSplit:
         self.units = None if units is None else np.asarray(units)
         if self.units is not None and self.units.shape != (len(texts),):
             raise ValueError(f"units must give one unit per text ({len(texts)}), got shape {self.units.shape}")
-        self.n_truncated = sum(len(ids) > max_length for ids in encoded)
         self.sequences = [ids[:max_length] for ids in encoded]
         self.pad_token_id = tokenizer.pad_token_id
         self.max_length = max_length
@@ -58,6 +57,3 @@ class TokenizedSplit:
             _, inverse = np.unique(self.units[np.asarray(indices, dtype=np.int64)], return_inverse=True)
             unit_index = torch.as_tensor(inverse.reshape(-1), dtype=torch.long, device=device)
         return Batch(list(indices), input_ids.to(device), attention_mask.to(device), unit_index)
-
-    def mean_length(self) -> float:
-        return sum(map(len, self.sequences)) / max(len(self.sequences), 1)
