@@ -357,3 +357,36 @@ def test_evaluations_and_decisions_follow_their_checkpoints(tiny_tokenizer_dir):
             assert before[-1] == ("checkpoint", event[1])  # its observation was durable before it decided
             assert events[i + 1] == ("checkpoint", event[1])  # its action is durable before a step uses it
     assert [e for e in events if e[0] == "decide"] == [("decide", 3), ("decide", 6)]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_dp_runs_switch_off_every_dropout(kind):
+    """Dropout draws from the public-seeded global generator on private batches (E12): after
+    disable_dropout two forward passes in train mode agree exactly, with module dropout (GPT-2, LoRA)
+    and functional attention dropout (Llama's float ``attention_dropout``) alike."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from raydp.model.loading import LoraSettings, apply_lora, disable_dropout
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        base = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=2, n_head=2,
+                                          attn_pdrop=0.5, resid_pdrop=0.5, embd_pdrop=0.5))
+    else:
+        base = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                            num_attention_heads=2, num_key_value_heads=2, attention_dropout=0.5))
+    model = apply_lora(base, kind, LoraSettings(r=4, alpha=8, dropout=0.5))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.5)
+    model.train()
+    ids = torch.randint(1, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def outputs():
+        return [model(input_ids=ids).logits.detach() for _ in range(2)]
+
+    first, second = outputs()
+    assert not torch.equal(first, second)  # dropout is really on before
+    assert disable_dropout(model) > 0
+    first, second = outputs()
+    assert torch.equal(first, second)

@@ -189,17 +189,23 @@ def expected_adapter_pairs(name_or_path: str, lora: LoraSettings | None = None) 
 
 
 def disable_dropout(model) -> int:
-    """Set every dropout probability to 0 (LoRA's and the backbone's); returns how many modules changed.
+    """Set every dropout probability to 0 (LoRA's and the backbone's); returns how many places changed.
 
     DP runs call this (ERRATA E12): dropout masks come from torch's global generator, seeded from the
     public ``seed``, and are laid out over the whole padded batch, so with known masks a record's
     gradient depends on which other records were sampled and the per-sample sensitivity argument no
-    longer holds. Without dropout nothing random but the secret sampling and noise touches private data."""
+    longer holds. Without dropout nothing random but the secret sampling and noise touches private data.
+    Covers dropout modules (``nn.Dropout`` and its relatives) and attention dropout kept as a float
+    attribute (``attention_dropout`` in Llama and Mistral, applied functionally)."""
     import torch
 
     changed = 0
     for module in model.modules():
-        if isinstance(module, torch.nn.Dropout) and module.p != 0.0:
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p != 0.0:
             module.p = 0.0
+            changed += 1
+        rate = getattr(module, "attention_dropout", None)
+        if isinstance(rate, float) and rate != 0.0:
+            module.attention_dropout = 0.0
             changed += 1
     return changed

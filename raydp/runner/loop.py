@@ -164,8 +164,9 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Everything resuming needs: trainable weights, optimizer, schedule, sampler, RNG, history and
-        the gradient computation's state (DP: noise RNG, ledger, strategy)."""
+        """Everything resuming needs: trainable weights, optimizer, schedule, the sampler's state (none for
+        DP: its randomness is secret and redrawn on resume), torch's global RNG, history and the gradient
+        computation's state (DP: ledger, strategy; no noise RNG, ERRATA E12)."""
         return {
             "step_count": self.step_count,
             "trainable": {n: p.detach().cpu().clone() for n, p in self.model.named_parameters() if p.requires_grad},

@@ -1,7 +1,8 @@
 """Batch samplers: which training records make up each step's batch.
 
-Samplers own their random state (``state_dict``/``load_state_dict``) so a resumed run draws the same
-batches. The non-private loop uses shuffled fixed-size batches; DP accounting with Poisson
+The non-private sampler checkpoints its random state (``state_dict``/``load_state_dict``) so a resumed
+run draws the same batches; the Poisson sampler of DP runs checkpoints nothing (its randomness is secret,
+ERRATA E12) and a resumed run draws on with fresh randomness. The non-private loop uses shuffled fixed-size batches; DP accounting with Poisson
 subsampling needs real Poisson sampling (ERRATA E5), which the DP engine adds as another sampler.
 """
 
