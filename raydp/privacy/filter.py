@@ -39,7 +39,7 @@ import numpy as np
 
 from raydp.errors import ConfigError
 from raydp.privacy.accounting.base import check_delta, check_epsilon, check_q
-from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, rdp_epsilon, rdp_vector
+from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, rdp_curve, rdp_epsilon, rdp_vector
 from raydp.privacy.calibration import SIGMA_CAP, SigmaEffMap, min_feasible_sigma
 from raydp.privacy.guard import BudgetExhausted, FinalCheck, GuardStatus
 
@@ -110,13 +110,7 @@ class _SpentCurve:
         if self._ledger is not ledger or len(ledger) < self._consumed:
             self._ledger, self._consumed, self.curve = ledger, 0, np.zeros(len(self.orders))
         if len(ledger) > self._consumed:
-            q, sigma = ledger.arrays(self._consumed)
-            values, counts = np.unique(np.stack([q, sigma], axis=1), axis=0, return_counts=True)
-            for (qv, sv), c in zip(values, counts):
-                if math.isinf(sv):
-                    continue
-                self.curve = self.curve + (math.inf if sv <= 0 else int(c) * rdp_vector(float(qv), float(sv),
-                                                                                         self.orders))
+            self.curve = self.curve + rdp_curve(*ledger.arrays(self._consumed), self.orders)
             self._consumed = len(ledger)
         return self.curve
 

@@ -94,14 +94,12 @@ def public_validation_split(tokenizer, max_length: int, n_records: int) -> Token
 def policy_provenance(private, config: TrainConfig, manifest: dict, privacy: dict) -> dict:
     """What a policy trained by this run must remember about it (ERRATA E14): which private dataset it
     touched, in which mode, and the run's RDP curve (the Renyi filter's budget for adaptive sigma)."""
-    from raydp.privacy.accounting import RDPAccountant
-    from raydp.privacy.accounting.rdp import DEFAULT_ORDERS
+    from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve
 
     if privacy.get("filter"):
         orders, curve = privacy["filter"]["orders"], privacy["filter"]["budget_rdp"]
     else:
-        acc = RDPAccountant(grid=None)
-        orders, curve = list(DEFAULT_ORDERS), acc.rdp_of_groups(list(private.ledger.to_histogram().groups(None))).tolist()
+        orders, curve = list(DEFAULT_ORDERS), ledger_rdp_curve(private.ledger).tolist()
     return {"dataset_sha256": manifest.get("content_sha256"), "privacy_mode": private.strategy.privacy_mode,
             "privacy_unit": private.units.name, "epsilon": privacy["epsilon"], "delta": config.delta,
             "guarantee": privacy["guarantee"], "labels": privacy["labels"], "rdp_orders": list(orders),

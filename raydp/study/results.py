@@ -65,14 +65,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, rdp_epsilon, rdp_vector
+from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve, rdp_epsilon
 from raydp.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 
 BASELINE_EXCLUDED = ("rldp", "nonprivate")
@@ -196,19 +195,6 @@ def steps_to_target(table: pd.DataFrame, selection: str = "private") -> pd.Serie
 
 # -- RDP curves on one order grid ------------------------------------------------------------------
 ORDERS = np.asarray(DEFAULT_ORDERS, dtype=np.float64)
-
-
-def ledger_rdp_curve(ledger: PrivacyLedger, orders: Sequence[float] = DEFAULT_ORDERS) -> np.ndarray:
-    """The RDP curve of a ledger: the sum over its steps of the Poisson-subsampled Gaussian's RDP at each
-    order (RDP composition, Mironov 2017, Prop. 1; per-step RDP from Mironov et al. 2019 via
-    :func:`~raydp.privacy.accounting.rdp.rdp_vector`). Steps with no private release (sigma_eff = inf)
-    cost nothing; sigma_eff = 0 gives an infinite curve."""
-    total = np.zeros(len(orders))
-    for (q, sigma), count in Counter(zip(ledger.q.tolist(), ledger.sigma_eff.tolist())).items():
-        if math.isinf(sigma) or q == 0.0:
-            continue
-        total = total + count * rdp_vector(q, sigma, orders)
-    return total
 
 
 def curve_on_orders(orders: Sequence[float], curve: Sequence[float],

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -23,7 +23,7 @@ from opacus.accountants.analysis import rdp as _rdp
 from raydp.privacy.accounting.base import Accountant, Composition
 from raydp.privacy.accounting.grid import DEFAULT_GRID, Grid
 
-__all__ = ["DEFAULT_ORDERS", "OPACUS_ORDERS", "RDPAccountant", "rdp_epsilon", "rdp_vector"]
+__all__ = ["DEFAULT_ORDERS", "OPACUS_ORDERS", "RDPAccountant", "ledger_rdp_curve", "rdp_curve", "rdp_epsilon", "rdp_vector"]
 
 OPACUS_ORDERS: tuple[float, ...] = tuple(float(a) for a in _OpacusRDP.DEFAULT_ALPHAS)
 DEFAULT_ORDERS: tuple[float, ...] = OPACUS_ORDERS + (64.0, 80.0, 96.0, 128.0, 192.0, 256.0, 512.0)
@@ -136,3 +136,21 @@ class RDPComposition(Composition):
 
     def _epsilon_with(self, q: float, sigma: float, count: int, delta: float) -> float:
         return rdp_epsilon(self.rdp_with(q, sigma, count), self.orders, delta)
+
+
+def rdp_curve(q: Sequence[float], sigma: Sequence[float], orders: Sequence[float] = DEFAULT_ORDERS) -> np.ndarray:
+    """The RDP curve of steps with sampling rates ``q`` and noise multipliers ``sigma``: the sum over the
+    steps of the Poisson-subsampled Gaussian's RDP at each order (RDP composition, Mironov 2017, Prop. 1;
+    per-step RDP from Mironov et al. 2019 via :func:`rdp_vector`, once per distinct value). Steps with no
+    private release (sigma = inf, or q = 0) cost nothing; sigma = 0 gives an infinite curve."""
+    total = np.zeros(len(orders))
+    for (qv, sv), count in Counter(zip(np.asarray(q, float).tolist(), np.asarray(sigma, float).tolist())).items():
+        if math.isinf(sv) or qv == 0.0:
+            continue
+        total = total + count * rdp_vector(qv, sv, orders)
+    return total
+
+
+def ledger_rdp_curve(ledger, orders: Sequence[float] = DEFAULT_ORDERS) -> np.ndarray:
+    """The RDP curve of every step of a ledger (:func:`rdp_curve`)."""
+    return rdp_curve(*ledger.arrays(), orders)
