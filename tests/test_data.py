@@ -344,7 +344,8 @@ def test_splits_disjoint_and_files_complete(built: Path) -> None:
     assert not ids["eval"] & ids["attack"]
     assert sum(len(v) for v in ids.values()) == 1000
     train = load_split(built, "train")
-    assert list(train.columns) == ["text", *HEADER.split(","), "has_canary"]
+    assert list(train.columns) == ["text", *HEADER.split(","), "has_canary", "audit_canary"]
+    assert not train["audit_canary"].any()  # n_audit defaults to 0 here
     assert list(load_split(built, "eval").columns) == ["text", *HEADER.split(",")]
     m = load_manifest(built)
     assert m["synthetic"] is True and "no real patient" in m["note"]
@@ -614,3 +615,29 @@ def test_existing_and_unwritable_targets(tmp_path: Path) -> None:
         load_texts(out, "validation")
     with pytest.raises(DataError):
         load_manifest(tmp_path / "missing")
+
+
+def test_audit_canaries_are_own_patients_in_train_by_a_fair_coin(tmp_path: Path) -> None:
+    """Steinke et al. 2023: each audit canary is one unit, included by its own coin, secrets distinct."""
+    m = build_dataset(tmp_path / "a", n_records=1000, n_audit=400, progress=False)
+    audit = load_split(tmp_path / "a", "audit")
+    train = load_split(tmp_path / "a", "train")
+    secrets = set(load_split(tmp_path / "a", "canaries")["secret"])
+    assert len(audit) == 400 and audit["secret"].is_unique and not secrets & set(audit["secret"])
+    assert audit["patient_nbr"].is_unique and audit["patient_nbr"].min() >= 6_000_000_000
+    # about half included (binomial(400, 1/2): 4 sd is 40)
+    assert abs(int(audit["included"].sum()) - 200) < 40 and m["audit_included"] == int(audit["included"].sum())
+    in_train = train[train["audit_canary"]]
+    assert list(in_train["text"]) == list(audit.loc[audit["included"], "text"])
+    assert not set(audit.loc[~audit["included"], "text"]) & set(train["text"])
+    assert all(t.endswith(f" secret_id={s}.") for t, s in zip(audit["text"], audit["secret"]))
+    # their patients are units of train (never shared with the real splits)
+    others = pd.concat([load_split(tmp_path / "a", s) for s in ("eval", "attack")])["patient_nbr"]
+    assert not set(in_train["patient_nbr"]) & set(others)
+    assert m["units"]["train"] == train["patient_nbr"].nunique()
+    # deterministic in canary_seed, different coins for another seed
+    again = build_dataset(tmp_path / "b", n_records=1000, n_audit=400, progress=False)
+    assert again["content_sha256"] == m["content_sha256"]
+    other = build_dataset(tmp_path / "c", n_records=1000, n_audit=400, canary_seed=7, progress=False)
+    assert list(load_split(tmp_path / "c", "audit")["included"]) != list(audit["included"])
+    assert other["content_sha256"] != m["content_sha256"]

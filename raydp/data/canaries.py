@@ -1,9 +1,15 @@
-"""Secret canaries for memorisation audits (RLDP Sec. 2.1, Table 1, Sec. 3.3).
+"""Secret canaries for memorisation audits (RLDP Sec. 2.1, Table 1, Sec. 3.3) and audit canaries.
 
 ``n_canary`` distinct 10-character secrets over [A-Z0-9] are drawn with ``canary_seed``; the same
 generator then permutes the train rows once and the first ``n_canary`` rows of that permutation
 receive one secret each, appended as `` secret_id=<CANARY>.`` (the form ending Table 1's sample:
 "... days. secret_id=O119XP9N56."). The secrets depend only on ``canary_seed`` and ``n_canary``.
+
+Audit canaries (the one-run audit of Steinke, Nasr and Jagielski 2023, Sec. 3): ``n_audit`` further
+records, each its own patient, each carrying its own secret in the same format and each included in
+train by an independent fair coin. Secrets and coins come from ``SeedSequence([canary_seed,
+AUDIT_COIN_STREAM])``, independent of the training mechanism's randomness (OS entropy, ERRATA E12), so
+the auditor may know them; the coins are private to the data owner like the data itself.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ LENGTH = 10
 PREFIX = " secret_id="
 # Matches an injected canary at the end of a narrative; group 1 is the secret.
 PATTERN = re.compile(r" secret_id=([A-Z0-9]{10})\.$")
+AUDIT_COIN_STREAM = 0x434F494E  # "COIN"
 
 
 def suffix(secret: str) -> str:
@@ -34,13 +41,30 @@ def draw_canaries(n_canary: int, n_train: int, canary_seed: int) -> tuple[list[s
     if n_canary > n_train:
         raise DataError(f"n_canary={n_canary} exceeds the {n_train} train records")
     rng = np.random.default_rng(canary_seed)
+    secrets = random_secrets(rng, int(n_canary))
+    rows = rng.permutation(n_train)[:n_canary].astype(np.int64)
+    return secrets, rows
+
+
+def random_secrets(rng: np.random.Generator, n: int, exclude: set[str] = frozenset()) -> list[str]:
+    """``n`` distinct uniform secrets of the canary format, none in ``exclude``."""
     alphabet = np.array(list(ALPHABET))
-    secrets: list[str] = []
-    seen: set[str] = set()
-    while len(secrets) < n_canary:
+    out: list[str] = []
+    seen = set(exclude)
+    while len(out) < n:
         s = "".join(alphabet[rng.integers(0, len(ALPHABET), size=LENGTH)])
         if s not in seen:
             seen.add(s)
-            secrets.append(s)
-    rows = rng.permutation(n_train)[:n_canary].astype(np.int64)
-    return secrets, rows
+            out.append(s)
+    return out
+
+
+def draw_audit_canaries(n_audit: int, canary_seed: int, exclude: set[str]) -> tuple[list[str], np.ndarray]:
+    """(secrets, inclusion coins) of ``n_audit`` audit canaries: distinct secrets not in ``exclude`` (the
+    secret canaries) and independent fair coins (Steinke et al. 2023, Alg. 1: S_i uniform on {-1, +1})."""
+    if isinstance(n_audit, bool) or not isinstance(n_audit, (int, np.integer)) or n_audit < 0:
+        raise DataError(f"n_audit must be an integer >= 0, got {n_audit!r}")
+    rng = np.random.default_rng(np.random.SeedSequence([canary_seed, AUDIT_COIN_STREAM]))
+    secrets = random_secrets(rng, int(n_audit), exclude)
+    included = rng.random(int(n_audit)) < 0.5
+    return secrets, included

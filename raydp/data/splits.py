@@ -16,9 +16,16 @@ A CSV source capped with ``n_records`` keeps whole patients too: patients are dr
 permuted with ``SeedSequence([seed, SUBSAMPLE_STREAM])`` and kept until the kept rows reach
 ``n_records``, so the cap may keep a few more than ``n_records`` rows.
 
-Layout of ``out_dir``: ``train.parquet`` (``text``, the 50 record fields, ``has_canary``),
+Audit canaries (``n_audit``, :func:`raydp.data.canaries.draw_audit_canaries`): records of the synthetic
+``'audit'`` population, one patient each (patient ids from 6e9, encounter ids from 7e9: never a real or
+private synthetic id), each with its own secret appended like a canary; those whose fair coin came up
+are appended to train (after its own rows), the others are held back. ``audit.parquet`` lists all of
+them (``secret``, ``included``, ``text``, ``patient_nbr``); the train split marks them in
+``audit_canary``. They are units like any patient: the run's epsilon covers each of them.
+
+Layout of ``out_dir``: ``train.parquet`` (``text``, the 50 record fields, ``has_canary``, ``audit_canary``),
 ``eval.parquet`` and ``attack.parquet`` (``text`` and the record fields), ``canaries.parquet``
-(``secret``, ``train_row``, ``encounter_id``) and ``manifest.json``. The manifest's
+(``secret``, ``train_row``, ``encounter_id``), ``audit.parquet`` and ``manifest.json``. The manifest's
 ``privacy_unit`` (``"patient"``), ``unit_column`` (``"patient_nbr"``) and ``units`` (distinct
 patients per split) say what the splits are disjoint in; a directory built before E11 has no
 ``privacy_unit`` and its record-level splits may share patients. The directory is written to a
@@ -64,6 +71,7 @@ SYNTHETIC_NOTE = "Synthetic records: they describe no real patient."
 REAL_NOTE = ("Records come from a user-supplied CSV and may describe real patients; treat every "
              "file in this directory as sensitive.")
 MANIFEST = "manifest.json"
+AUDIT_PATIENT_BASE = 6_000_000_000  # one patient per audit canary
 
 
 def _round_half_up(x: float) -> int:
@@ -183,6 +191,15 @@ def _cap_by_patient(records: pd.DataFrame, n_records: int, seed: int) -> pd.Data
     return records.loc[kept[inverse.reshape(-1)]].reset_index(drop=True)
 
 
+def _audit_records(n: int, canary_seed: int, progress: bool) -> pd.DataFrame:
+    """``n`` records of the audit population, one patient each (ids never shared with any split)."""
+    if n == 0:
+        return generate_records(1, canary_seed, population="audit", progress=False).iloc[:0]
+    frame = generate_records(n, canary_seed, population="audit", progress=progress)
+    frame[UNIT_COLUMN] = AUDIT_PATIENT_BASE + np.arange(n, dtype=np.int64)
+    return frame
+
+
 def _split_table(frame: pd.DataFrame, texts: list[str], extra: dict | None = None) -> pa.Table:
     cols: dict[str, pa.Array] = {"text": pa.array(texts, type=pa.string())}
     for field in schema.arrow_schema():
@@ -233,6 +250,7 @@ def build_dataset(
     seed: int = 0,
     n_canary: int = 10,
     canary_seed: int = 42,
+    n_audit: int = 0,
     ids_mapping: str | os.PathLike | IdMaps | None = None,
     overwrite: bool = False,
     progress: bool = True,
@@ -244,6 +262,7 @@ def build_dataset(
     whole patients, which may keep a few more than ``n_records`` rows; ``None`` keeps every row).
     The splits are disjoint in patients (ERRATA E11).
     ``ids_mapping`` is an ``IDs_mapping.csv`` path or :class:`IdMaps`; default the embedded tables.
+    ``n_audit`` audit canaries (module docstring) are added, about half of them to train.
     """
     seed = _check_seed("seed", seed)
     canary_seed = _check_seed("canary_seed", canary_seed)
@@ -262,10 +281,21 @@ def build_dataset(
     for secret, row in zip(secrets, canary_rows):
         texts["train"][row] += canaries.suffix(secret)
         has_canary[row] = True
+    audit_secrets, audit_in = canaries.draw_audit_canaries(n_audit, canary_seed, set(secrets))
+    audit_frame = _audit_records(len(audit_secrets), canary_seed, progress)
+    audit_texts = [t + canaries.suffix(s) for t, s in
+                   zip(verbalise_records(audit_frame, id_maps, progress=progress), audit_secrets)]
+    n_base_train = len(frames["train"])
+    frames["train"] = pd.concat([frames["train"], audit_frame[audit_in]], ignore_index=True)
+    texts["train"] = texts["train"] + [t for t, keep in zip(audit_texts, audit_in) if keep]
+    has_canary = np.concatenate([has_canary, np.zeros(int(audit_in.sum()), dtype=bool)])
+    is_audit = np.arange(len(frames["train"])) >= n_base_train
+    train_units = frames["train"][UNIT_COLUMN].to_numpy(dtype=np.int64)
 
     tables = {
         "train": _split_table(frames["train"], texts["train"],
-                              {"has_canary": pa.array(has_canary, type=pa.bool_())}),
+                              {"has_canary": pa.array(has_canary, type=pa.bool_()),
+                               "audit_canary": pa.array(is_audit, type=pa.bool_())}),
         "eval": _split_table(frames["eval"], texts["eval"]),
         "attack": _split_table(frames["attack"], texts["attack"]),
     }
@@ -274,6 +304,12 @@ def build_dataset(
         "train_row": pa.array(canary_rows, type=pa.int64()),
         "encounter_id": pa.array(frames["train"]["encounter_id"].to_numpy()[canary_rows],
                                  type=pa.int64()),
+    })
+    audit_table = pa.table({
+        "secret": pa.array(audit_secrets, type=pa.string()),
+        "included": pa.array(audit_in, type=pa.bool_()),
+        "text": pa.array(audit_texts, type=pa.string()),
+        UNIT_COLUMN: pa.array(audit_frame[UNIT_COLUMN].to_numpy(), type=pa.int64()),
     })
     manifest = {
         "schema_version": schema.SCHEMA_VERSION,
@@ -289,25 +325,28 @@ def build_dataset(
         "sizes": {s: len(texts[s]) for s in SPLITS},
         "privacy_unit": PRIVACY_UNIT,
         "unit_column": UNIT_COLUMN,
-        "units": {s: int(len(np.unique(units[idx[s]]))) for s in SPLITS},
+        "n_audit": int(n_audit),
+        "audit_included": int(audit_in.sum()),
+        "audit_rule": ("audit canaries: one synthetic patient each, its own secret in the canary format, "
+                       "in train by an independent fair coin (Steinke, Nasr, Jagielski 2023)"),
+        "units": {s: int(len(np.unique(train_units if s == "train" else units[idx[s]]))) for s in SPLITS},
         "split_rule": SPLIT_RULE,
         "content_sha256": texts_sha256(texts),
         "split_sha256": {s: texts_sha256({s: texts[s]}) for s in SPLITS},
-        "files": [f"{s}.parquet" for s in SPLITS] + ["canaries.parquet", MANIFEST],
+        "files": [f"{s}.parquet" for s in SPLITS] + ["canaries.parquet", "audit.parquet", MANIFEST],
     }
-    _write_atomically(out, overwrite, tables, canary_table, manifest)
+    _write_atomically(out, overwrite, tables, {"canaries": canary_table, "audit": audit_table}, manifest)
     return manifest
 
 
-def _write_files(tmp: Path, tables: dict[str, pa.Table], canary_table: pa.Table,
+def _write_files(tmp: Path, tables: dict[str, pa.Table], extra: dict[str, pa.Table],
                  manifest: dict) -> None:
-    for split, table in tables.items():
-        pq.write_table(table, tmp / f"{split}.parquet")
-    pq.write_table(canary_table, tmp / "canaries.parquet")
+    for name, table in {**tables, **extra}.items():
+        pq.write_table(table, tmp / f"{name}.parquet")
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
 
 
-def _write_atomically(out: Path, overwrite: bool, tables, canary_table, manifest) -> None:
+def _write_atomically(out: Path, overwrite: bool, tables, extra, manifest) -> None:
     created = _prepare_target(out, overwrite)
     tag = uuid.uuid4().hex[:12]
     tmp = out.parent / f".{out.name}.tmp-{tag}"
@@ -318,7 +357,7 @@ def _write_atomically(out: Path, overwrite: bool, tables, canary_table, manifest
         _remove_created(created)
         raise DataError(f"cannot write dataset directory {out}: {e.strerror or e}") from None
     try:
-        _write_files(tmp, tables, canary_table, manifest)
+        _write_files(tmp, tables, extra, manifest)
         if out.exists() and any(out.iterdir()):
             os.rename(out, old)
             try:
@@ -361,8 +400,8 @@ def load_manifest(dataset_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def load_split(dataset_dir: str | os.PathLike, split: str) -> pd.DataFrame:
-    """One split (``train``, ``eval`` or ``attack``) as a DataFrame, or ``canaries``."""
-    if split not in (*SPLITS, "canaries"):
+    """One split (``train``, ``eval`` or ``attack``) as a DataFrame, or ``canaries`` / ``audit``."""
+    if split not in (*SPLITS, "canaries", "audit"):
         raise DataError(f"unknown split {split!r}; expected one of train, eval, attack")
     f = _dataset_file(dataset_dir, f"{split}.parquet")
     try:
@@ -419,6 +458,15 @@ def load_canaries(dataset_dir: str | os.PathLike) -> pd.DataFrame:
     return load_split(dataset_dir, "canaries")
 
 
+def load_audit_canaries(dataset_dir: str | os.PathLike) -> pd.DataFrame | None:
+    """The audit canaries (``secret``, ``included``, ``text``, ``patient_nbr``); ``None`` for a directory
+    built without them (``n_audit`` 0, or before they existed)."""
+    if not (Path(dataset_dir) / "audit.parquet").is_file():
+        return None
+    table = load_split(dataset_dir, "audit")
+    return table if len(table) else None
+
+
 def describe_dataset(dataset_dir: str | os.PathLike) -> dict[str, Any]:
     """Sizes, privacy unit and distinct units per split, mean characters/words per narrative, an
     eval sample and the canary count.
@@ -467,5 +515,6 @@ def resolve_dataset(data, build_dir: str | Path, progress: bool = True) -> Path:
     if not (build_dir / "manifest.json").exists():
         build_dataset(build_dir, source="synthetic" if data.source == "synthetic" else str(source),
                       n_records=data.n_records, seed=data.seed, n_canary=data.n_canary,
-                      canary_seed=data.canary_seed, ids_mapping=data.ids_mapping, progress=progress)
+                      canary_seed=data.canary_seed, n_audit=data.n_audit, ids_mapping=data.ids_mapping,
+                      progress=progress)
     return build_dir.resolve()

@@ -10,7 +10,8 @@ started).
 Two populations use disjoint seed streams and disjoint id ranges: ``'private'`` (the records that
 are split into train/eval/attack) and ``'public'`` (the public corpus, Sec. 2.2 pre-training). The
 public population also has flatter categorical marginals (:data:`PUBLIC_TILT`): a public proxy that
-covers the same vocabulary without the private frequencies.
+covers the same vocabulary without the private frequencies. A third stream, ``'audit'``, draws the
+records that carry audit canaries (:mod:`raydp.data.splits`) from the private marginals.
 """
 
 from __future__ import annotations
@@ -30,12 +31,15 @@ PUBLIC_TILT = 0.5
 # Seed-stream tags: SeedSequence([seed, tag]) keeps the populations statistically independent.
 PRIVATE_STREAM = 0x50524956  # "PRIV"
 PUBLIC_STREAM = 0x5055424C  # "PUBL"
+AUDIT_STREAM = 0x41554454  # "AUDT"
 # Id ranges: private ids start near the real file's smallest ids and grow by < 200 per record, so
 # they stay below the public base for any n < 4.5e7; public ids start at 9e9 (the real file's
 # largest is 4.4e8).
 _ID_BASES = {
     "private": (PRIVATE_STREAM, 12_522, 135),
     "public": (PUBLIC_STREAM, 9_000_000_000, 8_000_000_000),
+    # audit canaries (raydp.data.splits): private marginals, ids from 7e9/6e9 (one patient each there)
+    "audit": (AUDIT_STREAM, 7_000_000_000, 6_000_000_000),
 }
 
 # Marginal counts of the real table (approximate, rounded), value -> weight.
@@ -163,13 +167,14 @@ def generate_records(
 ) -> pd.DataFrame:
     """``n`` synthetic encounters (rows in :data:`schema.COLUMNS` order), deterministic per seed.
 
-    ``population`` is ``'private'`` or ``'public'`` (disjoint seed stream and id range).
+    ``population`` is ``'private'``, ``'public'`` or ``'audit'`` (disjoint seed streams and id ranges;
+    audit records follow the private marginals).
     Integer columns are ``int64``; all other columns hold the CSV's strings.
     """
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise DataError(f"synthetic record count must be an integer >= 1, got {n!r}")
     if population not in _ID_BASES:
-        raise DataError(f"population must be 'private' or 'public', got {population!r}")
+        raise DataError(f"population must be 'private', 'public' or 'audit', got {population!r}")
     n = int(n)
     stream, encounter_base, patient_base = _ID_BASES[population]
     tilt = PUBLIC_TILT if population == "public" else 1.0
