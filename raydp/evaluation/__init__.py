@@ -1,4 +1,10 @@
-"""Evaluation: held-out perplexity (RLDP Sec. 3.3); privacy attacks come with the evaluation issue."""
+"""Evaluation: held-out perplexity (RLDP Sec. 3.3), privacy attacks (membership inference, canary extraction,
+exposure) and the empirical epsilon audit (``raydp eval``: :func:`raydp.evaluation.evaluate.evaluate_run`).
+
+Module map: ``perplexity`` (utility), ``scoring`` (log-likelihoods of endings, batched; the attacks' one
+primitive), ``attacks`` (the attacks' metrics), ``audit`` (lower bounds on epsilon from canary scores),
+``results`` (settings and the ``evaluation.json`` format), ``evaluate`` (a finished run end to end).
+"""
 
 from raydp.evaluation.perplexity import PerplexityResult, evaluate_perplexity
 

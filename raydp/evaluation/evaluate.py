@@ -1,0 +1,201 @@
+"""``raydp eval RUN_DIR``: attack a finished run and audit its epsilon; writes ``RUN_DIR/evaluation.json``.
+
+What it loads: the run's ``config.json`` (model, LoRA, delta), its adapter (``adapter/``) on the base model,
+its ``summary.json`` (the claimed epsilon, unit and labels) and its private dataset (``private/dataset``, or
+the dataset directory the run read: a study's shared one). What it runs (:mod:`raydp.evaluation.attacks`):
+membership inference on train records against the attack split (other patients, ERRATA E11), canary
+extraction from public profiles, the secret canaries' exposure, and the audit canaries' scores turned into
+lower bounds on epsilon (:mod:`raydp.evaluation.audit`) that are compared with the claimed epsilon.
+
+Every figure here is computed from private records (train texts, the attack split, the canaries and the
+audit coins) and is not a DP release: it is for the data owner, and nothing in raydp selects on it
+(ERRATA E15). ``evaluation.json`` says so in its ``label``.
+
+A lower bound above the claimed epsilon means the mechanism leaks more than its accounting says: a bug to
+fix, never a number to hide. ``audit.consistent`` is False then and ``raydp eval`` exits with status 3.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from raydp.errors import ConfigError
+from raydp.evaluation import attacks
+from raydp.evaluation.audit import audit_scores
+from raydp.evaluation.results import EVALUATION_FILE, EVALUATION_FORMAT, LABEL, EvalConfig, summary_line
+
+PROFILE_SEED = 9_999  # public profiles for the extraction prompts, drawn apart from probe/validation seeds
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path.parent} has no {path.name}: is it a finished run directory ({what})?") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {' '.join(str(exc).split())}") from None
+
+
+def run_dataset_dir(run_dir: Path, config) -> Path:
+    """The dataset a run trained on: the one it built under ``private/``, or the directory it read."""
+    own = run_dir / "private" / "dataset"
+    if (own / "manifest.json").is_file():
+        return own
+    source = Path(config.data.source).expanduser()
+    if config.data.source != "synthetic" and (source / "manifest.json").is_file():
+        return source
+    raise ConfigError(f"the dataset of run {run_dir} is not available (neither {own} nor a dataset directory in its "
+                      f"config): the attacks need the private splits")
+
+
+def load_trained_model(run_dir: Path, config, device: str):
+    """The run's base model with its trained adapter loaded (PEFT's ``set_peft_model_state_dict``)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from raydp.model import LoraSettings, disable_dropout, load_model
+
+    adapter = run_dir / "adapter" / "adapter_model.safetensors"
+    if not adapter.is_file():
+        raise ConfigError(f"run {run_dir} has no trained adapter ({adapter})")
+    loaded = load_model(config.model, device=device, lora=LoraSettings(**config.lora.model_dump()), progress=False)
+    result = set_peft_model_state_dict(loaded.model, load_file(str(adapter), device=str(loaded.device)))
+    if getattr(result, "unexpected_keys", None):
+        raise ConfigError(f"the adapter in {adapter} does not fit model {config.model!r}")
+    disable_dropout(loaded.model)
+    loaded.model.eval()
+    return loaded
+
+
+def _claimed(summary: dict, config) -> dict:
+    privacy = summary.get("privacy") or {}
+    return {"strategy": summary.get("strategy"), "epsilon": privacy.get("epsilon"),
+            "epsilon_target": privacy.get("epsilon_target"), "delta": privacy.get("delta", config.delta),
+            "accountant": privacy.get("enforcing_accountant"), "privacy_unit": privacy.get("privacy_unit"),
+            "labels": list(privacy.get("labels") or []), "within_budget": privacy.get("within_budget")}
+
+
+class _Progress:
+    def __init__(self, enabled: bool, name: str):
+        self.enabled, self.name = enabled, name
+
+    def __call__(self, message: str) -> None:
+        if self.enabled:
+            print(f"[eval {self.name}] {message}", file=sys.stderr, flush=True)
+
+
+def evaluate_run(run_dir: str | Path, settings: EvalConfig | None = None, progress: bool = True) -> dict:
+    """Attack and audit the finished run in ``run_dir``; write and return its ``evaluation.json`` content."""
+    from raydp.config import TrainConfig
+    from raydp.data import load_audit_canaries, load_canaries, load_split, public_corpus
+
+    settings = settings or EvalConfig()
+    run_dir = Path(run_dir).expanduser().absolute()
+    if not run_dir.is_dir():
+        raise ConfigError(f"run directory {run_dir} does not exist")
+    summary = _read_json(run_dir / "summary.json", "summary.json")
+    config = TrainConfig.model_validate(_read_json(run_dir / "config.json", "config.json"))
+    dataset = run_dataset_dir(run_dir, config)
+    say = _Progress(progress, run_dir.name)
+    loaded = load_trained_model(run_dir, config, settings.device)
+    model, tokenizer, device = loaded.model, loaded.tokenizer, loaded.device
+    max_length = summary.get("max_length")
+    rng = np.random.default_rng(np.random.SeedSequence([settings.seed, 0x4D494131]))  # "MIA1"
+    seconds: dict[str, float] = {}
+    result: dict = {"format": EVALUATION_FORMAT, "label": LABEL, "run_dir": str(run_dir),
+                    "claimed": _claimed(summary, config), "settings": settings.model_dump(mode="json")}
+
+    started = time.perf_counter()
+    train = load_split(dataset, "train")
+    plain = ~train["has_canary"].to_numpy()
+    if "audit_canary" in train:
+        plain &= ~train["audit_canary"].to_numpy()
+    members = list(train.loc[plain, "text"])
+    nonmembers = list(load_split(dataset, "attack")["text"])
+    n = min(settings.membership_records, len(members), len(nonmembers))
+    members = [members[i] for i in np.sort(rng.choice(len(members), n, replace=False))]
+    nonmembers = [nonmembers[i] for i in np.sort(rng.choice(len(nonmembers), n, replace=False))]
+    say(f"membership inference: {n} members vs {n} non-members")
+    result["membership"] = attacks.membership_inference(model, tokenizer, members, nonmembers, device,
+                                                        prompt_fraction=settings.prompt_fraction,
+                                                        max_length=max_length, batch_size=settings.batch_size)
+    seconds["membership"] = time.perf_counter() - started
+
+    canaries = load_canaries(dataset)
+    secrets = list(canaries["secret"])
+    result["extraction"] = None
+    if settings.generations and secrets:
+        started = time.perf_counter()
+        profiles = public_corpus(settings.extraction_profiles, seed=PROFILE_SEED, progress=False)
+        say(f"canary extraction: {settings.generations} generations ({settings.extraction_prompt} prompt)")
+        result["extraction"] = attacks.canary_extraction(
+            model, tokenizer, secrets, profiles, device, generations=settings.generations,
+            style=settings.extraction_prompt, seed=settings.seed, max_length=loaded.max_positions)
+        seconds["extraction"] = time.perf_counter() - started
+
+    result["exposure"] = None
+    if settings.exposure_candidates and secrets:
+        started = time.perf_counter()
+        texts = list(train["text"].iloc[canaries["train_row"].to_numpy()])
+        contexts = [t[:off] for t, off in zip(texts, attacks.secret_offsets(texts, secrets))]
+        say(f"exposure: {len(secrets)} canaries x {settings.exposure_candidates} candidates")
+        result["exposure"] = attacks.exposure(model, tokenizer, contexts, secrets, device,
+                                              candidates=settings.exposure_candidates, seed=settings.seed)
+        seconds["exposure"] = time.perf_counter() - started
+
+    result["audit"] = None
+    audit = load_audit_canaries(dataset) if settings.audit else None
+    if audit is None:
+        result["audit_note"] = ("no audit canaries in this run's dataset (build it with n_audit > 0, "
+                                "e.g. `raydp data build --n-audit 100`)" if settings.audit else "audit not requested")
+    else:
+        started = time.perf_counter()
+        say(f"audit: {len(audit)} audit canaries ({int(audit['included'].sum())} included)")
+        scores, scored = attacks.audit_canary_scores(model, tokenizer, list(audit["text"]), list(audit["secret"]),
+                                                     device, max_length=max_length, batch_size=settings.batch_size)
+        claimed = result["claimed"]
+        delta = claimed["delta"] if claimed["delta"] is not None else config.delta
+        bound = audit_scores(scores, audit["included"].to_numpy(), delta=delta, confidence=settings.confidence)
+        eps = claimed["epsilon"]
+        worst = max(bound.epsilon_one_run, bound.epsilon_clopper_pearson)
+        result["audit"] = {**bound.as_dict(), "unscored": int((~scored).sum()),
+                           "score": "log p(secret | its record) under the model minus under the base model",
+                           "claimed_epsilon": eps,
+                           "consistent": None if eps is None or not math.isfinite(eps) else bool(worst <= eps)}
+        seconds["audit"] = time.perf_counter() - started
+    seconds["total"] = sum(seconds.values())
+    result["seconds"] = {k: round(v, 2) for k, v in seconds.items()}
+    train_seconds = summary.get("train_loop_seconds")
+    result["train_loop_seconds"] = train_seconds
+    result["cost_ratio"] = round(seconds["total"] / train_seconds, 3) if train_seconds else None
+    _write_json(run_dir / EVALUATION_FILE, result)
+    say(summary_line(result))
+    return result
+
+
+def _json_safe(value):
+    """NaN and infinities become null (standard JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(_json_safe(value), indent=1, allow_nan=False))
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(f"cannot write {path}: {exc.strerror}") from None
