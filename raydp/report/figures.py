@@ -1,0 +1,279 @@
+"""The report's figures: matplotlib (Agg, no pyplot state) rendered to inline SVG strings.
+
+Each function takes plain data (numbers, labels) prepared by :mod:`raydp.report.page` and returns the
+``<svg>`` element of one figure: no XML prolog, no metadata, no namespace URL, and element ids prefixed
+with the figure's id so that several figures can share one HTML page without id clashes. Text stays text
+(``svg.fonttype: none``), so the page is searchable and small.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import matplotlib
+
+matplotlib.use("Agg", force=False)  # never opens a window; the report is written headless
+
+import numpy as np  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import MaxNLocator, ScalarFormatter  # noqa: E402
+
+STYLE = {
+    "svg.fonttype": "none",
+    "svg.hashsalt": "raydp-report",  # stable ids: the same inputs give the same page
+    "font.family": ["DejaVu Sans", "sans-serif"],
+    "font.size": 9,
+    "axes.titlesize": 9.5,
+    "axes.labelsize": 9,
+    "legend.fontsize": 8.5,
+    "xtick.labelsize": 8,
+    "ytick.labelsize": 8,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "grid.linewidth": 0.6,
+}
+
+#: strategies with a fixed colour (the rest cycle through the palette in order of appearance)
+FIXED_COLOURS = {"rldp": "#d62728", "nonprivate": "#7f7f7f"}
+PALETTE = ["#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
+           "#393b79", "#637939", "#8c6d31", "#843c39"]
+
+
+def strategy_colours(strategies: Sequence[str]) -> dict[str, str]:
+    """One colour per strategy, stable across the page's figures."""
+    colours, i = {}, 0
+    for name in strategies:
+        if name in colours:
+            continue
+        base = name.split(" ")[0]
+        if base in FIXED_COLOURS:
+            colours[name] = FIXED_COLOURS[base]
+        else:
+            colours[name] = PALETTE[i % len(PALETTE)]
+            i += 1
+    return colours
+
+
+def to_svg(fig: Figure, prefix: str) -> str:
+    """The figure as an inline ``<svg>`` element (ids prefixed with ``prefix``)."""
+    buffer = io.StringIO()
+    with matplotlib.rc_context(STYLE):
+        fig.savefig(buffer, format="svg", metadata={"Date": None})
+    text = buffer.getvalue()
+    text = text[text.index("<svg"):]  # strip the XML prolog and DOCTYPE
+    text = re.sub(r"<metadata>.*?</metadata>\s*", "", text, flags=re.S)
+    text = re.sub(r'\s+xmlns(?::\w+)?="[^"]*"', "", text)  # inline SVG in HTML needs no namespace URL
+    text = text.replace("xlink:href=", "href=")
+    text = re.sub(r'\bid="([^"]+)"', lambda m: f'id="{prefix}-{m.group(1)}"', text)
+    text = re.sub(r'href="#([^"]+)"', lambda m: f'href="#{prefix}-{m.group(1)}"', text)
+    text = re.sub(r"url\(#([^)]+)\)", lambda m: f"url(#{prefix}-{m.group(1)})", text)
+    return text.strip()
+
+
+def _figure(width: float, height: float) -> Figure:
+    with matplotlib.rc_context(STYLE):
+        return Figure(figsize=(width, height), layout="constrained")
+
+
+def _plain_y(ax) -> None:
+    """Tick labels as plain numbers (perplexities differ in the 3rd decimal: no '+1.39' offset)."""
+    formatter = ScalarFormatter(useOffset=False)
+    formatter.set_scientific(False)
+    ax.yaxis.set_major_formatter(formatter)
+
+
+# -- utility curves ---------------------------------------------------------------------------------
+@dataclass
+class Series:
+    label: str
+    steps: np.ndarray
+    mean: np.ndarray
+    low: np.ndarray | None = None  # min over seeds (band), None: no band
+    high: np.ndarray | None = None
+    colour: str = "#1f77b4"
+    thin: bool = False
+    dashed: bool = False
+
+
+@dataclass
+class Panel:
+    title: str
+    series: list[Series] = field(default_factory=list)
+
+
+def utility_figure(panels: list[Panel], ylabel: str, prefix: str) -> str:
+    """One panel per (model, epsilon): mean over seeds with a min-max band per strategy."""
+    with matplotlib.rc_context(STYLE):
+        ncols = min(3, len(panels))
+        nrows = math.ceil(len(panels) / ncols)
+        width, height = {1: (7.0, 3.8), 2: (5.6, 3.4)}.get(ncols, (4.4, 3.0))
+        fig = _figure(width * ncols + 0.3, height * nrows + 0.7)
+        axes = fig.subplots(nrows, ncols, squeeze=False)
+        handles: dict[str, object] = {}
+        for ax, panel in zip(axes.flat, panels):
+            for s in panel.series:
+                if s.low is not None and s.high is not None and len(s.steps) > 1:
+                    ax.fill_between(s.steps, s.low, s.high, color=s.colour, alpha=0.15, linewidth=0)
+                line, = ax.plot(s.steps, s.mean, color=s.colour, linewidth=0.8 if s.thin else 1.8,
+                                alpha=0.55 if s.thin else 1.0, linestyle="--" if s.dashed else "-",
+                                marker=None if s.thin or len(s.steps) > 12 else "o", markersize=3)
+                handles.setdefault(s.label, line)
+            ax.set_title(panel.title)
+            ax.set_xlabel("step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_ylabel(ylabel)
+            _plain_y(ax)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.set_visible(False)
+        if handles:
+            fig.legend(list(handles.values()), list(handles), loc="outside lower center",
+                       ncol=min(4, len(handles)), frameon=False)
+        return to_svg(fig, prefix)
+
+
+# -- dials ------------------------------------------------------------------------------------------
+def dials_figure(title: str, steps: np.ndarray, clips: np.ndarray, sigma_eff: np.ndarray,
+                 decision_steps: Sequence[int] | None, prefix: str) -> str:
+    """Clip radii per adapter pair (log y, left) and the effective noise multiplier (right) over steps.
+
+    ``clips``: steps x radii (one column per adapter pair, or one for a flat clip). ``decision_steps``:
+    the controller's decision steps (RLDP), drawn as a rug under the sigma curve."""
+    with matplotlib.rc_context(STYLE):
+        fig = _figure(10.0, 2.9)
+        left, right = fig.subplots(1, 2, width_ratios=[1.35, 1])
+        n = clips.shape[1]
+        if n == 1:
+            left.plot(steps, clips[:, 0], color="#1f77b4", linewidth=1.5, label="flat clip")
+        else:
+            cmap = matplotlib.colormaps["viridis"]
+            for j in range(n):
+                left.plot(steps, clips[:, j], color=cmap(j / max(1, n - 1) * 0.9), linewidth=1.1,
+                          label=f"pair {j}")
+        finite = clips[np.isfinite(clips) & (clips > 0)]
+        log = bool(finite.size) and finite.max() / finite.min() >= 10
+        if log:
+            left.set_yscale("log")
+        else:  # a narrow range (e.g. a constant flat clip): a log axis would only crowd its tick labels
+            _plain_y(left)
+            if finite.size and finite.max() == finite.min():
+                left.set_ylim(0, 2 * finite.max())
+        left.set_xlabel("step")
+        left.set_ylabel("clip radius (log)" if log else "clip radius")
+        left.set_title(f"{title}: clip radii" + ("" if n == 1 else f" ({n} adapter pairs)"))
+        if n <= 8:
+            left.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, fontsize=7.5)
+        right.plot(steps, sigma_eff, color="#d62728", linewidth=1.5, label="sigma_eff")
+        right.set_xlabel("step")
+        for ax in (left, right):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        right.set_ylabel("noise multiplier sigma_eff")
+        right.set_title("noise multiplier (effective)")
+        _plain_y(right)
+        if decision_steps is not None and len(decision_steps):
+            low = float(np.nanmin(sigma_eff)) if len(sigma_eff) else 0.0
+            right.plot(decision_steps, np.full(len(decision_steps), low), linestyle="none", marker="|",
+                       markersize=8, color="#555555", label="controller decision")
+            right.legend(loc="best", frameon=False, fontsize=7.5)
+        return to_svg(fig, prefix)
+
+
+# -- privacy ----------------------------------------------------------------------------------------
+def tuning_figure(runs: list[tuple[str, float]], composition: float | None, single: float | None,
+                  title: str, prefix: str) -> str:
+    """Each composed run's own RDP epsilon (bars) against the tuning-aware composition (line)."""
+    with matplotlib.rc_context(STYLE):
+        names = [_short(name, 46) for name, _ in runs]
+        values = [v if v is not None and math.isfinite(v) else np.nan for _, v in runs]
+        fig = _figure(8.5, 1.3 + 0.26 * max(1, len(runs)))
+        ax = fig.add_subplot()
+        y = np.arange(len(runs))
+        ax.barh(y, values, color="#9ecae1", edgecolor="#3182bd", height=0.6, label="single run (RDP)")
+        ax.set_yticks(y, names)
+        ax.invert_yaxis()
+        if composition is not None and math.isfinite(composition):
+            ax.axvline(composition, color="#d62728", linewidth=1.8,
+                       label=f"tuning-aware (composition) {composition:.3f}")
+        if single is not None and math.isfinite(single):
+            ax.axvline(single, color="#555555", linewidth=1.0, linestyle="--",
+                       label=f"largest single run {single:.3f}")
+        ax.set_xlabel("epsilon (RDP, at the study's delta)")
+        ax.set_title(title)
+        ax.grid(axis="y", visible=False)
+        fig.legend(loc="outside lower center", ncol=3, frameon=False, fontsize=7.5)
+        return to_svg(fig, prefix)
+
+
+# -- attacks and audit ------------------------------------------------------------------------------
+def auc_figure(groups: list[tuple[str, float, float, float, float]], prefix: str) -> str:
+    """Membership-inference AUC per (epsilon, strategy): loss and calibrated attacks, mean +- std."""
+    with matplotlib.rc_context(STYLE):
+        fig = _figure(8.5, 1.5 + 0.32 * max(1, len(groups)))
+        ax = fig.add_subplot()
+        y = np.arange(len(groups))
+        labels = [_short(g[0], 50) for g in groups]
+        loss_mean = np.array([g[1] for g in groups], float)
+        loss_std = np.nan_to_num(np.array([g[2] for g in groups], float))
+        cal_mean = np.array([g[3] for g in groups], float)
+        cal_std = np.nan_to_num(np.array([g[4] for g in groups], float))
+        ax.errorbar(loss_mean, y - 0.12, xerr=loss_std, fmt="o", color="#1f77b4", capsize=3,
+                    label="loss attack")
+        if np.isfinite(cal_mean).any():
+            ax.errorbar(cal_mean, y + 0.12, xerr=cal_std, fmt="s", color="#ff7f0e", capsize=3,
+                        label="calibrated (reference model)")
+        ax.axvline(0.5, color="#555555", linewidth=1.0, linestyle="--", label="chance (0.5)")
+        values = np.concatenate([loss_mean - loss_std, loss_mean + loss_std, cal_mean - cal_std,
+                                 cal_mean + cal_std, [0.45, 0.55]])
+        values = values[np.isfinite(values)]
+        pad = 0.05 * (values.max() - values.min())
+        ax.set_xlim(max(0.0, values.min() - pad), min(1.0, values.max() + pad))
+        ax.set_ylim(len(groups) - 0.5, -0.5)
+        ax.set_yticks(y, labels)
+        ax.set_xlabel("membership-inference AUC")
+        ax.set_title("membership inference: AUC per (epsilon, strategy)")
+        ax.grid(axis="y", visible=False)
+        fig.legend(loc="outside lower center", ncol=3, frameon=False, fontsize=7.5)
+        return to_svg(fig, prefix)
+
+
+def audit_figure(rows: list[tuple[str, float | None, float | None, float | None, bool]], prefix: str) -> str:
+    """Per trial: the claimed epsilon (bar) beside the audit's lower bounds (dots); a violating trial in red."""
+    with matplotlib.rc_context(STYLE):
+        fig = _figure(8.5, 1.5 + 0.32 * max(1, len(rows)))
+        ax = fig.add_subplot()
+        y = np.arange(len(rows))
+        claimed = np.array([np.nan if r[1] is None else r[1] for r in rows], float)
+        one_run = np.array([np.nan if r[2] is None else r[2] for r in rows], float)
+        cp = np.array([np.nan if r[3] is None else r[3] for r in rows], float)
+        colours = ["#f4a6a6" if r[4] else "#c6dbef" for r in rows]
+        ax.barh(y, claimed, color=colours, edgecolor=["#b00020" if r[4] else "#3182bd" for r in rows],
+                height=0.6, label="claimed epsilon")
+        ax.plot(one_run, y - 0.1, linestyle="none", marker="o", color="#2ca02c", label="one-run lower bound")
+        ax.plot(cp, y + 0.1, linestyle="none", marker="D", markersize=4.5, color="#9467bd",
+                label="Clopper-Pearson lower bound")
+        for i, r in enumerate(rows):
+            if r[4]:
+                x = np.nanmax([claimed[i], one_run[i], cp[i]])
+                ax.annotate("VIOLATION: bug", (x, i), xytext=(6, 0), textcoords="offset points",
+                            va="center", color="#b00020", fontweight="bold", fontsize=8)
+        ax.set_yticks(y, [_short(r[0], 50) for r in rows])
+        for tick, r in zip(ax.get_yticklabels(), rows):
+            if r[4]:
+                tick.set_color("#b00020")
+        ax.set_ylim(len(rows) - 0.5, -0.5)
+        top = np.nanmax(np.concatenate([claimed, one_run, cp, [0.1]]))
+        ax.set_xlim(0, top * 1.35)
+        ax.set_xlabel("epsilon")
+        ax.set_title("empirical audit: lower bounds must stay below the claimed epsilon")
+        ax.grid(axis="y", visible=False)
+        fig.legend(loc="outside lower center", ncol=3, frameon=False, fontsize=7.5)
+        return to_svg(fig, prefix)
+
+
+def _short(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
