@@ -1,8 +1,9 @@
 """raydp: differentially private LLM fine-tuning on Ray with an RL controller for the privacy dials.
 
 ``raydp data build|show`` builds and inspects a dataset; ``raydp train`` runs one fine-tuning (an RLDP
-run as a Ray actor controlled by a live RLlib SAC policy); ``raydp policy list|show|export`` manages
-saved policies.
+run as a Ray actor controlled by a live RLlib SAC policy); ``raydp study`` runs a study on Ray Tune;
+``raydp eval`` attacks a finished run and audits its epsilon; ``raydp report`` prints a study's tables and
+writes its HTML report; ``raydp policy list|show|export`` manages saved policies.
 User errors (bad config, bad CSV, unknown model, unwritable output) are one line on stderr and exit
 status 2, with nothing half-written.
 """
@@ -29,6 +30,9 @@ def _add_data_source_args(parser: argparse.ArgumentParser, defaults: bool) -> No
     parser.add_argument("--data-seed", type=int, default=d(0), help="seed of generator and splits")
     parser.add_argument("--n-canary", type=int, default=d(10), help="number of secret canaries in train")
     parser.add_argument("--canary-seed", type=int, default=d(42))
+    parser.add_argument("--n-audit", type=int, default=None,
+                        help="audit canaries for `raydp eval`'s epsilon audit, each in train by a fair coin "
+                        "(default 100 on synthetic data of >= 1000 records, else 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,8 +103,24 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument("--resume", action="store_true", help="restore a stopped study (Tuner.restore) and finish it")
     study.add_argument("--check", action="store_true", help="validate the study (configs, budgets) and list its trials")
     study.add_argument("--quiet", action="store_true")
-    report = commands.add_parser("report", help="print a finished study's tables")
-    report.add_argument("study_dir", help="the study's directory (<results-dir>/<name>)")
+    report = commands.add_parser("report", help="a study's (or a run's) tables and its HTML report")
+    report.add_argument("study_dir", metavar="DIR", help="a study's directory (<results-dir>/<name>) or a run directory")
+    report.add_argument("--html", metavar="FILE", help="where the HTML report goes (default DIR/report.html)")
+
+    evaluate = commands.add_parser("eval", help="attack a finished run and audit its epsilon (writes evaluation.json)")
+    evaluate.add_argument("run_dir", metavar="DIR", help="a run directory, or a study directory (every trial)")
+    evaluate.add_argument("--config", help="YAML file with EvalConfig fields (flags override it)")
+    evaluate.add_argument("--generations", type=int, help="canary-extraction samples (default 4000; 0 skips)")
+    evaluate.add_argument("--extraction-prompt", choices=["paper", "narrative"],
+                          help="paper (default): Appendix A.1's instruction; narrative: profile + ' secret_id='")
+    evaluate.add_argument("--candidates", dest="exposure_candidates", type=int,
+                          help="random secrets per canary for exposure (default 10000; 0 skips)")
+    evaluate.add_argument("--membership-records", type=int, help="members and non-members each (default 500)")
+    evaluate.add_argument("--confidence", type=float, help="confidence of the audit's lower bounds (default 0.95)")
+    evaluate.add_argument("--no-audit", dest="audit", action="store_false", default=None)
+    evaluate.add_argument("--device", help="auto (default), cpu, cuda, ...")
+    evaluate.add_argument("--seed", type=int, help="seed of the attacks' sampling")
+    evaluate.add_argument("--quiet", action="store_true")
 
     policy = commands.add_parser("policy", help="list, show and export saved RLDP policies")
     policy_cmds = policy.add_subparsers(dest="policy_command", required=True)
@@ -141,7 +161,8 @@ def train_config_from_args(args: argparse.Namespace):
         values["settings"] = settings
     data = dict(values.get("data") or {})
     for flag, key in (("source", "source"), ("ids_mapping", "ids_mapping"), ("n_records", "n_records"),
-                      ("data_seed", "seed"), ("n_canary", "n_canary"), ("canary_seed", "canary_seed")):
+                      ("data_seed", "seed"), ("n_canary", "n_canary"), ("canary_seed", "canary_seed"),
+                      ("n_audit", "n_audit")):
         if getattr(args, flag) is not None:
             data[key] = getattr(args, flag)
     if data:
@@ -160,14 +181,17 @@ def train_config_from_args(args: argparse.Namespace):
 def cmd_data_build(args) -> int:
     from raydp.data import build_dataset, describe_dataset
 
-    from raydp.config import SYNTHETIC_DEFAULT_RECORDS
+    from raydp.config import DataConfig, validate_config
 
     if args.n_records is not None and args.n_records <= 0:
         raise ConfigError("--n-records must be positive")
-    n_records = SYNTHETIC_DEFAULT_RECORDS if args.source == "synthetic" and args.n_records is None else args.n_records
-    build_dataset(args.output, source=args.source, n_records=n_records, seed=args.data_seed,
-                  n_canary=args.n_canary, canary_seed=args.canary_seed, ids_mapping=args.ids_mapping,
-                  overwrite=args.overwrite)
+    data = validate_config(DataConfig, {k: v for k, v in {
+        "source": args.source, "n_records": args.n_records, "seed": args.data_seed, "n_canary": args.n_canary,
+        "canary_seed": args.canary_seed, "n_audit": args.n_audit, "ids_mapping": args.ids_mapping}.items()
+        if v is not None}, where="data.")
+    build_dataset(args.output, source=data.source, n_records=data.n_records, seed=data.seed,
+                  n_canary=data.n_canary, canary_seed=data.canary_seed, n_audit=data.n_audit,
+                  ids_mapping=data.ids_mapping, overwrite=args.overwrite)
     _print_dataset(describe_dataset(args.output), args.output)
     return 0
 
@@ -263,9 +287,45 @@ def cmd_study(args) -> int:
 
 
 def cmd_report(args) -> int:
+    from raydp.report import write_report
     from raydp.study.report import format_report
 
-    print(format_report(args.study_dir))
+    if (Path(args.study_dir) / "results.parquet").exists():
+        print(format_report(args.study_dir))
+    page = write_report(args.study_dir, args.html)
+    print(f"HTML report written to {page}")
+    return 0
+
+
+def eval_config_from_args(args):
+    from raydp.evaluation.results import EvalConfig
+    from raydp.settings import load_yaml_mapping, validate_config
+
+    values = load_yaml_mapping(args.config, "eval config") if args.config else {}
+    for key in ("generations", "extraction_prompt", "exposure_candidates", "membership_records", "confidence",
+                "audit", "device", "seed"):
+        if getattr(args, key) is not None:
+            values[key] = getattr(args, key)
+    return validate_config(EvalConfig, values)
+
+
+def cmd_eval(args) -> int:
+    from raydp.evaluation.evaluate import evaluate_run
+    from raydp.evaluation.results import summary_line
+
+    settings = eval_config_from_args(args)
+    root = Path(args.run_dir)
+    runs = sorted(p for p in (root / "trials").iterdir() if (p / "summary.json").is_file()) \
+        if (root / "results.parquet").is_file() and (root / "trials").is_dir() else [root]
+    violations = 0
+    for run in runs:
+        result = evaluate_run(run, settings, progress=not args.quiet)
+        print(f"{run.name}: {summary_line(result)}")
+        violations += (result.get("audit") or {}).get("consistent") is False
+    print(f"evaluation written to {len(runs)} run director{'y' if len(runs) == 1 else 'ies'} (evaluation.json)")
+    if violations:
+        print(f"raydp: {violations} run(s) leak more than their claimed epsilon: a privacy bug", file=sys.stderr)
+        return 3
     return 0
 
 
@@ -330,7 +390,7 @@ def cmd_policy_export(args) -> int:
 
 
 COMMANDS = {("data", "build"): cmd_data_build, ("data", "show"): cmd_data_show, ("train", None): cmd_train,
-            ("study", None): cmd_study, ("report", None): cmd_report,
+            ("study", None): cmd_study, ("report", None): cmd_report, ("eval", None): cmd_eval,
             ("policy", "list"): cmd_policy_list, ("policy", "show"): cmd_policy_show,
             ("policy", "export"): cmd_policy_export}
 

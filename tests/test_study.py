@@ -94,7 +94,9 @@ def tiny_study(raydp_cache, tmp_path_factory):
         ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, log_to_driver=False,
                  runtime_env={"env_vars": {"RAYDP_CACHE": os.environ["RAYDP_CACHE"], "HF_HUB_OFFLINE": "1"}})
     root = tmp_path_factory.mktemp("study")
-    path = write_study(root)
+    base = {**TINY_STUDY["base"], "data": {"n_records": 400, "n_audit": 20}}  # audit canaries for `evaluate`
+    path = write_study(root, base=base, evaluate={"generations": 20, "exposure_candidates": 50,
+                                                  "membership_records": 16})
     study_dir = run_study(path, root / "out", progress=False)
     yield study_dir
     ray.shutdown()
@@ -146,6 +148,23 @@ def test_report_prints_the_paper_tables(tiny_study, capsys):
     out = capsys.readouterr().out
     assert "Table 2 analogue" in out and "Table 3 analogue" in out and "Tuning-aware epsilon" in out
     assert "T_RL=4 B_SAC=4 K=2" in out
+    page = (tiny_study / "report.html").read_text()  # the HTML report, with every trial's evaluation
+    for section in ("fig-utility", "table2", "table-privacy", "table-membership", "table-extraction", "table-audit"):
+        assert f'id="{section}"' in page, section
+    assert "have no evaluation" not in page
+
+
+def test_the_study_attacks_and_audits_every_trial(tiny_study):
+    """The study file's `evaluate:` runs the attacks and the audit in each trial; results carry them (they
+    are not a DP release and never drive selection: Tune's metric stays the selection perplexity)."""
+    table = pd.read_parquet(tiny_study / "results.parquet")
+    for _, row in table.iterrows():
+        result = json.loads((Path(row["run_dir"]) / "evaluation.json").read_text())
+        assert result["audit"]["m"] == 20 and result["extraction"]["generations"] == 20
+        assert row["mia_auc"] == result["membership"]["loss"]["auc"]
+        assert row["audit_epsilon_one_run"] == result["audit"]["epsilon_one_run"] <= row["epsilon"]
+        assert bool(row["audit_consistent"]) is True
+    assert {"mia_cal_auc", "mia_tpr_at_fpr_0.01", "canary_jaccard_1", "exposure_mean", "eval_seconds"} <= set(table)
 
 
 def test_wandb_is_offline_and_logs_no_text(tiny_study):

@@ -68,3 +68,18 @@ def draw_audit_canaries(n_audit: int, canary_seed: int, exclude: set[str]) -> tu
     secrets = random_secrets(rng, int(n_audit), exclude)
     included = rng.random(int(n_audit)) < 0.5
     return secrets, included
+
+
+#: sentences of a record's narrative an audit canary keeps before its secret
+AUDIT_SENTENCES = 3
+
+
+def audit_text(narrative: str, secret: str) -> str:
+    """An audit canary's text: the first :data:`AUDIT_SENTENCES` sentences of its record and its secret.
+
+    Short on purpose: the secret is a third of the sequence's tokens, so a mechanism that leaks shows it
+    in the secret's likelihood (a full narrative would dilute a canary's gradient thirty-fold and make the
+    audit weak). DP covers any record, whatever its form, so the audit's bound applies unchanged.
+    """
+    sentences = narrative.split(". ")
+    return ". ".join(sentences[:AUDIT_SENTENCES]).rstrip(".") + "." + suffix(secret)

@@ -18,7 +18,8 @@ permuted with ``SeedSequence([seed, SUBSAMPLE_STREAM])`` and kept until the kept
 
 Audit canaries (``n_audit``, :func:`raydp.data.canaries.draw_audit_canaries`): records of the synthetic
 ``'audit'`` population, one patient each (patient ids from 6e9, encounter ids from 7e9: never a real or
-private synthetic id), each with its own secret appended like a canary; those whose fair coin came up
+private synthetic id), each a short narrative with its own secret appended
+(:func:`raydp.data.canaries.audit_text`); those whose fair coin came up
 are appended to train (after its own rows), the others are held back. ``audit.parquet`` lists all of
 them (``secret``, ``included``, ``text``, ``patient_nbr``); the train split marks them in
 ``audit_canary``. They are units like any patient: the run's epsilon covers each of them.
@@ -283,7 +284,7 @@ def build_dataset(
         has_canary[row] = True
     audit_secrets, audit_in = canaries.draw_audit_canaries(n_audit, canary_seed, set(secrets))
     audit_frame = _audit_records(len(audit_secrets), canary_seed, progress)
-    audit_texts = [t + canaries.suffix(s) for t, s in
+    audit_texts = [canaries.audit_text(t, s) for t, s in
                    zip(verbalise_records(audit_frame, id_maps, progress=progress), audit_secrets)]
     n_base_train = len(frames["train"])
     frames["train"] = pd.concat([frames["train"], audit_frame[audit_in]], ignore_index=True)

@@ -21,6 +21,7 @@ from pydantic import AfterValidator, Field, model_validator
 
 from raydp.config import StrictModel, TrainConfig, load_yaml_mapping, validate_config
 from raydp.errors import ConfigError
+from raydp.evaluation.results import EvalConfig
 
 from raydp.strategies.registry import STRATEGY_CHOICES
 
@@ -143,6 +144,9 @@ class StudyConfig(StrictModel):
     transfer: TransferSettings | None = None
     wandb: WandbSettings = WandbSettings()
     target_baseline: Literal["best"] = "best"
+    evaluate: EvalConfig | None = Field(None, description=(
+        "attack and audit every trial after it trains (raydp.evaluation: membership inference, canary "
+        "extraction, exposure, epsilon audit); the results are for the data owner, never selection (E15)"))
     selection: Literal["public", "private"] = Field(
         "public", description="the perplexity that picks trials, drives Optuna, steps-to-target and the report: "
                               "on the PUBLIC validation split (default), or on the private eval split, which no "

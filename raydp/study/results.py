@@ -25,6 +25,9 @@ rdp_curve_source           'renyi_filter' (the run was enforced by a Renyi filte
                            guarantee) or 'ledger' (the RDP curve of its ledger)
 trial_seconds, wall_seconds   the trial's run time as Tune saw it, and the run's own wall time
 run_dir                    the trial's outputs (train/eval metrics, ledger, control trace, adapters)
+mia_*, canary_*, exposure_*, audit_*   the trial's attacks and epsilon audit (``evaluation.json``, when
+                           the study's ``evaluate:`` asked or ``raydp eval`` ran; computed from private
+                           records, not a DP release: never used for selection, ERRATA E15)
 =========================  ==========================================================================
 
 Tuning-aware epsilon (ERRATA E7, E14). Every run that touched a private dataset spends the budget of the
@@ -71,6 +74,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from raydp.evaluation.results import EVALUATION_FILE, flat_metrics
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve, rdp_epsilon
 from raydp.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 
@@ -146,6 +150,9 @@ def _trial_row(trial: dict, run_dir: Path, status: str, result: dict, s: dict | 
         if privacy.get("epsilon") is not None else None,
         "wall_seconds": s["wall_seconds"],
     })
+    evaluation = run_dir / EVALUATION_FILE  # attacks and audit (not a DP release, E15): never selected on
+    if evaluation.exists():
+        row.update(flat_metrics(json.loads(evaluation.read_text())))
     return row
 
 

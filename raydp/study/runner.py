@@ -252,6 +252,13 @@ def run_trial(params: dict) -> None:
     finally:
         if session is not None:
             session.close()
+    attacks = {}
+    if study.evaluate is not None:  # attacks and audit: for the data owner, never Tune's metric (E15)
+        from raydp.evaluation.evaluate import evaluate_run
+        from raydp.evaluation.results import flat_metrics
+
+        attacks = flat_metrics(evaluate_run(out, study.evaluate.model_copy(update={"device": config.device}),
+                                            progress=False))
     final = evaluation_metrics({"perplexity": summary["final_eval_perplexity"],
                                 "public_perplexity": summary.get("final_public_perplexity")}, study.selection)
     tune.report({"step": summary["steps"], **final,
@@ -263,7 +270,7 @@ def run_trial(params: dict) -> None:
                  "privacy_label": privacy_label_of(summary),
                  "trial_seconds": time.perf_counter() - started, "trial_name": trial["name"],
                  "entered_at": entered_at, "run_wall_seconds": summary["wall_seconds"],
-                 "trial_spec": json.dumps(trial), "done": True})
+                 "trial_spec": json.dumps(trial), **attacks, "done": True})
 
 
 def _param_space(study: StudyConfig, trials: list[dict], common: dict) -> dict:

@@ -1,0 +1,103 @@
+"""``raydp eval`` end to end: the audit catches a broken mechanism and passes the correct one; the CLI's
+errors, exit codes and outputs; the report renders the run's evaluation."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from raydp.config import TrainConfig
+from raydp.evaluation.results import EvalConfig
+
+# A run where memorisation is possible, so that an audit has power: few real records (truncated to 64
+# tokens), 100 audit canaries (short records, about half included), LoRA on attention and MLP, 200 epochs.
+# With the noise on, the mechanism is 0.3-DP; with it off, nothing protects the canaries.
+AUDITABLE = {"model": "embedded-tiny", "strategy": "static", "epsilon": 0.3, "delta": 1e-5,
+             "data": {"n_records": 30, "n_audit": 100}, "max_length": 64, "epochs": 200, "batch_size": 16,
+             "lr": 0.01, "warmup_steps": 0, "eval_every": 1000, "eval_max_records": 8, "public_eval_records": 8,
+             "settings": {"clip": 10.0}, "lora": {"r": 32, "alpha": 64, "target_modules": ["c_attn", "c_fc", "c_proj"]}}
+QUICK = ["--generations", "40", "--candidates", "100", "--membership-records", "16"]
+
+
+def _train(tmp_path: Path, name: str) -> Path:
+    from raydp.runner.run import run_training
+
+    run = tmp_path / name
+    run_training(TrainConfig.model_validate(AUDITABLE), run, progress=False)
+    return run
+
+
+def test_the_audit_catches_a_mechanism_with_its_noise_off(tmp_path, monkeypatch, capsys):
+    """The bug: the DP step adds no noise but the ledger still charges epsilon 0.3. The one-run audit's
+    lower bound must land far above 0.3, and `raydp eval` must exit 3 and say so."""
+    from raydp.cli import main
+    from raydp.privacy.engine import DPStep
+
+    monkeypatch.setattr(DPStep, "add_noise", lambda self, sums_a, sums_b, stds, mode: (sums_a, sums_b))
+    run = _train(tmp_path, "broken")
+    claimed = json.loads((run / "summary.json").read_text())["privacy"]["epsilon"]
+    assert claimed <= 0.3  # the accounting does not know
+    assert main(["eval", str(run), *QUICK]) == 3
+    captured = capsys.readouterr()
+    assert "leak more than their claimed epsilon" in captured.err
+    audit = json.loads((run / "evaluation.json").read_text())["audit"]
+    assert audit["consistent"] is False and audit["claimed_epsilon"] == claimed
+    assert audit["epsilon_one_run"] > 5 * claimed  # measured 2.64 (80 of 80 guesses right)
+    assert audit["epsilon_clopper_pearson"] > claimed
+    assert "VIOLATION" in captured.out
+
+
+def test_the_correct_mechanism_passes_its_audit_and_reports(tmp_path, capsys):
+    from raydp.cli import main
+
+    run = _train(tmp_path, "correct")
+    assert main(["eval", str(run), *QUICK]) == 0
+    text = (run / "evaluation.json").read_text()
+    result = json.loads(text)  # standard JSON: no NaN
+    assert "NaN" not in text and "Infinity" not in text
+    assert "not a DP release" in result["label"]
+    audit = result["audit"]
+    assert audit["consistent"] is True and audit["m"] == 100 and audit["unscored"] == 0
+    assert audit["epsilon_one_run"] <= audit["claimed_epsilon"] and audit["epsilon_clopper_pearson"] <= 0.3
+    mia, ext, exp = result["membership"], result["extraction"], result["exposure"]
+    assert 0 <= mia["loss"]["auc"] <= 1 and mia["n_members"] == mia["n_nonmembers"] > 0
+    assert ext["generations"] == 40 and ext["n_canary"] == 10 and 0 <= ext["n_valid"] <= 40
+    assert exp["candidates"] == 100 and len(exp["per_canary"]) == 10
+    assert 0 <= exp["max"] <= exp["max_measurable_bits"] == pytest.approx(math.log2(101))
+    assert result["seconds"]["total"] > 0 and result["cost_ratio"] > 0
+    assert result["claimed"]["privacy_unit"] == "patient"
+    out = capsys.readouterr().out
+    assert "MIA AUC" in out and "consistent" in out
+    # the run's HTML report shows the evaluation
+    assert main(["report", str(run)]) == 0
+    page = (run / "report.html").read_text()
+    assert 'id="table-audit"' in page and 'id="table-membership"' in page
+    assert 'class="violation"' not in page and '>consistent<' in page
+
+
+def test_eval_refuses_what_is_not_a_finished_run(tmp_path, capsys):
+    from raydp.cli import main
+
+    assert main(["eval", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    (tmp_path / "empty").mkdir()
+    assert main(["eval", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert "summary.json" in err and err.count("\n") == 1
+    assert main(["eval", str(tmp_path / "empty"), "--generations", "-1"]) == 2
+    assert "generations" in capsys.readouterr().err
+    assert list((tmp_path / "empty").iterdir()) == []  # nothing written
+
+
+def test_eval_settings_validate_and_load_from_yaml(tmp_path):
+    from raydp.cli import build_parser, eval_config_from_args
+
+    path = tmp_path / "eval.yaml"
+    path.write_text("generations: 100\nextraction_prompt: narrative\n")
+    args = build_parser().parse_args(["eval", "run", "--config", str(path), "--candidates", "7"])
+    settings = eval_config_from_args(args)
+    assert settings == EvalConfig(generations=100, extraction_prompt="narrative", exposure_candidates=7)
+    assert EvalConfig().generations == 4000  # RLDP Sec. 3.3's T
