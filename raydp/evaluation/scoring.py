@@ -114,14 +114,31 @@ def _repeat(cache, n: int):
     return cache
 
 
+def _candidate_tokens(tokenizer, context: str, candidates: list[str], overlap: int = 8):
+    """``ending_starts`` of every ``context + candidate`` without tokenising the long context once per
+    candidate: the context's tokens up to ``overlap`` before its end are kept, and only the rest of it plus
+    the candidate is tokenised. Checked on the first candidate against whole-text tokenisation; where a
+    tokenizer merges across that cut, every text is tokenised whole instead."""
+    enc = tokenizer(context, return_offsets_mapping=True)
+    cut = max(0, len(enc["input_ids"]) - overlap)
+    if cut == 0:
+        return ending_starts(tokenizer, [context + c for c in candidates], char_offsets=[len(context)] * len(candidates))
+    c0, head = enc["offset_mapping"][cut][0], enc["input_ids"][:cut]
+    tail_ids, tail_starts = ending_starts(tokenizer, [context[c0:] + c for c in candidates],
+                                         char_offsets=[len(context) - c0] * len(candidates))
+    whole = tokenizer(context + candidates[0])["input_ids"]
+    if whole != head + tail_ids[0]:
+        return ending_starts(tokenizer, [context + c for c in candidates], char_offsets=[len(context)] * len(candidates))
+    return [head + t for t in tail_ids], np.where(tail_starts >= 0, tail_starts + cut, -1)
+
+
 @torch.no_grad()
 def candidate_logprobs(model, tokenizer, context: str, candidates: list[str], device,
                        batch_size: int = 256) -> np.ndarray:
     """log p(candidate | context) for each candidate string appended to ``context``: the summed
     log-probability of the tokens that end after ``len(context)`` characters. The context's common token
     prefix runs once; its cache serves every batch (right padding needs no mask under causal attention)."""
-    texts = [context + c for c in candidates]
-    ids, starts = ending_starts(tokenizer, texts, char_offsets=[len(context)] * len(texts))
+    ids, starts = _candidate_tokens(tokenizer, context, candidates)
     if (starts < 1).any():
         raise ValueError("a candidate has no token after the context")
     k = int(starts.min())  # tokens before k are the context's and the same in every text (checked)
@@ -130,12 +147,15 @@ def candidate_logprobs(model, tokenizer, context: str, candidates: list[str], de
         raise ValueError("the context tokenises differently before different candidates")
     cache, last_logits = _prefix_cache(model, prefix, device)
     last_logp = torch.log_softmax(last_logits, dim=-1)
-    out = np.zeros(len(texts))
+    out = np.zeros(len(ids))
+    size = min(batch_size, len(ids))
+    cache = _repeat(cache, size)  # once; cropped back to the prefix after every batch
     was_training = model.training
     model.eval()
     try:
-        for b in range(0, len(texts), batch_size):
-            rows = list(range(b, min(b + batch_size, len(texts))))
+        for b in range(0, len(ids), size):
+            real = list(range(b, min(b + size, len(ids))))
+            rows = real + [real[-1]] * (size - len(real))  # a short last batch is filled up, then dropped
             tails = [ids[i][k:] for i in rows]
             length = max(len(t) for t in tails)
             tail = torch.full((len(rows), length), tokenizer.pad_token_id, dtype=torch.long)
@@ -143,11 +163,15 @@ def candidate_logprobs(model, tokenizer, context: str, candidates: list[str], de
             for r, i in enumerate(rows):
                 tail[r, :len(tails[r])] = torch.tensor(tails[r])
                 scored[r, starts[i] - k:len(tails[r])] = True
-            logits = model(input_ids=tail.to(device), past_key_values=_repeat(cache, len(rows))).logits.float()
+            # all ones: right padding only follows the real tokens, which causal attention never lets them see
+            mask = torch.ones((len(rows), k + length), dtype=torch.long, device=device)
+            logits = model(input_ids=tail.to(device), attention_mask=mask, past_key_values=cache).logits.float()
+            cache.crop(-length)  # drop this batch's tail: back to the k prefix tokens
             logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tail[:, 1:, None].to(device))[..., 0].cpu()
             first = last_logp.cpu()[tail[:, 0]]  # token k is predicted by the prefix's last position
             per_token = torch.cat([first[:, None], logp], dim=1)
-            out[rows] = torch.where(scored, per_token, torch.zeros_like(per_token)).sum(dim=1).numpy()
+            sums = torch.where(scored, per_token, torch.zeros_like(per_token)).sum(dim=1).numpy()
+            out[real] = sums[:len(real)]
     finally:
         model.train(was_training)
     return out
