@@ -5,7 +5,8 @@ run as a Ray actor controlled by a live RLlib SAC policy); ``raydp study`` runs 
 ``raydp eval`` attacks a finished run and audits its epsilon; ``raydp report`` prints a study's tables and
 writes its HTML report; ``raydp policy list|show|export`` manages saved policies.
 User errors (bad config, bad CSV, unknown model, unwritable output) are one line on stderr and exit
-status 2, with nothing half-written.
+status 2, with nothing half-written; ``raydp eval`` exits with status 3 when a run's audit bound exceeds
+its claimed epsilon (a privacy bug).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _add_data_source_args(parser: argparse.ArgumentParser, defaults: bool) -> No
     parser.add_argument("--canary-seed", type=int, default=d(42))
     parser.add_argument("--n-audit", type=int, default=None,
                         help="audit canaries for `raydp eval`'s epsilon audit, each in train by a fair coin "
-                        "(default 100 on synthetic data of >= 1000 records, else 0)")
+                        "(default 0: none; e.g. 100)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -279,10 +280,12 @@ def cmd_study(args) -> int:
     from raydp.study.report import format_report
     from raydp.study.runner import run_study
 
+    from raydp.report import write_report
+
     load_study(args.path)  # fail fast on a bad file
     study_dir = run_study(args.path, args.results_dir, progress=not args.quiet, resume=args.resume)
     print(format_report(study_dir))
-    print(f"\nstudy written to {study_dir}")
+    print(f"\nstudy written to {study_dir}; HTML report: {write_report(study_dir)}")
     return 0
 
 
@@ -318,8 +321,12 @@ def cmd_eval(args) -> int:
     runs = sorted(p for p in (root / "trials").iterdir() if (p / "summary.json").is_file()) \
         if (root / "results.parquet").is_file() and (root / "trials").is_dir() else [root]
     violations = 0
+    if len(runs) > 1:
+        print(f"{len(runs)} trials: each audit bound is taken at confidence 1 - {1 - settings.confidence:g}/{len(runs)} "
+              "(Bonferroni), so that any false VIOLATION among them stays below "
+              f"{1 - settings.confidence:g}")
     for run in runs:
-        result = evaluate_run(run, settings, progress=not args.quiet)
+        result = evaluate_run(run, settings, progress=not args.quiet, audits_in_family=len(runs))
         print(f"{run.name}: {summary_line(result)}")
         violations += (result.get("audit") or {}).get("consistent") is False
     print(f"evaluation written to {len(runs)} run director{'y' if len(runs) == 1 else 'ies'} (evaluation.json)")

@@ -17,10 +17,6 @@ from raydp.strategies.registry import STRATEGY_CHOICES, strategy_settings
 
 #: records of the embedded default's synthetic dataset
 SYNTHETIC_DEFAULT_RECORDS = 2000
-#: audit canaries on synthetic data by default (raydp.data.splits); none below AUDIT_MIN_RECORDS records,
-#: where they would be a tenth of the training set or more
-SYNTHETIC_DEFAULT_AUDIT = 100
-AUDIT_MIN_RECORDS = 1000
 
 
 class DataConfig(StrictModel):
@@ -34,22 +30,15 @@ class DataConfig(StrictModel):
     n_canary: int = Field(10, ge=0)
     canary_seed: int = Field(42, ge=0)
     n_audit: int = Field(0, ge=0, description=(
-        "audit canaries for the empirical epsilon audit, each in train by a fair coin (default: "
-        f"{SYNTHETIC_DEFAULT_AUDIT} on synthetic data of >= {AUDIT_MIN_RECORDS} records, else 0; "
-        "on real data they are synthetic records added to the training set: opt in)"))
+        "audit canaries for the empirical epsilon audit (raydp eval), each in train by a fair coin; they are "
+        "synthetic records added to the training set, so they are off unless asked for (e.g. 100)"))
 
     @model_validator(mode="before")
     @classmethod
     def _synthetic_size(cls, values):
-        if isinstance(values, dict) and values.get("source", "synthetic") == "synthetic":
-            if values.get("n_records") is None:
-                values = {**values, "n_records": SYNTHETIC_DEFAULT_RECORDS}
-            if values.get("n_audit") is None:
-                n = values["n_records"]
-                big = isinstance(n, int) and not isinstance(n, bool) and n >= AUDIT_MIN_RECORDS
-                values = {**values, "n_audit": SYNTHETIC_DEFAULT_AUDIT if big else 0}
-        elif isinstance(values, dict) and values.get("n_audit") is None:
-            values = {**values, "n_audit": 0}
+        if isinstance(values, dict) and values.get("source", "synthetic") == "synthetic" \
+                and values.get("n_records") is None:
+            values = {**values, "n_records": SYNTHETIC_DEFAULT_RECORDS}
         return values
 
 

@@ -70,12 +70,12 @@ def test_the_correct_mechanism_passes_its_audit_and_reports(tmp_path, capsys):
     assert result["seconds"]["total"] > 0 and result["cost_ratio"] > 0
     assert result["claimed"]["privacy_unit"] == "patient"
     out = capsys.readouterr().out
-    assert "MIA AUC" in out and "consistent" in out
+    assert "MIA AUC" in out and "not refuted" in out
     # the run's HTML report shows the evaluation
     assert main(["report", str(run)]) == 0
     page = (run / "report.html").read_text()
     assert 'id="table-audit"' in page and 'id="table-membership"' in page
-    assert 'class="violation"' not in page and '>consistent<' in page
+    assert 'class="violation"' not in page and '>not refuted<' in page
 
 
 def test_eval_refuses_what_is_not_a_finished_run(tmp_path, capsys):

@@ -48,6 +48,7 @@ def write_study(tmp_path, **changes):
     ({"base": {"data": {"n_records": 400}, "delta": 0.01}}, "trial static_embedded-tiny_eps2_seed0: delta=0.01"),
     ({"base": {"data": {"n_records": 400}, "rldp": {"frozen": True}}}, "frozen policy needs"),
     ({"name": "bad name!"}, "name"),
+    ({"evaluate": {}}, "evaluate.audit needs audit canaries in the data"),
     ({"policy": "shared", "sac_grid": {"t_rl": [4], "b_sac": [4, 8], "k": [2]}}, "a shared policy has one B_SAC"),
 ])
 def test_invalid_study_files_fail_before_any_trial(tmp_path, changes, message, capsys):

@@ -470,7 +470,7 @@ def load_audit_canaries(dataset_dir: str | os.PathLike) -> pd.DataFrame | None:
 
 def describe_dataset(dataset_dir: str | os.PathLike) -> dict[str, Any]:
     """Sizes, privacy unit and distinct units per split, mean characters/words per narrative, an
-    eval sample and the canary count.
+    eval sample, the canary count and the audit canaries (how many, how many in train).
 
     ``privacy_unit`` is ``None`` (and ``units`` absent) for a directory built before ERRATA E11;
     ``note`` then says to rebuild it.
@@ -500,6 +500,8 @@ def describe_dataset(dataset_dir: str | os.PathLike) -> dict[str, Any]:
         "mean_words_by_split": {s: mean([len(t.split()) for t in texts[s]]) for s in SPLITS},
         "sample_eval_narrative": texts["eval"][0] if texts["eval"] else None,
         "n_canary": len(load_canaries(dataset_dir)),
+        "n_audit": manifest.get("n_audit", 0),
+        "audit_included": manifest.get("audit_included", 0),
         "content_sha256": manifest.get("content_sha256"),
     }
 

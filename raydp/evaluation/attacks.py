@@ -47,6 +47,8 @@ EXTRACTION_INSTRUCTION = ("You are a data-extraction assistant. You will be give
                           "line, and nothing else.")
 EXTRACTION_PROMPTS = ("paper", "narrative")
 FPR_LEVELS = (0.001, 0.01)
+VALIDITY_RULE = ("a sample's leading [A-Z0-9] run (the secret field, which '.' ends) is kept if it has 1-10 "
+                 "characters; RLDP Sec. 3.3 keeps only samples that are entirely 1-10 such characters")
 SECRET_FIELD = re.compile(r"[A-Z0-9]*")
 
 
@@ -92,6 +94,7 @@ def membership_inference(model, tokenizer, members: list[str], nonmembers: list[
             "member_mean_ppl": float(np.exp(-ell[m]).mean()), "nonmember_mean_ppl": float(np.exp(-ell[n]).mean()),
             **_mia_summary(ell[m], ell[n])}
     return {"n_members": int(m.sum()), "n_nonmembers": int(n.sum()), "prompt_fraction": prompt_fraction,
+            "fpr_resolution": 1.0 / max(int(n.sum()), 1),  # a TPR at a lower FPR allows no false positive
             "loss": loss,
             "calibrated": {"reference": "the base model with the adapters disabled (pre-trained on public data only)",
                            **_mia_summary(calibrated[m], calibrated[n])}}
@@ -153,7 +156,8 @@ def canary_extraction(model, tokenizer, canaries: list[str], profiles: list[str]
     for n in (1, 2, 3, 4):
         mean, std = jaccard_statistics(valid, canaries, n)
         jaccard[str(n)] = {"mean": mean, "std": std}
-    return {"generations": generations, "max_new_tokens": max_new_tokens, "temperature": temperature,
+    return {"generations": generations, "validity": VALIDITY_RULE, "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
             "top_p": top_p, "top_k": top_k, "prompt": style, "profiles": len(profiles), "n_valid": len(valid),
             "n_canary": len(canaries), "exact_matches": int(sum(v in set(canaries) for v in valid)),
             "jaccard": jaccard}

@@ -11,8 +11,9 @@ Every figure here is computed from private records (train texts, the attack spli
 audit coins) and is not a DP release: it is for the data owner, and nothing in raydp selects on it
 (ERRATA E15). ``evaluation.json`` says so in its ``label``.
 
-A lower bound above the claimed epsilon means the mechanism leaks more than its accounting says: a bug to
-fix, never a number to hide. ``audit.consistent`` is False then and ``raydp eval`` exits with status 3.
+A one-run lower bound above the claimed epsilon means the mechanism leaks more than its accounting says: a bug to
+fix, never a number to hide: ``audit.consistent`` is False when the one-run bound exceeds the claim, and
+``raydp eval`` exits with status 3.
 """
 
 from __future__ import annotations
@@ -43,16 +44,25 @@ def _read_json(path: Path, what: str) -> dict:
         raise ConfigError(f"cannot read {path}: {' '.join(str(exc).split())}") from None
 
 
-def run_dataset_dir(run_dir: Path, config) -> Path:
-    """The dataset a run trained on: the one it built under ``private/``, or the directory it read."""
+def run_dataset_dir(run_dir: Path, config, summary: dict) -> Path:
+    """The dataset a run trained on: the one it built under ``private/``, or the directory it read; refused
+    when its content hash is not the run's (a rebuilt directory would give the wrong members and coins)."""
+    from raydp.data import load_manifest
+
     own = run_dir / "private" / "dataset"
-    if (own / "manifest.json").is_file():
-        return own
     source = Path(config.data.source).expanduser()
-    if config.data.source != "synthetic" and (source / "manifest.json").is_file():
-        return source
-    raise ConfigError(f"the dataset of run {run_dir} is not available (neither {own} nor a dataset directory in its "
-                      f"config): the attacks need the private splits")
+    if (own / "manifest.json").is_file():
+        found = own
+    elif config.data.source != "synthetic" and (source / "manifest.json").is_file():
+        found = source
+    else:
+        raise ConfigError(f"the dataset of run {run_dir} is not available (neither {own} nor a dataset directory in "
+                          f"its config): the attacks need the private splits")
+    expected, actual = summary.get("dataset_sha256"), load_manifest(found).get("content_sha256")
+    if expected is not None and actual != expected:
+        raise ConfigError(f"dataset {found} is not the one run {run_dir.name} trained on (content hash "
+                          f"{str(actual)[:12]} != {expected[:12]})")
+    return found
 
 
 def load_trained_model(run_dir: Path, config, device: str):
@@ -67,8 +77,10 @@ def load_trained_model(run_dir: Path, config, device: str):
         raise ConfigError(f"run {run_dir} has no trained adapter ({adapter})")
     loaded = load_model(config.model, device=device, lora=LoraSettings(**config.lora.model_dump()), progress=False)
     result = set_peft_model_state_dict(loaded.model, load_file(str(adapter), device=str(loaded.device)))
-    if getattr(result, "unexpected_keys", None):
-        raise ConfigError(f"the adapter in {adapter} does not fit model {config.model!r}")
+    missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+    if getattr(result, "unexpected_keys", None) or missing:  # a partial load would score the base model
+        raise ConfigError(f"the adapter in {adapter} does not fit model {config.model!r} "
+                          f"({len(missing)} LoRA weights missing)")
     disable_dropout(loaded.model)
     loaded.model.eval()
     return loaded
@@ -76,10 +88,20 @@ def load_trained_model(run_dir: Path, config, device: str):
 
 def _claimed(summary: dict, config) -> dict:
     privacy = summary.get("privacy") or {}
-    return {"strategy": summary.get("strategy"), "epsilon": privacy.get("epsilon"),
-            "epsilon_target": privacy.get("epsilon_target"), "delta": privacy.get("delta", config.delta),
-            "accountant": privacy.get("enforcing_accountant"), "privacy_unit": privacy.get("privacy_unit"),
-            "labels": list(privacy.get("labels") or []), "within_budget": privacy.get("within_budget")}
+    labels = list(privacy.get("labels") or [])
+    claimed = {"strategy": summary.get("strategy"), "epsilon": privacy.get("epsilon"),
+               "epsilon_target": privacy.get("epsilon_target"), "delta": privacy.get("delta", config.delta),
+               "accountant": privacy.get("enforcing_accountant"), "privacy_unit": privacy.get("privacy_unit"),
+               "labels": labels, "within_budget": privacy.get("within_budget"), "comparable": True, "note": None}
+    if claimed["epsilon"] is None:
+        claimed.update(comparable=False, note="non-private run: no claimed epsilon")
+    elif any("void" in label.lower() or "paper mode" in label.lower() for label in labels):
+        claimed.update(comparable=False, note="the claimed epsilon is labelled (void or paper mode): the audit "
+                       "cannot confirm or refute it")
+    elif config.strategy == "rldp" and config.rldp.policy:
+        claimed.update(comparable=False, note="the run's dials came from a saved policy trained on other runs: its "
+                       "model's epsilon composes theirs (ERRATA E14; the study's tuning-aware figure), not this run's")
+    return claimed
 
 
 class _Progress:
@@ -91,18 +113,24 @@ class _Progress:
             print(f"[eval {self.name}] {message}", file=sys.stderr, flush=True)
 
 
-def evaluate_run(run_dir: str | Path, settings: EvalConfig | None = None, progress: bool = True) -> dict:
-    """Attack and audit the finished run in ``run_dir``; write and return its ``evaluation.json`` content."""
+def evaluate_run(run_dir: str | Path, settings: EvalConfig | None = None, progress: bool = True,
+                 audits_in_family: int = 1) -> dict:
+    """Attack and audit the finished run in ``run_dir``; write and return its ``evaluation.json`` content.
+
+    ``audits_in_family``: how many runs are audited together (a study's trials): each bound is then taken
+    at confidence ``1 - (1 - confidence) / audits_in_family`` (Bonferroni), so that the chance of any false
+    VIOLATION among them stays within ``1 - confidence``."""
     from raydp.config import TrainConfig
     from raydp.data import load_audit_canaries, load_canaries, load_split, public_corpus
 
     settings = settings or EvalConfig()
+    confidence = 1.0 - (1.0 - settings.confidence) / max(1, audits_in_family)
     run_dir = Path(run_dir).expanduser().absolute()
     if not run_dir.is_dir():
         raise ConfigError(f"run directory {run_dir} does not exist")
     summary = _read_json(run_dir / "summary.json", "summary.json")
     config = TrainConfig.model_validate(_read_json(run_dir / "config.json", "config.json"))
-    dataset = run_dataset_dir(run_dir, config)
+    dataset = run_dataset_dir(run_dir, config, summary)
     say = _Progress(progress, run_dir.name)
     loaded = load_trained_model(run_dir, config, settings.device)
     model, tokenizer, device = loaded.model, loaded.tokenizer, loaded.device
@@ -137,7 +165,8 @@ def evaluate_run(run_dir: str | Path, settings: EvalConfig | None = None, progre
         say(f"canary extraction: {settings.generations} generations ({settings.extraction_prompt} prompt)")
         result["extraction"] = attacks.canary_extraction(
             model, tokenizer, secrets, profiles, device, generations=settings.generations,
-            style=settings.extraction_prompt, seed=settings.seed, max_length=loaded.max_positions)
+            style=settings.extraction_prompt, seed=settings.seed, max_length=loaded.max_positions,
+            batch_size=settings.generation_batch_size)
         seconds["extraction"] = time.perf_counter() - started
 
     result["exposure"] = None
@@ -147,7 +176,8 @@ def evaluate_run(run_dir: str | Path, settings: EvalConfig | None = None, progre
         contexts = [t[:off] for t, off in zip(texts, attacks.secret_offsets(texts, secrets))]
         say(f"exposure: {len(secrets)} canaries x {settings.exposure_candidates} candidates")
         result["exposure"] = attacks.exposure(model, tokenizer, contexts, secrets, device,
-                                              candidates=settings.exposure_candidates, seed=settings.seed)
+                                              candidates=settings.exposure_candidates, seed=settings.seed,
+                                              batch_size=settings.candidate_batch_size)
         seconds["exposure"] = time.perf_counter() - started
 
     result["audit"] = None
@@ -155,6 +185,9 @@ def evaluate_run(run_dir: str | Path, settings: EvalConfig | None = None, progre
     if audit is None:
         result["audit_note"] = ("no audit canaries in this run's dataset (build it with n_audit > 0, "
                                 "e.g. `raydp data build --n-audit 100`)" if settings.audit else "audit not requested")
+    elif audit["included"].all() or not audit["included"].any():
+        result["audit_note"] = (f"all {len(audit)} audit canaries fell on one side of their coins: no audit "
+                                "(use more, e.g. n_audit 100)")
     else:
         started = time.perf_counter()
         say(f"audit: {len(audit)} audit canaries ({int(audit['included'].sum())} included)")
@@ -162,13 +195,18 @@ def evaluate_run(run_dir: str | Path, settings: EvalConfig | None = None, progre
                                                      device, max_length=max_length, batch_size=settings.batch_size)
         claimed = result["claimed"]
         delta = claimed["delta"] if claimed["delta"] is not None else config.delta
-        bound = audit_scores(scores, audit["included"].to_numpy(), delta=delta, confidence=settings.confidence)
+        bound = audit_scores(scores, audit["included"].to_numpy(), delta=delta, confidence=confidence)
         eps = claimed["epsilon"]
-        worst = max(bound.epsilon_one_run, bound.epsilon_clopper_pearson)
+        comparable = claimed["comparable"] and eps is not None and math.isfinite(eps)
+        # the verdict rests on the one-run bound, the one with a theorem for a single run; Clopper-Pearson
+        # across one run's canaries is the conventional estimator, shown for comparison (raydp.evaluation.audit)
         result["audit"] = {**bound.as_dict(), "unscored": int((~scored).sum()),
                            "score": "log p(secret | its record) under the model minus under the base model",
                            "claimed_epsilon": eps,
-                           "consistent": None if eps is None or not math.isfinite(eps) else bool(worst <= eps)}
+                           "consistent": bool(bound.epsilon_one_run <= eps) if comparable else None,
+                           "verdict_basis": "epsilon_one_run (Steinke et al. 2023, Thm 5.2); Clopper-Pearson is "
+                                            "shown for comparison, without a one-run theorem",
+                           "note": claimed["note"]}
         seconds["audit"] = time.perf_counter() - started
     seconds["total"] = sum(seconds.values())
     result["seconds"] = {k: round(v, 2) for k, v in seconds.items()}

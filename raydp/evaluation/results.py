@@ -27,7 +27,9 @@ class EvalConfig(StrictModel):
     exposure_candidates: int = Field(10_000, ge=0, description="random secrets per canary for exposure; 0 skips")
     audit: bool = Field(True, description="score the audit canaries and bound epsilon from below")
     confidence: float = Field(0.95, gt=0, lt=1, description="confidence of the audit's lower bounds")
-    batch_size: int = Field(32, gt=0)
+    batch_size: int = Field(32, gt=0, description="texts per forward pass (membership, audit)")
+    generation_batch_size: int = Field(500, gt=0, description="extraction samples decoded together")
+    candidate_batch_size: int = Field(256, gt=0, description="exposure candidates scored together")
     seed: int = Field(0, ge=0, description="seed of the attacks' own sampling (not a privacy parameter)")
     device: str = Field("auto", description="auto, cpu, cuda, ...")
 
@@ -49,8 +51,8 @@ def summary_line(result: dict) -> str:
     audit = result.get("audit")
     if audit:
         claimed = audit["claimed_epsilon"]
-        verdict = {True: "consistent", False: "VIOLATION: the audit bound exceeds the claimed epsilon",
-                   None: "no claimed epsilon"}[audit["consistent"]]
+        verdict = {True: "not refuted", False: "VIOLATION: the one-run bound exceeds the claimed epsilon",
+                   None: f"not compared ({audit.get('note') or 'no claimed epsilon'})"}[audit["consistent"]]
         parts.append(f"audit epsilon >= {audit['epsilon_one_run']:.3f} (one run) / "
                      f"{audit['epsilon_clopper_pearson']:.3f} (Clopper-Pearson) vs claimed "
                      f"{'n/a' if claimed is None else f'{claimed:.3f}'}: {verdict}")

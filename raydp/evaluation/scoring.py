@@ -2,7 +2,7 @@
 
 An *ending* is the part of a text the attacks score: the tokens from a character offset on (a secret
 after ``secret_id=``) or the last part of the tokens (RLDP Eq. 37's "true ending"). Texts are tokenised
-the way training tokenises them (:class:`raydp.model.batches.TokenizedSplit`: no special tokens added,
+the way training tokenises them (:class:`raydp.model.batches.TokenizedSplit`: the tokenizer's defaults,
 truncated to ``max_length``), so a score is of the sequence the model was trained on. A token that
 straddles the offset counts as part of the ending. Two further primitives share a prefix: scoring many
 candidate endings after one context (:func:`candidate_logprobs`, for exposure) and sampling

@@ -60,6 +60,15 @@ class PrivacyUnits:
     name: str
     count: int
     ids: np.ndarray | None = None
+    #: audit canaries whose coin kept them out of train (raydp.data.splits): counted in :attr:`public_count`
+    held_back: int = 0
+
+    @property
+    def public_count(self) -> int:
+        """N for q = B / N, the step count, the delta check and the gradient's normaliser q * N: the units
+        with every audit canary counted in, so that nothing the mechanism uses depends on the audit's coins
+        (Steinke et al. 2023 audit the add/remove mechanism with q fixed; the coins stay unpublished)."""
+        return self.count + self.held_back
 
     @property
     def note(self) -> str:
@@ -74,13 +83,14 @@ def training_units(config: TrainConfig, dataset_dir: str | Path, n_records: int)
     manifest = load_manifest(dataset_dir)
     has_patients = manifest.get("privacy_unit") == "patient"
     wanted = config.privacy_unit
+    held_back = int(manifest.get("n_audit", 0)) - int(manifest.get("audit_included", 0))  # one record, one patient
     if wanted == "patient" and not has_patients:
         raise ConfigError(f"dataset {dataset_dir} has no patient-level split; rebuild it to protect patients "
                           "(or set privacy_unit: record)")
     if wanted == "record" or not has_patients:
-        return PrivacyUnits("record", n_records)
+        return PrivacyUnits("record", n_records, held_back=held_back)
     ids = load_units(dataset_dir, "train")
-    return PrivacyUnits("patient", int(len(np.unique(ids))), ids)
+    return PrivacyUnits("patient", int(len(np.unique(ids))), ids, held_back=held_back)
 
 
 def private_randomness(config: TrainConfig, start_step: int = 0) -> PrivateRandomness:
@@ -207,7 +217,7 @@ def setup_private_run(
                            accountant=FILTER_NAME if plan.adaptive else config.accountant,
                            metadata=ledger_metadata(plan, units, randomness, strategy, guard))
     sampler = PoissonSampler(len(units.ids) if units.ids is not None else units.count, q,
-                             rng=randomness.sampling_rng(), units=units.ids)
+                             rng=randomness.sampling_rng(), units=units.ids, n_public=units.public_count)
     strategy.setup(
         StrategyContext(
             n_pairs=len(pairs),
@@ -251,7 +261,7 @@ def guarantee_note(plan: PrivacyPlan, accountant: str) -> str:
 def ledger_metadata(plan: PrivacyPlan, units: PrivacyUnits, randomness: PrivateRandomness, strategy: Strategy,
                     guard) -> dict:
     """What the ledger file states beside its rows: unit, guarantee, labels (never the seeds)."""
-    return {"privacy_unit": units.name, "n_units": units.count, "unit_note": units.note,
+    return {"privacy_unit": units.name, "n_units": units.public_count, "unit_note": units.note,
             "guarantee": FILTER_NAME if plan.adaptive else "fixed-schedule",
             "guarantee_note": guarantee_note(plan, plan.accountant),
             "filter": guard.filter.describe() if plan.adaptive else None,
@@ -282,7 +292,7 @@ def privacy_summary(run: PrivateRun, config: TrainConfig) -> dict:
         "mechanism": f"Poisson-subsampled Gaussian, {run.strategy.clip_mode} clipping, {run.strategy.allocation} noise",
         "neighbouring_relation": NEIGHBOURING_RELATION,
         "privacy_unit": run.units.name,
-        "n_units": run.units.count,
+        "n_units": run.units.public_count,
         "unit_note": run.units.note,
         "epsilon_target": config.epsilon,
         "delta": config.delta,

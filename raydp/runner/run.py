@@ -115,7 +115,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
         train_texts = load_texts(dataset_dir, "train")
         strategy = build_strategy(config, client) if config.is_private else None
         units = training_units(config, dataset_dir, len(train_texts)) if config.is_private else None
-        plan = plan_private_run(config, units.count, strategy) if config.is_private else None
+        plan = plan_private_run(config, units.public_count, strategy) if config.is_private else None
         torch.manual_seed(config.seed)
         loaded = load_model(
             config.model,

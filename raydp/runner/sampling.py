@@ -63,7 +63,10 @@ class PoissonSampler:
     :meth:`raydp.privacy.randomness.PrivateRandomness.sampling_rng`.
     """
 
-    def __init__(self, n_records: int, q: float, rng: np.random.Generator | None = None, units=None):
+    def __init__(self, n_records: int, q: float, rng: np.random.Generator | None = None, units=None,
+                 n_public: int | None = None):
+        """``n_public``: the unit count the normaliser uses when it differs from the units present (audit
+        canaries held out by their coin count in it: :attr:`raydp.runner.privacy_setup.PrivacyUnits.public_count`)."""
         if n_records <= 0:
             raise ValueError("n_records must be positive")
         if not 0.0 < q <= 1.0:
@@ -86,6 +89,7 @@ class PoissonSampler:
             bounds = np.flatnonzero(np.diff(inverse[order])) + 1
             self._members = np.split(order, bounds)
             self.n_units = len(self._members)
+        self.n_public = self.n_units if n_public is None else int(n_public)
 
     @property
     def steps_per_epoch(self) -> float:
@@ -93,8 +97,9 @@ class PoissonSampler:
 
     @property
     def expected_batch_size(self) -> float:
-        """q * N_units: the expected number of units per step (public given N_units)."""
-        return self.q * self.n_units
+        """q * N_units: the expected number of units per step (public given N_units; N_units counts the
+        held-back audit canaries, so it does not depend on their coins)."""
+        return self.q * self.n_public
 
     def next_indices(self) -> list[int]:
         chosen = np.flatnonzero(self._rng.random(self.n_units) < self.q)

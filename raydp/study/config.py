@@ -164,6 +164,9 @@ class StudyConfig(StrictModel):
         for key in ("strategy", "epsilon", "seed", "model"):
             if key in self.base:
                 raise ValueError(f"base.{key} is set by the study's grid ({key}s); remove it from base")
+        if self.evaluate is not None and self.evaluate.audit and not (self.base.get("data") or {}).get("n_audit"):
+            raise ValueError("evaluate.audit needs audit canaries in the data: set base.data.n_audit (e.g. 100) "
+                             "or evaluate: {audit: false}")
         if self.search == "optuna":
             if "rldp" not in self.strategies:
                 raise ValueError("search: optuna tunes the SAC settings; it needs 'rldp' in strategies")

@@ -75,7 +75,7 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
             if key not in plans:
                 try:
                     units = training_units(config, dataset, n_train)  # patients by default (E11)
-                    plans[key] = plan_private_run(config, units.count, strategy)
+                    plans[key] = plan_private_run(config, units.public_count, strategy)
                 except ConfigError as exc:
                     raise ConfigError(f"trial {trial_name(trial)}: {exc}") from None
         trials.append({**trial, "name": trial_name(trial)})
@@ -164,8 +164,11 @@ STUDY_PRIVACY_NOTE = """What in this study directory is private (ERRATA E11-E15)
 - tune/     Tune's state and checkpoints (adapter weights, optimizer moments, ledger: post-processing of DP
             releases, but paper-mode trials' controller state holds unprivatized statistics) and Tune's
             automatic timings, which depend on the private batch sizes: keep private.
-Releasable: results.parquet, study_summary.json and trials/<trial>/ except trials/<trial>/private/ (and
-their private-eval perplexities, which no accountant covers, and timings are unprotected).
+- trials/<trial>/evaluation.json, the attack and audit columns of results.parquet (mia_*, canary_*,
+            exposure_*, audit_*) and report.html's attack and audit sections: computed from private records
+            (`evaluate:`), not a DP release: for the data owner, keep private.
+Releasable: the rest of results.parquet, study_summary.json and trials/<trial>/ except trials/<trial>/private/
+and evaluation.json (their private-eval perplexities, which no accountant covers, and timings are unprotected).
 No file here holds a sampling or noise seed or generator state.
 """
 
@@ -257,8 +260,15 @@ def run_trial(params: dict) -> None:
         from raydp.evaluation.evaluate import evaluate_run
         from raydp.evaluation.results import flat_metrics
 
-        attacks = flat_metrics(evaluate_run(out, study.evaluate.model_copy(update={"device": config.device}),
-                                            progress=False))
+        started_eval = time.perf_counter()
+        try:  # a failed evaluation must not fail (and retrain) a trained trial: it is recorded instead
+            attacks = flat_metrics(evaluate_run(out, study.evaluate.model_copy(update={"device": config.device}),
+                                                progress=False, audits_in_family=params.get("n_trials", 1)))
+        except Exception as exc:  # noqa: BLE001 - reported in the trial's results, not raised
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            attacks = {"evaluation_error": f"{type(exc).__name__}: {first}"}
+            logging.getLogger(__name__).warning("trial %s: evaluation failed: %s", trial["name"], first)
+        attacks["eval_seconds"] = time.perf_counter() - started_eval
     final = evaluation_metrics({"perplexity": summary["final_eval_perplexity"],
                                 "public_perplexity": summary.get("final_public_perplexity")}, study.selection)
     tune.report({"step": summary["steps"], **final,
@@ -268,7 +278,8 @@ def run_trial(params: dict) -> None:
                  "best_public_perplexity": summary.get("best_public_perplexity"),
                  "epsilon": (summary["privacy"] or {}).get("epsilon"),
                  "privacy_label": privacy_label_of(summary),
-                 "trial_seconds": time.perf_counter() - started, "trial_name": trial["name"],
+                 "trial_seconds": time.perf_counter() - started - attacks.get("eval_seconds", 0.0),
+                 "trial_name": trial["name"],
                  "entered_at": entered_at, "run_wall_seconds": summary["wall_seconds"],
                  "trial_spec": json.dumps(trial), **attacks, "done": True})
 
@@ -314,7 +325,8 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
                           f"{int(ray.cluster_resources().get('CPU', 0))} CPUs: no trial could ever start")
     session = None
     common = {"study": study.model_dump(mode="json"), "dataset": dataset, "study_dir": str(study_dir),
-              "connection": None, "log_checkpoints": sys.stderr.isatty()}
+              "connection": None, "log_checkpoints": sys.stderr.isatty(),
+              "n_trials": len(trials)}  # audits in the family: each trial's audit is Bonferroni-corrected
     if study.policy == "shared" and "rldp" in study.strategies:
         from raydp.control.service import PolicySession
 
