@@ -775,7 +775,7 @@ def audit(r: Report) -> str:
                           "num bad" if _above(a.get("epsilon_one_run"), claimed) else "num"),
                      Cell(num(a.get("epsilon_clopper_pearson"), 3), "num"),
                      Cell(str(a.get("m", "n/a")), "num"), Cell(str(a.get("n_included", "n/a")), "num"),
-                     Cell(str(a.get("confidence", "n/a")), "num"),
+                     Cell("n/a" if a.get("confidence") is None else f"{a['confidence']:.4g}", "num"),
                      Cell("n/a" if a.get("delta") is None else f"{a['delta']:g}", "num"),
                      _verdict(a, claimed, bad)])
         fig_rows.append((str(row["trial"]), None if _missing(claimed) else float(claimed),
