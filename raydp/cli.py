@@ -111,17 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser("eval", help="attack a finished run and audit its epsilon (writes evaluation.json)")
     evaluate.add_argument("run_dir", metavar="DIR", help="a run directory, or a study directory (every trial)")
     evaluate.add_argument("--config", help="YAML file with EvalConfig fields (flags override it)")
-    evaluate.add_argument("--generations", type=int, help="canary-extraction samples (default 4000; 0 skips)")
+    evaluate.add_argument("--generations", type=int, metavar="T", help="canary-extraction samples (default 4000; 0 skips)")
     evaluate.add_argument("--extraction-prompt", choices=["paper", "narrative"],
                           help="paper (default): Appendix A.1's instruction; narrative: profile + ' secret_id='")
-    evaluate.add_argument("--candidates", dest="exposure_candidates", type=int,
+    evaluate.add_argument("--candidates", dest="exposure_candidates", type=int, metavar="K",
                           help="random secrets per canary for exposure (default 10000; 0 skips)")
-    evaluate.add_argument("--membership-records", type=int, help="members and non-members each (default 500)")
+    evaluate.add_argument("--membership-records", type=int, metavar="N", help="members and non-members each (default 500)")
     evaluate.add_argument("--confidence", type=float, help="confidence of the audit's lower bounds (default 0.95)")
-    evaluate.add_argument("--no-audit", dest="audit", action="store_false", default=None)
+    evaluate.add_argument("--no-audit", dest="audit", action="store_false", default=None,
+                          help="skip the epsilon audit (it needs audit canaries: `raydp data build --n-audit`)")
     evaluate.add_argument("--device", help="auto (default), cpu, cuda, ...")
     evaluate.add_argument("--seed", type=int, help="seed of the attacks' sampling")
-    evaluate.add_argument("--quiet", action="store_true")
+    evaluate.add_argument("--quiet", action="store_true", help="no progress lines (the results still print)")
 
     policy = commands.add_parser("policy", help="list, show and export saved RLDP policies")
     policy_cmds = policy.add_subparsers(dest="policy_command", required=True)

@@ -75,6 +75,7 @@ def test_secret_like_keeps_the_secret_field_only():
 def embedded():
     from raydp.model import disable_dropout, load_model
 
+    torch.manual_seed(0)  # LoRA's A matrices are drawn from the global generator: fix them for this module
     loaded = load_model("embedded-tiny", device="cpu", progress=False)
     disable_dropout(loaded.model)
     with torch.no_grad():  # move the adapters off zero so target and base differ
@@ -167,6 +168,7 @@ def test_membership_and_exposure_on_a_model_that_memorised_its_members(embedded)
                 p.copy_(s)
     assert result["n_members"] == result["n_nonmembers"] == 8
     assert result["loss"]["auc"] > 0.9 and result["calibrated"]["auc"] > 0.9
+    assert result["base_model"]["auc"] < result["loss"]["auc"]  # the null: the base model never saw them
     assert result["loss"]["member_mean_logp"] > result["loss"]["nonmember_mean_logp"]
     assert result["loss"]["member_mean_ppl"] < result["loss"]["nonmember_mean_ppl"]
     # a memorised secret ranks in the top 1/16 of 256 strings of its format (>= 4 of the 8 bits 255

@@ -13,10 +13,12 @@ from raydp.config import TrainConfig
 from raydp.evaluation.results import EvalConfig
 
 # A run where memorisation is possible, so that an audit has power: few real records (truncated to 64
-# tokens), 100 audit canaries (short records, about half included), LoRA on attention and MLP, 200 epochs.
+# tokens), 100 audit canaries (short records, 41 included), LoRA on attention and MLP, 200 epochs. The
+# held-back canaries count in N (q = 32 / 122), so batch 32 keeps about 16 units a step; with batch 16
+# (8 a step, twice the steps) the noise-off run memorised much less (39 of 40, or chance, in two runs).
 # With the noise on, the mechanism is 0.3-DP; with it off, nothing protects the canaries.
 AUDITABLE = {"model": "embedded-tiny", "strategy": "static", "epsilon": 0.3, "delta": 1e-5,
-             "data": {"n_records": 30, "n_audit": 100}, "max_length": 64, "epochs": 200, "batch_size": 16,
+             "data": {"n_records": 30, "n_audit": 100}, "max_length": 64, "epochs": 200, "batch_size": 32,
              "lr": 0.01, "warmup_steps": 0, "eval_every": 1000, "eval_max_records": 8, "public_eval_records": 8,
              "settings": {"clip": 10.0}, "lora": {"r": 32, "alpha": 64, "target_modules": ["c_attn", "c_fc", "c_proj"]}}
 QUICK = ["--generations", "40", "--candidates", "100", "--membership-records", "16"]

@@ -97,7 +97,12 @@ def membership_inference(model, tokenizer, members: list[str], nonmembers: list[
             "fpr_resolution": 1.0 / max(int(n.sum()), 1),  # a TPR at a lower FPR allows no false positive
             "loss": loss,
             "calibrated": {"reference": "the base model with the adapters disabled (pre-trained on public data only)",
-                           **_mia_summary(calibrated[m], calibrated[n])}}
+                           **_mia_summary(calibrated[m], calibrated[n])},
+            # the null: the loss attack on the base model, which never saw a private record; members and
+            # non-members are different people, so a finite sample need not sit at 0.5 exactly
+            "base_model": {"note": "the loss attack on the base model (no private data): the AUC of a model that "
+                                   "learned nothing about the members, on these same texts",
+                           **_mia_summary(reference.mean_logp[m], reference.mean_logp[n])}}
 
 
 def secret_like(continuation: str) -> str | None:

@@ -68,6 +68,8 @@ def flat_metrics(result: dict) -> dict:
             out[f"{prefix}_auc"] = mia[kind]["auc"]
             out[f"{prefix}_tpr_at_fpr_0.01"] = mia[kind]["tpr_at_fpr_0.01"]
             out[f"{prefix}_tpr_at_fpr_0.001"] = mia[kind]["tpr_at_fpr_0.001"]
+        if "base_model" in mia:
+            out["mia_base_model_auc"] = mia["base_model"]["auc"]
         out["mia_member_mean_logp"] = mia["loss"]["member_mean_logp"]
         out["mia_member_mean_ppl"] = mia["loss"]["member_mean_ppl"]
     ext = result.get("extraction")

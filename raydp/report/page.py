@@ -646,7 +646,9 @@ def attacks(r: Report) -> str:
     evaluated = _evaluated(r)
     body = [how("attacks on the trained model, mean ± std over seeds per (model, epsilon, strategy) (RLDP paper "
                 "Tables 4-9). Membership inference: AUC 0.5 and TPR equal to the FPR mean the attacker cannot tell "
-                "members from non-members; 'calibrated' subtracts the base model's loss. Canary extraction: "
+                "members from non-members; 'calibrated' subtracts the base model's loss; the null AUC is the loss "
+                "attack on the base model, which saw no private record (members and non-members are different "
+                "people, so on a finite sample it is not exactly 0.5). Canary extraction: "
                 "Jaccard similarity of n-grams between generations and canary secrets (0 = nothing leaked). "
                 "Exposure in bits (Carlini et al.), at most the measurable maximum.")]
     note = _missing_evaluation_note(r, evaluated)
@@ -684,7 +686,8 @@ def attacks(r: Report) -> str:
                 stat(with_m, "membership", "loss", "member_mean_logp"),
                 stat(with_m, "membership", "loss", "nonmember_mean_logp"),
                 stat(with_m, "membership", "loss", "member_mean_ppl", digits=4),
-                stat(with_m, "membership", "loss", "nonmember_mean_ppl", digits=4)])
+                stat(with_m, "membership", "loss", "nonmember_mean_ppl", digits=4),
+                stat(with_m, "membership", "base_model", "auc")])
             vals = lambda *p: [v for v in (_dig(ev, *p) for ev in with_m) if not _missing(v)]  # noqa: E731
             la, ca = vals("membership", "loss", "auc"), vals("membership", "calibrated", "auc")
             auc.append((f"ε={_eps(key[1])} · {key[2]}" + (f" · {key[0]}" if len({k[0] for k in keys}) > 1 else ""),
@@ -700,7 +703,7 @@ def attacks(r: Report) -> str:
     body.append(table("table-membership", ["model", "ε", "strategy", "trials", "AUC (loss)", "TPR@0.1% FPR",
                                            "TPR@1% FPR", "AUC (calibrated)", "TPR@0.1% (cal.)", "TPR@1% (cal.)",
                                            "member mean log p", "non-member mean log p", "member ppl",
-                                           "non-member ppl"], mrows,
+                                           "non-member ppl", "null AUC (base model)"], mrows,
                       caption="membership inference (mean ± std over seeds); members / non-members per trial: " +
                               ", ".join(dict.fromkeys(f"{_dig(ev, 'membership', 'n_members')} / "
                                                       f"{_dig(ev, 'membership', 'n_nonmembers')}" for _, ev in evaluated
