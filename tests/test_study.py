@@ -334,3 +334,12 @@ def test_a_killed_trial_resumes_with_exactly_the_planned_ledger(tiny_study, tmp_
     assert list(decisions["step"]) == list(range(8, 49, 4))
     assert summary["privacy"]["within_budget"] and summary["steps"] == 48
     assert int((study_dir / "work" / table["trial"].iloc[0] / "pid").read_text()) != killed["pid"]
+
+
+def test_a_failed_evaluation_is_a_column_not_a_failed_trial(tmp_path):
+    from raydp.study.results import _trial_row
+
+    trial = {"name": "static_embedded_eps2_seed0", "model": "embedded", "strategy": "static", "seed": 0}
+    row = _trial_row(trial, tmp_path, "TERMINATED", {"evaluation_error": "ConfigError: no adapter"})
+    assert row["status"] == "TERMINATED" and row["evaluation_error"] == "ConfigError: no adapter"
+    assert "evaluation_error" not in _trial_row(trial, tmp_path, "TERMINATED", {})

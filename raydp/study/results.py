@@ -27,7 +27,8 @@ trial_seconds, wall_seconds   the trial's run time as Tune saw it, and the run's
 run_dir                    the trial's outputs (train/eval metrics, ledger, control trace, adapters)
 mia_*, canary_*, exposure_*, audit_*   the trial's attacks and epsilon audit (``evaluation.json``, when
                            the study's ``evaluate:`` asked or ``raydp eval`` ran; computed from private
-                           records, not a DP release: never used for selection, ERRATA E15)
+                           records, not a DP release: never used for selection, ERRATA E15);
+                           ``evaluation_error`` where that evaluation failed (the trained trial stands)
 =========================  ==========================================================================
 
 Tuning-aware epsilon (ERRATA E7, E14). Every run that touched a private dataset spends the budget of the
@@ -125,6 +126,8 @@ def _trial_row(trial: dict, run_dir: Path, status: str, result: dict, s: dict | 
            "b_sac": trial.get("b_sac"), "k": trial.get("k"), "frozen_policy": bool(trial.get("frozen_from")),
            "run_dir": str(run_dir),
            "trial_seconds": result.get("trial_seconds")}
+    if result.get("evaluation_error"):  # the study's `evaluate:` failed after training (the trial stands)
+        row["evaluation_error"] = result["evaluation_error"]
     s = s if s is not None else _read_summary(run_dir)
     if s is None:
         return row
