@@ -35,6 +35,22 @@ def raydp_cache(tmp_path_factory) -> Path:
     return cache
 
 
+@pytest.fixture(scope="module")
+def local_ray(raydp_cache):
+    """A local Ray (2 CPUs) for the module, started unless one runs; its workers see the model cache and stay
+    offline. Shut down at the module's end."""
+    import ray
+
+    from raydp.runner.launch import RAY_NAMESPACE
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, log_to_driver=False,
+                 runtime_env={"env_vars": {k: os.environ[k] for k in ("RAYDP_CACHE", "HF_HUB_OFFLINE",
+                                                                     "TRANSFORMERS_OFFLINE") if k in os.environ}})
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     """A locally trained BPE tokenizer saved with save_pretrained (for tiny random Llama/Mistral/GPT-2)."""

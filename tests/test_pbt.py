@@ -3,7 +3,6 @@ the study file, the exploit path of a run, and one real PBT study on Ray Tune.""
 
 import io
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -223,19 +222,12 @@ def test_an_exploit_resumes_the_donors_state_with_the_new_settings(tmp_path, ray
 
 # -- one real PBT study on Ray Tune -------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def pbt_study(raydp_cache, tmp_path_factory):
-    import ray
-
-    from raydp.runner.launch import RAY_NAMESPACE
+def pbt_study(local_ray, tmp_path_factory):
     from raydp.study.runner import run_study
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, log_to_driver=False,
-                 runtime_env={"env_vars": {"RAYDP_CACHE": os.environ["RAYDP_CACHE"], "HF_HUB_OFFLINE": "1"}})
     root = tmp_path_factory.mktemp("pbt")
     study_dir = run_study(write_study(root), root / "out", progress=False)
     yield study_dir
-    ray.shutdown()
 
 
 def _common_prefix(a: list, b: list) -> int:

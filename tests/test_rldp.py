@@ -1,7 +1,6 @@
 """RLDP end to end on a real local Ray: runs as actors, a live RLlib SAC policy, saved policies, transfer."""
 
 import json
-import os
 import time
 
 import numpy as np
@@ -16,17 +15,8 @@ from raydp.control.modules import greedy_action
 from raydp.control.sac import SACSettings, module_spec
 from raydp.control.service import PolicySession
 from raydp.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
-from raydp.runner.launch import RAY_NAMESPACE, train
+from raydp.runner.launch import train
 
-
-@pytest.fixture(scope="module")
-def local_ray(raydp_cache):
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, log_to_driver=False,
-                 runtime_env={"env_vars": {k: os.environ[k] for k in ("RAYDP_CACHE", "HF_HUB_OFFLINE",
-                                                                     "TRANSFORMERS_OFFLINE") if k in os.environ}})
-    yield
-    ray.shutdown()
 
 
 def tiny_config(**overrides):

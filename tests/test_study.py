@@ -85,22 +85,15 @@ def test_shipped_study_files_validate_and_expand():
 
 
 @pytest.fixture(scope="module")
-def tiny_study(raydp_cache, tmp_path_factory):
-    import ray
-
-    from raydp.runner.launch import RAY_NAMESPACE
+def tiny_study(local_ray, tmp_path_factory):
     from raydp.study.runner import run_study
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, log_to_driver=False,
-                 runtime_env={"env_vars": {"RAYDP_CACHE": os.environ["RAYDP_CACHE"], "HF_HUB_OFFLINE": "1"}})
     root = tmp_path_factory.mktemp("study")
     base = {**TINY_STUDY["base"], "data": {"n_records": 400, "n_audit": 20}}  # audit canaries for `evaluate`
     path = write_study(root, base=base, evaluate={"generations": 20, "exposure_candidates": 50,
                                                   "membership_records": 16})
     study_dir = run_study(path, root / "out", progress=False)
     yield study_dir
-    ray.shutdown()
 
 
 def test_study_results_table(tiny_study):
