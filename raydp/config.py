@@ -22,7 +22,9 @@ SYNTHETIC_DEFAULT_RECORDS = 2000
 class DataConfig(StrictModel):
     """Where the private records come from (RLDP Sec. 2.1)."""
 
-    source: str = Field("synthetic", description="'synthetic', a diabetic_data.csv path, or a built dataset dir")
+    source: str = Field("synthetic", description="'synthetic', 'public' (the public population: pre-training "
+                        "a policy or tuning a baseline, no private budget), a diabetic_data.csv path, or a built "
+                        "dataset dir")
     ids_mapping: str | None = Field(None, description="IDs_mapping.csv for a real CSV (default: embedded tables)")
     n_records: int | None = Field(None, gt=0, description="synthetic size (default 2000), or a cap on the rows "
                                   "read from a CSV (default: all rows; a cap keeps whole patients)")
@@ -36,7 +38,7 @@ class DataConfig(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _synthetic_size(cls, values):
-        if isinstance(values, dict) and values.get("source", "synthetic") == "synthetic" \
+        if isinstance(values, dict) and values.get("source", "synthetic") in ("synthetic", "public") \
                 and values.get("n_records") is None:
             values = {**values, "n_records": SYNTHETIC_DEFAULT_RECORDS}
         return values
@@ -60,6 +62,12 @@ class RLDPConfig(StrictModel):
     k: int = Field(2, gt=0, description="SAC updates per decision (K)")
     r_max: float = Field(5.0, gt=0, description="reward lower bound -R_max (Eq. 20)")
     initial_clip: float = Field(0.1, gt=0, le=1.0, description="C_0 per pair before the controller acts")
+    noise_control: bool = Field(
+        True, description="the policy also sets sigma (Eq. 11-15; Renyi filter, ERRATA E13); false: sigma stays "
+                          "sigma_0 and the policy sets the clips only, accounted like a fixed-sigma run")
+    action_decoding: Literal["paper", "relative"] = Field(
+        "relative", description="clip actions as Eq. 10 (C_i = min(e^a_i, 1)) or relative to each pair's public "
+                             "reference norm (C_i = r_i e^a_i; raydp.control.decoding)")
     clip_floor: float = Field(1e-3, gt=0, lt=1.0, description="lower bound on decoded clip radii")
     histogram_bins: int = Field(24, ge=2, description="bins of the DP norm histogram (strict mode)")
     histogram_decades: float = Field(6.0, gt=0, description="log10 width of the histogram, centred on the public norm")

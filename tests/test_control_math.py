@@ -87,3 +87,20 @@ def test_layouts_pack_and_split():
         paper.pack(np.ones((3, 5)), np.zeros(10))
     with pytest.raises(ConfigError, match="at most 6"):
         shared.pack(np.ones((7, 5)), np.zeros(10))
+
+
+def test_relative_clip_decoding_is_the_reference_times_a_bounded_multiplier():
+    from raydp.control.decoding import RELATIVE_BOUNDS, decode_action, decode_clips_relative
+
+    ref = np.array([0.05, 2.0, 0.3])
+    np.testing.assert_allclose(decode_clips_relative([0.0, 0.0, 0.0], ref), ref)  # zero action: the reference
+    np.testing.assert_allclose(decode_clips_relative([math.log(2.0), -math.log(4.0), 0.5], ref),
+                               [0.1, 0.5, 0.3 * math.exp(0.5)])
+    np.testing.assert_allclose(decode_clips_relative([50.0, -50.0, 0.0], ref),  # far tails: the bounds
+                               [0.05 * RELATIVE_BOUNDS[1], 2.0 * RELATIVE_BOUNDS[0], 0.3])
+    assert decode_clips_relative([-50.0], [0.01], clip_floor=1e-3)[0] == 1e-3  # 1e-5 floored
+    with pytest.raises(ValueError, match="positive reference"):
+        decode_clips_relative([0.0, 0.0], [0.1, 0.0])
+    decoded = decode_action([0.0, 0.0, 0.0, 0.2], 1.0, 1.0, 0.0, 2.0, reference=ref)
+    np.testing.assert_allclose(decoded.clip, ref)
+    assert decoded.sigma == pytest.approx(decode_action([0.0, 0.0, 0.0, 0.2], 1.0, 1.0, 0.0, 2.0).sigma)

@@ -39,16 +39,16 @@ class FakeClient:
         pass
 
 
-def make_rldp(action, spent, t_warm=2, t_rl=3, r_max=5.0):
+def make_rldp(action, spent, t_warm=2, t_rl=3, r_max=5.0, probe=((1.0, 1.0),), **rldp):
     settings = RLDPConfig(t_warm=t_warm, t_rl=t_rl, r_max=r_max, histogram_bins=BINS, histogram_decades=6.0,
-                          initial_clip=0.1, clip_floor=1e-3)
+                          initial_clip=0.1, clip_floor=1e-3, **{"action_decoding": "paper", **rldp})
     client = FakeClient(action)
     strategy = RLDPStrategy(settings, client=client)
     strategy.setup(StrategyContext(N_PAIRS, (0.0, 1.0), q=0.1, planned_steps=100, sigma_0=SIGMA_0,
                                    epsilon_target=EPS_MAX, delta=1e-5, expected_batch_size=EXPECTED_B,
                                    privacy_spent=lambda: spent[0]))
     # public probe: median norm 1.0 -> bins span log10 in [-3, 3], one decade per bin
-    strategy.calibrate_public(np.array([[1.0, 1.0]]), np.array([1.0]))
+    strategy.calibrate_public(np.array(probe, dtype=float), np.ones(len(probe)))
     return strategy, client
 
 
@@ -131,3 +131,30 @@ def test_reward_is_bounded_below_by_r_max():
     strategy.observe(release(1, counts, 100.0), ledger=None)  # utility collapses
     strategy.between_steps(2)
     assert client.calls[-1][1] == pytest.approx(-0.5)
+
+
+def test_relative_decoding_scales_each_pairs_public_median():
+    # public probe: pair 0's norms 0.1, 0.2, 0.4 (median 0.2); pair 1's 1, 3, 2 (median 2)
+    probe = ((0.1, 1.0), (0.2, 3.0), (0.4, 2.0))
+    strategy, client = make_rldp([0.0, math.log(0.1), 0.0, 0.0, 0.7], [0.0], t_warm=0, t_rl=1, probe=probe,
+                                 action_decoding="relative")
+    counts = np.zeros((N_PAIRS, BINS))
+    counts[:, 3] = 10.0
+    strategy.observe(release(0, counts, 1.0), ledger=None)
+    strategy.between_steps(1)
+    assert strategy.dials(1).clip == pytest.approx((0.2 * 1.0, 2.0 * 0.1))  # C_i = r_i * e^{a_i}
+    assert strategy.decisions[-1]["clip_next"] == pytest.approx([0.2, 0.2])
+
+
+def test_clip_only_control_keeps_sigma_on_the_plan():
+    """noise_control off: the noise action is ignored and no sigma is proposed (the engine uses the plan's),
+    so the run is a fixed-schedule run (no Renyi filter)."""
+    strategy, client = make_rldp([math.log(0.3), 0.0, 0.0, 0.0, 3.0], [0.0], t_warm=0, t_rl=1, noise_control=False)
+    assert strategy.adaptive_sigma is False and RLDPStrategy.adaptive_sigma is True
+    counts = np.zeros((N_PAIRS, BINS))
+    counts[:, 3] = 10.0
+    strategy.observe(release(0, counts, 1.0), ledger=None)
+    strategy.between_steps(1)
+    dials = strategy.dials(1)
+    assert dials.sigma is None and dials.clip == pytest.approx((0.3, 1.0))
+    assert strategy.decisions[-1]["sigma_next"] == SIGMA_0

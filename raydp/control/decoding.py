@@ -10,6 +10,14 @@ The action is ``a_t = (a_1..a_n, a_{n+1})`` in R^{n+1}, drawn from the actor's u
 * Eq. 14: ``log sigma_{t+1} = beta log sigma_t + (1 - beta) log sigma_prop``, beta = 0.8;
 * Eq. 15: ``sigma_{t+1} = exp(log sigma_{t+1})``.
 
+``relative`` decoding (raydp's, issue 12; ``rldp.action_decoding: relative``) replaces Eq. 10 only:
+``C_i = r_i * exp(clamp(a_i, log RELATIVE_BOUNDS))``, where r_i is pair i's public reference scale (the
+median per-sample norm of pair i on PUBLIC records under the initial model, measured by the public
+probe). A zero action then means "clip at the public reference" rather than Eq. 10's "C_i = 1", and
+the same action means the same thing on a model whose gradients are ten times smaller. The multiplier
+is bounded to [1e-3, 10] (a Gaussian action far in its tail must not clip to nothing or not at all).
+Eq. 11-15 (sigma) are unchanged.
+
 Two additions, both documented: ``clip_floor`` (default 1e-3) keeps C_i away from 0 when an action
 is far out in the Gaussian's tail (Eq. 10 alone allows C_i -> 0, which clips every gradient to
 nothing), and step_t is floored at 0 (the ledger may sit a hair above eps_max under another
@@ -28,6 +36,8 @@ SIGMA_MOMENTUM = 0.8
 SIGMA_BOUNDS = (0.5, 2.0)  # multiples of sigma_0 (Eq. 13)
 CLIP_MAX = 1.0
 CLIP_FLOOR = 1e-3
+RELATIVE_BOUNDS = (1e-3, 10.0)  # multiplier of the public reference scale (relative decoding)
+DECODINGS = ("paper", "relative")
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,17 @@ def decode_clips(a_clip, clip_floor: float = CLIP_FLOOR) -> np.ndarray:
     return np.clip(np.exp(np.minimum(a, 0.0)), clip_floor, CLIP_MAX)
 
 
+def decode_clips_relative(a_clip, reference, clip_floor: float = CLIP_FLOOR) -> np.ndarray:
+    """Relative decoding: C_i = r_i * exp(a_i), the multiplier exp(a_i) bounded to RELATIVE_BOUNDS, the
+    result floored at ``clip_floor``; ``reference`` holds r_i > 0 (one per pair)."""
+    a = np.asarray(a_clip, dtype=np.float64)
+    r = np.asarray(reference, dtype=np.float64)
+    if r.shape != a.shape or not np.all(np.isfinite(r) & (r > 0)):
+        raise ValueError(f"relative decoding needs one positive reference scale per clip action, got {r}")
+    lo, hi = (math.log(b) for b in RELATIVE_BOUNDS)
+    return np.maximum(r * np.exp(np.clip(a, lo, hi)), clip_floor)
+
+
 def decode_sigma(a_sigma: float, sigma_t: float, sigma_0: float, epsilon_t: float, epsilon_max: float,
                  delta_max: float = DELTA_MAX, momentum: float = SIGMA_MOMENTUM) -> tuple[float, float, float]:
     """Eq. 11-15: (sigma_{t+1}, sigma_prop, step_t) from the noise action and the ledger's epsilon."""
@@ -58,11 +79,13 @@ def decode_sigma(a_sigma: float, sigma_t: float, sigma_0: float, epsilon_t: floa
 
 
 def decode_action(action, sigma_t: float, sigma_0: float, epsilon_t: float, epsilon_max: float,
-                  clip_floor: float = CLIP_FLOOR) -> DecodedAction:
-    """The full Eq. 10-15 map for an action of length n + 1 (the last entry is the noise action)."""
+                  clip_floor: float = CLIP_FLOOR, reference=None) -> DecodedAction:
+    """The full Eq. 10-15 map for an action of length n + 1 (the last entry is the noise action);
+    with ``reference`` (one public scale per pair), the clips are decoded relatively (module docstring)."""
     a = np.asarray(action, dtype=np.float64).ravel()
     if a.size < 2 or not np.all(np.isfinite(a)):
         raise ValueError(f"an action needs n >= 1 finite clip entries and one noise entry, got {a}")
-    clips = decode_clips(a[:-1], clip_floor)
+    clips = decode_clips(a[:-1], clip_floor) if reference is None else \
+        decode_clips_relative(a[:-1], reference, clip_floor)
     sigma, prop, step = decode_sigma(a[-1], sigma_t, sigma_0, epsilon_t, epsilon_max)
     return DecodedAction(clip=tuple(float(c) for c in clips), sigma=sigma, sigma_proposed=prop, step_size=step)

@@ -37,10 +37,16 @@ def check_policy_privacy(config, restore: Path | None = None) -> Path | None:
     after checking it may drive this run: a policy trained in paper mode saw unprivatized statistics of
     private data (ERRATA E3/E14), so it may not drive a strict run (one-line ConfigError)."""
     from raydp.control.store import check_policy_privacy_mode, load_manifest, resolve_policy
+    from raydp.errors import ConfigError
 
     s = config.rldp
     if restore is None:
         restore = resolve_policy(s.policy, s.policy_dir) if s.policy else None
     if restore is not None:
-        check_policy_privacy_mode(load_manifest(restore), s.privacy_mode, s.policy or str(restore))
+        manifest = load_manifest(restore)
+        check_policy_privacy_mode(manifest, s.privacy_mode, s.policy or str(restore))
+        trained = (manifest.get("trained_on") or {}).get("action_decoding", "paper")  # before the option: Eq. 10
+        if trained != s.action_decoding:
+            raise ConfigError(f"policy {s.policy or restore} acts in {trained!r} clip decoding; this run decodes "
+                              f"{s.action_decoding!r} (set rldp.action_decoding: {trained})")
     return restore

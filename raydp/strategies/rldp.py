@@ -8,7 +8,8 @@ view) and E4 (budget guard, applied by the DP step to every proposed sigma):
 * at every step t > T_warm with t mod T_RL == 0 (lines 16-38): the state s_t is assembled
   (:mod:`raydp.control.features`), the reward of the previous action (Eq. 17-20) and s_t go to the
   policy through the broker, which returns a_t; a_t is decoded by Eq. 10-15
-  (:mod:`raydp.control.decoding`). The policy service trains on the transition (K updates of B_SAC).
+  (:mod:`raydp.control.decoding`; ``action_decoding: relative`` decodes the clips relative to each
+  pair's public reference norm instead of Eq. 10). The policy service trains on the transition (K updates of B_SAC).
 
 strict mode: every step releases a noisy per-pair histogram of log per-sample norms and a noisy sum of
 clipped per-sequence losses, charged with the gradient (:mod:`raydp.privacy.statistics`); the state is
@@ -76,11 +77,21 @@ class RLDPStrategy(Strategy):
 
     def __init__(self, settings, client=None):
         self.settings = settings
+        # noise_control off: the policy sets the clips only and sigma stays on the plan (sigma_0). With the
+        # proportional noise allocation every step is then a subsampled Gaussian of multiplier sigma_0 in
+        # units of its clip, whatever clips the policy chose from earlier releases: each step's privacy loss
+        # distribution is fixed in advance, so adaptive composition of dominating pairs (Zhu, Dong and Wang
+        # 2022, Thm 10; Dong, Roth and Su 2019, Thm 3.2 for f-DP; the argument Andrew et al. 2021 use for
+        # adaptive clipping) lets the ledger's PLD account the run with no Renyi filter (ERRATA E1/E13).
+        # The declared statistics keep fixed sensitivities (sqrt(n) and the public loss bound) and noise
+        # relative to sigma_0, so they do not depend on the chosen clips either.
+        self.adaptive_sigma = bool(settings.noise_control)
         self.privacy_mode = settings.privacy_mode
         self.client = client
         self.histogram = NormHistogram(None, None, settings.histogram_bins, settings.histogram_noise)
         self.loss_release = ClippedLossSum(None, settings.loss_noise)
         self.reference_norm = 1.0
+        self.pair_reference: np.ndarray | None = None  # r_i: median public per-sample norm of pair i
         self.trace: list[dict] = []
         self.decisions: list[dict] = []
         self._previous: tuple[float, float] | None = None  # (u, eps) at the last decision
@@ -111,6 +122,9 @@ class RLDPStrategy(Strategy):
         if positive.size == 0 or losses.size == 0:
             raise ConfigError("the public probe gave no gradient norms; cannot place the histogram bins")
         self.reference_norm = float(np.median(positive))
+        # r_i for relative decoding: pair i's median public norm (the pooled median for a pair with none)
+        self.pair_reference = np.array([float(np.median(col[col > 0])) if np.any(col > 0) else self.reference_norm
+                                        for col in np.asarray(pair_norms, dtype=np.float64).T])
         centre, half = math.log10(self.reference_norm), self.settings.histogram_decades / 2
         self.histogram = self.histogram.placed(centre - half, centre + half)
         loss_clip = math.ceil(20 * float(np.max(losses))) / 10  # 2 x max, rounded up to 0.1
@@ -118,11 +132,13 @@ class RLDPStrategy(Strategy):
 
     # -- per step ----------------------------------------------------------------------------------
     def dials(self, step: int) -> Dials:
-        return Dials(clip=tuple(float(c) for c in self.clips), sigma=float(self.sigma))
+        sigma = float(self.sigma) if self.adaptive_sigma else None  # None: the plan's sigma (noise_control off)
+        return Dials(clip=tuple(float(c) for c in self.clips), sigma=sigma)
 
     def observe(self, release: StepRelease, ledger) -> None:
         t = release.step + 1
-        self.sigma = release.dials.sigma  # the sigma in force (after the guard) is sigma_t of Eq. 13-14
+        if release.dials.sigma is not None:
+            self.sigma = release.dials.sigma  # the sigma in force (after the guard) is sigma_t of Eq. 13-14
         if self.privacy_mode == "strict":
             self._interval.add(release)
             if t <= self.settings.t_warm:
@@ -180,12 +196,19 @@ class RLDPStrategy(Strategy):
         if self._previous is not None:
             r = rldp_reward(utility, self._previous[0], eps_t, self._previous[1], self.settings.r_max)
         action = layout.split_action(self.client.decide(obs, r), ctx.n_pairs)
-        decoded = decode_action(action, self.sigma, ctx.sigma_0, eps_t, ctx.epsilon_target, self.settings.clip_floor)
+        reference = None
+        if self.settings.action_decoding == "relative":
+            if self.pair_reference is None or len(self.pair_reference) != ctx.n_pairs:
+                raise ConfigError("relative action decoding needs the public probe's per-pair norms")
+            reference = self.pair_reference
+        decoded = decode_action(action, self.sigma, ctx.sigma_0, eps_t, ctx.epsilon_target, self.settings.clip_floor,
+                                reference=reference)
         self.clips = np.array(decoded.clip)
-        self.sigma = decoded.sigma
+        if self.adaptive_sigma:  # noise_control off: the noise action is ignored, sigma stays on the plan
+            self.sigma = decoded.sigma
         self._previous = (utility, eps_t)
         self.decisions.append({"step": t, "epsilon": eps_t, "utility": utility, "reward": r,
-                               "action": [float(a) for a in action], "sigma_next": decoded.sigma,
+                               "action": [float(a) for a in action], "sigma_next": float(self.sigma),
                                "sigma_proposed": decoded.sigma_proposed, "step_size": decoded.step_size,
                                "clip_next": list(decoded.clip),
                                "latency_s": self.client.latencies[-1] if self.client.latencies else None,
@@ -198,7 +221,8 @@ class RLDPStrategy(Strategy):
         return copy.deepcopy({"clips": self.clips.copy(), "sigma": self.sigma, "interval": vars(self._interval).copy(),
                 "warm": vars(self._warm).copy(), "warm_raw": list(self._warm_raw), "last_raw": self._last_raw,
                 "previous": self._previous, "trace": list(self.trace), "decisions": list(self.decisions),
-                "reference_norm": self.reference_norm, "histogram": self.histogram, "loss_release": self.loss_release})
+                "reference_norm": self.reference_norm,
+                "pair_reference": self.pair_reference, "histogram": self.histogram, "loss_release": self.loss_release})
 
     def load_state_dict(self, state: dict) -> None:
         self.clips, self.sigma = np.array(state["clips"]), float(state["sigma"])
@@ -208,6 +232,7 @@ class RLDPStrategy(Strategy):
         self._previous = state["previous"]
         self.trace, self.decisions = list(state["trace"]), list(state["decisions"])
         self.reference_norm = state["reference_norm"]
+        self.pair_reference = state.get("pair_reference")
         self.histogram, self.loss_release = state["histogram"], state["loss_release"]
 
     # -- end of run --------------------------------------------------------------------------------
@@ -236,13 +261,16 @@ class RLDPStrategy(Strategy):
             "final_clip": [float(c) for c in self.clips],
             "histogram_log10_range": [self.histogram.log10_low, self.histogram.log10_high],
             "loss_clip": self.loss_release.loss_clip,
+            "action_decoding": self.settings.action_decoding,
+            "pair_reference": None if self.pair_reference is None else [float(r) for r in self.pair_reference],
         }
 
     def describe(self) -> dict:
         out = super().describe()
         s = self.settings
         out.update({"t_warm": s.t_warm, "t_rl": s.t_rl, "b_sac": s.b_sac, "k": s.k, "r_max": s.r_max,
-                    "architecture": s.architecture, "policy": s.policy, "frozen": s.frozen,
+                    "architecture": s.architecture, "action_decoding": s.action_decoding,
+                    "noise_control": s.noise_control, "policy": s.policy, "frozen": s.frozen,
                     "strict_releases": [] if self.privacy_mode == "paper" else
                     [{"name": "norm_histogram", "noise_multiplier": s.histogram_noise},
                      {"name": "loss_sum", "noise_multiplier": s.loss_noise}]})
