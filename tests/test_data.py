@@ -418,6 +418,29 @@ def test_public_corpus_is_disjoint_and_clean(built: Path) -> None:
                          generate_records(5, seed=0, progress=False).to_dict("records")]
 
 
+def test_public_source_builds_episodes_from_the_public_population(built: Path, tmp_path: Path) -> None:
+    """source: public (pre-training a policy, tuning a baseline): records of the public population, apart
+    from the private splits and from the public texts the runs are selected and probed on."""
+    from raydp.runner.run import PUBLIC_EVAL_SEED, PUBLIC_PROBE_SEED
+
+    manifest = build_dataset(tmp_path / "pub", source="public", n_records=300, n_audit=10, progress=False)
+    assert manifest["public"] is True and manifest["source"] == "public"
+    assert manifest["n_canary"] == 0 and manifest["n_audit"] == 0  # no private-data instruments in public data
+    assert not any("secret_id" in t for t in load_texts(tmp_path / "pub", "train"))
+    pub = set()
+    for s in ("train", "eval", "attack"):
+        split = load_split(tmp_path / "pub", s)
+        assert (split["patient_nbr"] >= 8_000_000_000).all()  # the public population's id range
+        pub |= set(load_texts(tmp_path / "pub", s))
+    private = set()
+    for s in ("train", "eval", "attack"):
+        private |= set(load_texts(built, s))
+    assert not pub & private
+    assert not pub & set(public_corpus(300, seed=PUBLIC_EVAL_SEED, progress=False))
+    assert not pub & set(public_corpus(300, seed=PUBLIC_PROBE_SEED, progress=False))
+    assert not pub & set(public_corpus(300, seed=0, progress=False))  # the embedded model's pre-training corpus
+
+
 def test_build_from_csv_source(tmp_path: Path) -> None:
     df = generate_records(40, seed=5, progress=False)
     df.to_csv(tmp_path / "diabetic_data.csv", index=False)

@@ -40,7 +40,7 @@ def fake_policy(root, name, provenance=None, trained_on=None, legacy=False):
     path.mkdir(parents=True)
     write_replay(path / "replay.npz", {"obs": np.zeros((2, 3)), "action": np.zeros((2, 1)),
                                        "reward": np.zeros(2), "next_obs": np.zeros((2, 3))})
-    write_manifest(path, layout=LAYOUT, sac=SAC, trained_on=trained_on or {"model": "embedded-tiny"}, results={},
+    write_manifest(path, layout=LAYOUT, sac=SAC, trained_on=trained_on or {"model": "embedded-tiny", "action_decoding": "relative"}, results={},
                    transitions=2, updates=4, provenance=provenance)
     if legacy:  # a manifest written before provenance existed
         manifest = json.loads((path / MANIFEST).read_text())
@@ -86,12 +86,31 @@ def test_legacy_manifest_reads_as_one_entry_and_keeps_its_mode(tmp_path):
     assert policy_privacy_mode(load_manifest(continued)) == "paper"
 
 
-def test_shipped_policy_is_strict_and_usable():
+def test_shipped_policy_is_strict_public_and_usable():
+    from raydp.config import TrainConfig, validate_config
+    from raydp.control.policies import check_policy_privacy
     from raydp.control.store import resolve_policy
 
-    manifest = load_manifest(resolve_policy("embedded-eps2", "policies"))
+    manifest = load_manifest(resolve_policy("public-embedded", "policies"))
     assert policy_privacy_mode(manifest) == "strict"
-    check_policy_privacy_mode(manifest, "strict", "embedded-eps2")  # no error
+    assert manifest["trained_on"]["pretraining"]["public_data"]
+    assert manifest["provenance"] and all(e["public_data"] for e in manifest["provenance"])
+    config = validate_config(TrainConfig, {"strategy": "rldp", "epsilon": 2.0, "rldp": {"policy": "public-embedded"}})
+    assert check_policy_privacy(config) is not None  # no error
+
+
+def test_a_policy_acts_only_in_the_clip_decoding_it_learned(tmp_path):
+    from raydp.config import TrainConfig, validate_config
+    from raydp.control.policies import check_policy_privacy
+
+    fake_policy(tmp_path, "eq10", provenance=[entry()], trained_on={"model": "embedded-tiny"})  # before the option
+    def config(decoding):
+        return validate_config(TrainConfig, {"model": "embedded-tiny", "strategy": "rldp", "epsilon": 2.0, "rldp": {
+            "policy": "eq10", "policy_dir": str(tmp_path), "action_decoding": decoding}})
+
+    with pytest.raises(ConfigError, match="acts in 'paper' clip decoding; this run decodes 'relative'"):
+        check_policy_privacy(config("relative"))
+    assert check_policy_privacy(config("paper")) == tmp_path / "eq10"
 
 
 def test_paper_policy_refuses_to_drive_a_strict_run(tmp_path):

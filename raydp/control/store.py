@@ -54,10 +54,11 @@ REPLAY_FILE = "replay.npz"
 
 
 def resolve_policy(name_or_path: str, policy_dir: str | Path = "policies") -> Path:
-    """The directory of a saved policy: a path, or a name under ``policy_dir``; ConfigError if absent."""
+    """The directory of a saved policy, absolute (Ray actors run elsewhere and RLlib reads a relative path
+    as a URI): a path, or a name under ``policy_dir``; ConfigError if absent."""
     for candidate in (Path(name_or_path).expanduser(), Path(policy_dir).expanduser() / name_or_path):
         if (candidate / MANIFEST).is_file():
-            return candidate
+            return candidate.resolve()
     known = ", ".join(p["name"] for p in list_policies(policy_dir)) or "none"
     raise ConfigError(f"no saved policy {name_or_path!r} (looked for {name_or_path}/{MANIFEST} and "
                       f"{Path(policy_dir) / name_or_path}/{MANIFEST}); policies in {policy_dir}: {known}")
@@ -167,6 +168,8 @@ def provenance_summary(manifest: dict) -> list[str]:
     for e in provenance_of(manifest):
         sha, eps, guarantee = e.get("dataset_sha256"), e.get("epsilon"), e.get("guarantee")
         line = f"{e.get('privacy_mode') or 'unknown mode'} on dataset {sha[:12] if sha else 'unknown'}"
+        if e.get("public_data"):
+            line += " (public data: no private budget)"
         if eps is not None:
             line += f", eps {eps:g}"
         if guarantee:

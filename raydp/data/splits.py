@@ -147,6 +147,16 @@ def _check_seed(name: str, value: Any) -> int:
     return int(value)
 
 
+#: ``source: public`` builds a dataset from the PUBLIC synthetic population (raydp.data.public): episodes
+#: that pre-train a controller or tune a baseline's clip spend no private budget (issue 12). Its seeds
+#: start at PUBLIC_EPISODE_SEED, apart from the public corpus's other uses (model pre-training, the probe,
+#: public validation, extraction profiles), so a policy never trains on the records it is selected by.
+PUBLIC_SOURCE = "public"
+PUBLIC_EPISODE_SEED = 1_000_000
+PUBLIC_NOTE = ("public records: the public synthetic population (a proxy of the private one); no private "
+               "data, no private budget spent")
+
+
 def _resolve_id_maps(ids_mapping: str | os.PathLike | IdMaps | None) -> IdMaps:
     if ids_mapping is None:
         return schema.default_id_maps()
@@ -156,6 +166,11 @@ def _resolve_id_maps(ids_mapping: str | os.PathLike | IdMaps | None) -> IdMaps:
 
 
 def _load_source(source, n_records, seed, ids_mapping, progress):
+    if isinstance(source, str) and source == PUBLIC_SOURCE:
+        n = DEFAULT_SYNTHETIC_SIZE if n_records is None else n_records
+        records = generate_records(n, PUBLIC_EPISODE_SEED + seed, population="public", progress=progress)
+        info = {"source": PUBLIC_SOURCE, "synthetic": True, "public": True, "note": PUBLIC_NOTE}
+        return records, _resolve_id_maps(ids_mapping), info
     if isinstance(source, str) and source == "synthetic":
         n = DEFAULT_SYNTHETIC_SIZE if n_records is None else n_records
         records = generate_records(n, seed, population="private", progress=progress)
@@ -272,6 +287,8 @@ def build_dataset(
         raise DataError(f"dataset directory {out} exists and is not empty "
                         f"(pass overwrite=True to replace it)")
 
+    if isinstance(source, str) and source == PUBLIC_SOURCE:
+        n_canary, n_audit = 0, 0  # canaries are instruments of a private dataset: public episodes carry none
     records, id_maps, info = _load_source(source, n_records, seed, ids_mapping, progress)
     units = records[UNIT_COLUMN].to_numpy(dtype=np.int64)
     idx = split_indices(units, seed)
@@ -511,12 +528,12 @@ def resolve_dataset(data, build_dir: str | Path, progress: bool = True) -> Path:
     dataset directory: a built dataset directory is used as is (its manifest checked); a CSV or the
     synthetic generator is built into ``build_dir`` (reused when already built there)."""
     source = Path(data.source).expanduser()
-    if data.source != "synthetic" and source.is_dir():
+    if data.source not in ("synthetic", PUBLIC_SOURCE) and source.is_dir():
         load_manifest(source)  # validates that it is a dataset directory
         return source.resolve()
     build_dir = Path(build_dir)
     if not (build_dir / "manifest.json").exists():
-        build_dataset(build_dir, source="synthetic" if data.source == "synthetic" else str(source),
+        build_dataset(build_dir, source=data.source if data.source in ("synthetic", PUBLIC_SOURCE) else str(source),
                       n_records=data.n_records, seed=data.seed, n_canary=data.n_canary,
                       canary_seed=data.canary_seed, n_audit=data.n_audit, ids_mapping=data.ids_mapping,
                       progress=progress)

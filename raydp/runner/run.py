@@ -88,7 +88,8 @@ def policy_provenance(private, config: TrainConfig, manifest: dict, privacy: dic
         orders, curve = privacy["filter"]["orders"], privacy["filter"]["budget_rdp"]
     else:
         orders, curve = list(DEFAULT_ORDERS), ledger_rdp_curve(private.ledger).tolist()
-    return {"dataset_sha256": manifest.get("content_sha256"), "privacy_mode": private.strategy.privacy_mode,
+    return {"dataset_sha256": manifest.get("content_sha256"), "public_data": bool(manifest.get("public")),
+            "privacy_mode": private.strategy.privacy_mode,
             "privacy_unit": private.units.name, "epsilon": privacy["epsilon"], "delta": config.delta,
             "guarantee": privacy["guarantee"], "labels": privacy["labels"], "rdp_orders": list(orders),
             "rdp_curve": list(curve)}
@@ -172,6 +173,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
                 client.save_policy(staging / "policy", trained_on={
                     "model": config.model, "n_adapter_pairs": len(loaded.pairs), "epsilon": config.epsilon,
                     "steps": trainer.step_count, "privacy_mode": private.strategy.privacy_mode,
+                    "action_decoding": config.rldp.action_decoding,
                     "decisions": controller.get("decisions") if controller else None},
                     results={"final_public_perplexity": public[-1], "best_public_perplexity": min(public),
                              "epsilon": privacy["epsilon"], "labels": privacy["labels"]},
