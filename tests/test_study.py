@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -50,6 +51,14 @@ def write_study(tmp_path, **changes):
     ({"name": "bad name!"}, "name"),
     ({"evaluate": {}}, "evaluate.audit needs audit canaries in the data"),
     ({"policy": "shared", "sac_grid": {"t_rl": [4], "b_sac": [4, 8], "k": [2]}}, "a shared policy has one B_SAC"),
+    ({"settings_grid": {"quantile": {"clip": [0.1]}}}, "settings_grid.quantile: not a DP strategy of this study"),
+    ({"settings_grid": {"static": {"clip": []}}}, "settings_grid.static: give each setting a non-empty list"),
+    ({"save_policy": "x"}, "save_policy saves a study's shared policy"),
+    ({"policy": "shared", "settings_grid": {"rldp": {"t_warm": [2, 4]}}}, "one shared policy cannot act"),
+    ({"settings_grid": {"rldp": {"policy": ["a", "b"]}}}, "settings_grid.rldp cannot vary policy"),
+    ({"policy": "shared", "save_policy": "x"}, "save_policy pre-trains on public data only"),
+    ({"private_data": False}, "private_data: false is for public data only"),
+    ({"settings_grid": {"static": {"clip": [0.1, 0.1]}}}, "two trials would both be named"),
 ])
 def test_invalid_study_files_fail_before_any_trial(tmp_path, changes, message, capsys):
     from raydp.cli import main
@@ -72,7 +81,7 @@ def test_missing_and_broken_study_files(tmp_path):
 
 def test_shipped_study_files_validate_and_expand():
     quick = load_study(REPO / "trials" / "quickstart.yaml")
-    assert [t["strategy"] for t in trial_grid(quick)] == ["static", "rldp"]
+    assert [t["strategy"] for t in trial_grid(quick)] == ["static-pairwise", "rldp"]
     grid = load_study(REPO / "trials" / "paper_grid.yaml")
     n_rldp = 8 * 4 * 3
     assert len(trial_grid(grid)) == 4 * 5 * 3 * (10 + n_rldp)  # 10 fixed strategies, RLDP over the SAC grid
@@ -82,6 +91,30 @@ def test_shipped_study_files_validate_and_expand():
     pbt = load_study(REPO / "trials" / "pbt.yaml")
     assert pbt.search == "pbt" and pbt.selection == "public"
     load_study(REPO / "trials" / "transfer.yaml")
+    frontier = load_study(REPO / "trials" / "frontier.yaml")
+    assert len(trial_grid(frontier)) == 10 * 3 * 3 and frontier.epsilons == [0.5, 2.0, 8.0]
+    tuning = trial_grid(load_study(REPO / "trials" / "public-tuning.yaml"))
+    assert len(tuning) == (2 + 3 + 2) * 3 * 2
+    assert {t["grid"]["clip"] for t in tuning if t["strategy"] == "static-pairwise"} == {0.01, 0.03, 0.1}
+    for name in ("pretrain", "no-control", "trl-sweep"):
+        load_study(REPO / "trials" / f"{name}.yaml")
+
+
+def test_settings_grid_expands_into_named_trials_with_their_settings(tmp_path):
+    from raydp.study.config import trial_config
+    from raydp.study.runner import trial_name
+
+    study = load_study(write_study(tmp_path, strategies=["static", "static-pairwise", "rldp"], settings_grid={
+        "static-pairwise": {"clip": [0.01, 0.1]}, "rldp": {"action_decoding": ["paper", "relative"]}}))
+    trials = trial_grid(study)
+    assert [(t["strategy"], t.get("grid")) for t in trials] == [
+        ("static", None), ("static-pairwise", {"clip": 0.01}), ("static-pairwise", {"clip": 0.1}),
+        ("rldp", {"action_decoding": "paper"}), ("rldp", {"action_decoding": "relative"})]
+    names = [trial_name(t) for t in trials]
+    assert len(set(names)) == 5 and names[1].endswith("_clip0.01")
+    assert trial_config(study, trials[1]).settings == {"clip": 0.01}
+    assert trial_config(study, trials[3]).rldp.action_decoding == "paper"
+    assert trial_config(study, trials[4]).rldp.action_decoding == "relative"
 
 
 @pytest.fixture(scope="module")
@@ -189,11 +222,16 @@ def test_optuna_chooses_the_sac_cells(tiny_study, tmp_path):
     assert set(rldp["t_rl"]) <= {4, 8} and set(rldp["k"]) <= {1, 2}
 
 
-def test_rldp_trials_can_share_one_policy(tiny_study, tmp_path):
+def test_rldp_trials_can_share_one_policy(tiny_study, tmp_path, monkeypatch):
+    """Pre-training on public data: two episodes on the public population feed one policy, saved with
+    its training record."""
+    from raydp.cli import main
     from raydp.study.runner import run_study
 
+    base = {**TINY_STUDY["base"], "data": {"source": "public", "n_records": 400}}
     path = write_study(tmp_path, name="shared", strategies=["rldp"], seeds=[0, 1], policy="shared",
-                       wandb={"mode": "disabled"})
+                       wandb={"mode": "disabled"}, base=base, private_data=False, save_policy="pre",
+                       policy_dir=str(tmp_path / "policies"))
     study_dir = run_study(path, tmp_path / "out", progress=False)
     table = pd.read_parquet(study_dir / "results.parquet")
     assert len(table) == 2 and (table["status"] == "TERMINATED").all()
@@ -201,6 +239,22 @@ def test_rldp_trials_can_share_one_policy(tiny_study, tmp_path):
                    for d in table["run_dir"]]
     shared = json.loads((study_dir / "study_summary.json").read_text())["shared_policy"]
     assert shared["transitions_trained"] == sum(transitions) > 0  # one service trained on both trials
+    manifest = json.loads((tmp_path / "policies" / "pre" / "manifest.json").read_text())
+    record = manifest["trained_on"]["pretraining"]
+    assert record["public_data"] and record["data_source"] == "public" and record["episodes"] == 2
+    assert record["transitions"] == sum(transitions) and record["cpu_seconds"] > 0
+    assert all(e["public_data"] for e in manifest["provenance"]) and len(manifest["provenance"]) == 2
+    # the study refuses to overwrite the saved policy, before running anything
+    assert main(["study", str(path), "--results-dir", str(tmp_path / "again")]) == 2
+    assert not (tmp_path / "again").exists()
+    # a later study starts its trials from the saved policy named relative to where it runs (Tune starts
+    # each trial in its own directory, and the policy service elsewhere again)
+    monkeypatch.chdir(tmp_path)
+    rldp = {**TINY_STUDY["base"]["rldp"], "policy": "pre", "policy_dir": "policies"}
+    path = write_study(tmp_path, name="reuse", strategies=["rldp"], wandb={"mode": "disabled"},
+                       base={**TINY_STUDY["base"], "rldp": rldp})
+    table = pd.read_parquet(run_study(path, "out", progress=False) / "results.parquet")
+    assert list(table["status"]) == ["TERMINATED"]
 
 
 def _trial_footprint(study_dir: Path) -> tuple[dict, dict, list]:
@@ -336,3 +390,34 @@ def test_a_failed_evaluation_is_a_column_not_a_failed_trial(tmp_path):
     row = _trial_row(trial, tmp_path, "TERMINATED", {"evaluation_error": "ConfigError: no adapter"})
     assert row["status"] == "TERMINATED" and row["evaluation_error"] == "ConfigError: no adapter"
     assert "evaluation_error" not in _trial_row(trial, tmp_path, "TERMINATED", {})
+
+
+def test_verdicts_compare_rldp_with_the_best_baseline_by_welch_t_test():
+    from scipy import stats
+
+    from raydp.study.report import verdicts
+
+    rows = []
+    cells = {  # epsilon: (rldp, static, static-pairwise [clip=0.01], quantile)
+        0.5: ([1.30, 1.31, 1.32], [1.40, 1.41, 1.42], [1.35, 1.36, 1.37], [1.50, 1.50, 1.51]),  # wins
+        2.0: ([1.30, 1.32, 1.34], [1.31, 1.33, 1.35], [1.40, 1.40, 1.41], [1.45, 1.46, 1.47]),  # ties
+        8.0: ([1.40, 1.41, 1.42], [1.30, 1.31, 1.32], [1.33, 1.33, 1.34], [1.31, 1.30, 1.31]),  # loses
+    }
+    for eps, arms in cells.items():
+        for (strategy, variant), values in zip((("rldp", None), ("static", None), ("static-pairwise", "clip=0.01"),
+                                                ("quantile", None)), arms):
+            rows += [{"model": "m", "epsilon_target": eps, "seed": i, "strategy": strategy, "variant": variant,
+                      "t_rl": 16.0 if strategy == "rldp" else None, "b_sac": 4.0 if strategy == "rldp" else None,
+                      "k": 2.0 if strategy == "rldp" else None, "frozen_policy": False, "final_ppl": v}
+                     for i, v in enumerate(values)]
+    v = verdicts(pd.DataFrame(rows), "final_ppl").set_index("epsilon")
+    assert list(v["verdict"]) == ["wins", "ties", "loses"]
+    assert v.loc[0.5, "best_baseline"] == "static-pairwise [clip=0.01]" and v.loc[8.0, "best_baseline"] == "quantile"
+    # Welch's t by hand (t statistic, Welch-Satterthwaite degrees of freedom)
+    r, b = np.array(cells[2.0][0]), np.array(cells[2.0][1])
+    se2 = r.var(ddof=1) / 3 + b.var(ddof=1) / 3
+    t = (r.mean() - b.mean()) / np.sqrt(se2)
+    df = se2**2 / ((r.var(ddof=1) / 3) ** 2 / 2 + (b.var(ddof=1) / 3) ** 2 / 2)
+    assert v.loc[2.0, "p_value"] == pytest.approx(2 * stats.t.sf(abs(t), df))
+    assert v.loc[2.0, "change_pct"] == pytest.approx(100 * (r.mean() - b.mean()) / b.mean())
+    assert v.loc[0.5, "rldp_sd"] == pytest.approx(0.01)

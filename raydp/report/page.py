@@ -37,7 +37,7 @@ import pandas as pd
 
 from raydp.errors import ConfigError
 from raydp.report import figures
-from raydp.study.report import _final_column, load_results, table2, table3
+from raydp.study.report import VERDICT_ALPHA, _final_column, load_results, table2, table3, verdicts
 
 MAX_DIALS = 24
 EVALUATION_FILE = "evaluation.json"
@@ -274,6 +274,8 @@ def _with_arms(results: pd.DataFrame) -> pd.DataFrame:
                 name += " " + _cell_label(row)
             if bool(row.get("frozen_policy")) and not _missing(row.get("frozen_policy")):
                 name += " (frozen policy)"
+        if "variant" in row and not _missing(row.get("variant")):
+            name += f" [{row['variant']}]"
         return name
 
     results["arm"] = [arm(r) for _, r in results.iterrows()] if len(results) else pd.Series(dtype=str)
@@ -532,6 +534,22 @@ def tables(r: Report) -> str:
                           caption=f"final {split} perplexity, mean over seeds"))
     else:
         body.append(para("Table 2: no DP trials with a final perplexity", "missing"))
+    v = verdicts(res, r.column)
+    if len(v):
+        body.append(how("RLDP against the best baseline, per model and epsilon: RLDP's best arm and the baseline arm "
+                        "with the lowest mean, both chosen after the fact; Welch's t-test over seeds (two-sided, "
+                        f"{VERDICT_ALPHA:g}): wins or loses when the difference is significant, ties otherwise."))
+        body.append(table("table-verdicts", ["model", "ε", "RLDP arm", "RLDP ppl", "best baseline", "baseline ppl",
+                                             "change", "p", "seeds (RLDP/baseline)", "verdict"],
+                          [[rec["model"], _eps(rec["epsilon"]), Cell(rec["rldp_arm"], "arm"),
+                            Cell(f"{num(rec['rldp_mean'], 4)} ± {num(rec['rldp_sd'], 4)}", "num"),
+                            Cell(rec["best_baseline"], "arm"),
+                            Cell(f"{num(rec['baseline_mean'], 4)} ± {num(rec['baseline_sd'], 4)}", "num"),
+                            Cell(f"{rec['change_pct']:+.2f}%", "num"),
+                            Cell("n/a" if rec["p_value"] is None else f"{rec['p_value']:.3g}", "num"),
+                            Cell(rec["seeds"], "num"), Cell(rec["verdict"], "verdict")]
+                           for rec in v.to_dict("records")],
+                          caption=f"final {split} perplexity, mean ± sd over seeds"))
     t3 = table3(res, r.column)
     if len(t3):
         body.append(table("table3", ["model", "ε", "RLDP steps to target (% of steps)", "seeds reaching target"],

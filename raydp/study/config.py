@@ -121,6 +121,10 @@ class Resources(StrictModel):
     gpus_per_trial: float = Field(0.0, ge=0, description="GPUs of each trial's run (a cluster)")
 
 
+#: rldp settings a settings_grid may not vary: the study composes the provenance of base.rldp's policy
+GRID_FORBIDDEN_RLDP = frozenset({"policy", "policy_dir", "frozen", "save_policy"})
+
+
 class StudyConfig(StrictModel):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str = ""
@@ -132,12 +136,20 @@ class StudyConfig(StrictModel):
                                   description="nonprivate or registered DP strategies (raydp.strategies.registry)")
     strategy_settings: dict[str, dict] = Field(
         default_factory=dict, description="per strategy, its settings (TrainConfig.settings) in every trial of it")
+    settings_grid: dict[str, dict[str, list]] = Field(
+        default_factory=dict, description="per strategy, settings to grid over: one trial per combination, e.g. "
+        "{static-pairwise: {clip: [0.01, 0.1]}} (tuning a baseline's clip on public data); for rldp they are "
+        "rldp settings, e.g. {rldp: {action_decoding: [paper, relative]}}")
     sac_grid: SACGrid = SACGrid()
     search: Literal["grid", "optuna", "pbt"] = "grid"
     optuna: OptunaSettings = OptunaSettings()
     pbt: PBTStudySettings = PBTStudySettings()
     policy: Literal["per-trial", "shared"] = Field(
         "per-trial", description="each RLDP trial trains its own policy, or all share one policy service")
+    save_policy: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", description=(
+        "policy: shared only: when the study ends, save the shared policy as policy_dir/NAME with its training "
+        "record (trials, wall time, the data it saw): pre-training a policy on public data (trials/pretrain.yaml)"))
+    policy_dir: str = Field("policies", description="where save_policy writes")
     resources: Resources = Resources()
     private_data: bool = Field(True, description="the data is private: report the tuning-aware epsilon (E7)")
     max_failures: int = Field(2, ge=0, description="Tune retries of a failed trial (resumed from its checkpoint)")
@@ -182,6 +194,31 @@ class StudyConfig(StrictModel):
                 raise ValueError("transfer needs the size-agnostic policy (rldp.architecture: shared)")
             if self.policy == "shared":
                 raise ValueError("transfer trains one policy per source trial; use policy: per-trial")
+            if "rldp" in self.settings_grid:
+                raise ValueError("transfer pairs each frozen trial with one source trial: no settings_grid.rldp")
+        for strategy, grid in self.settings_grid.items():
+            if strategy not in self.strategies or strategy in ("nonprivate", "pbt"):
+                raise ValueError(f"settings_grid.{strategy}: not a DP strategy of this study (strategies)")
+            if not grid or any(not isinstance(v, list) or not v for v in grid.values()):
+                raise ValueError(f"settings_grid.{strategy}: give each setting a non-empty list of values")
+            if strategy == "rldp" and set(grid) & GRID_FORBIDDEN_RLDP:
+                raise ValueError(f"settings_grid.rldp cannot vary {sorted(set(grid) & GRID_FORBIDDEN_RLDP)[0]}: the "
+                                 "policy a trial starts from is the study's (base.rldp), so its provenance is composed")
+            if strategy == "rldp" and self.policy == "shared":
+                raise ValueError("settings_grid.rldp: one shared policy cannot act under several rldp settings; "
+                                 "use policy: per-trial")
+            if strategy != "rldp" and set(grid) & set(self.strategy_settings.get(strategy) or {}):
+                raise ValueError(f"settings_grid.{strategy} and strategy_settings.{strategy} both set "
+                                 f"{sorted(set(grid) & set(self.strategy_settings[strategy]))[0]}")
+        if self.save_policy is not None and (self.policy != "shared" or "rldp" not in self.strategies):
+            raise ValueError("save_policy saves a study's shared policy: it needs policy: shared and rldp in strategies")
+        source = (self.base.get("data") or {}).get("source", "synthetic")
+        if self.save_policy is not None and source != "public":
+            # a trial that fails for good has trained the shared policy but left no provenance entry (E14)
+            raise ValueError("save_policy pre-trains on public data only: set base.data.source: public")
+        if not self.private_data and source != "public":
+            raise ValueError("private_data: false is for public data only (base.data.source: public); other data "
+                             "is private and the study reports its tuning-aware epsilon (ERRATA E7)")
         if self.policy == "shared" and "rldp" in self.strategies:
             if len(self.sac_grid.b_sac) > 1 or len(self.sac_grid.k) > 1 or self.search == "optuna":
                 raise ValueError("a shared policy has one B_SAC and one K (they are the policy service's "
@@ -279,9 +316,14 @@ def _grid(study: StudyConfig, models: list[str]) -> list[dict]:
             continue
         sac = itertools.product(study.sac_grid.t_rl, study.sac_grid.b_sac, study.sac_grid.k) if strategy == "rldp" \
             else [(None, None, None)]
-        for t_rl, b_sac, k in sac:
-            trials.append({"model": model, "epsilon": eps, "seed": seed, "strategy": strategy,
-                           "t_rl": t_rl, "b_sac": b_sac, "k": k})
+        grid = study.settings_grid.get(strategy) or {}
+        variants = [dict(zip(grid, values)) for values in itertools.product(*grid.values())] if grid else [None]
+        for (t_rl, b_sac, k), variant in itertools.product(sac, variants):
+            trial = {"model": model, "epsilon": eps, "seed": seed, "strategy": strategy,
+                     "t_rl": t_rl, "b_sac": b_sac, "k": k}
+            if variant is not None:
+                trial["grid"] = variant  # this trial's settings from settings_grid
+            trials.append(trial)
     return trials
 
 
@@ -300,14 +342,17 @@ def trial_config(study: StudyConfig, trial: dict, dataset_dir: str | None = None
         values["settings"] = dict(study.strategy_settings[trial["strategy"]])
     if trial.get("settings"):  # a PBT member's current (clip, sigma_scale)
         values["settings"] = {**values.get("settings", {}), **trial["settings"]}
+    if trial.get("grid") and trial["strategy"] != "rldp":  # settings_grid
+        values["settings"] = {**values.get("settings", {}), **trial["grid"]}
     if trial["strategy"] == "rldp":
         rldp = dict(values.get("rldp") or {})
+        rldp.update(trial.get("grid") or {})
         rldp.update({k: trial[k] for k in ("t_rl", "b_sac", "k") if trial.get(k) is not None})
         if trial.get("frozen_from"):
             rldp.update({"policy": policy_path or "(source policy, saved in stage 1)", "frozen": True})
         values["rldp"] = rldp
     where = ", ".join(f"{k}={v}" for k, v in trial.items()
-                      if v is not None and k not in ("frozen_from", "optuna_id", "settings", "stage"))
+                      if v is not None and k not in ("frozen_from", "optuna_id", "settings", "stage", "grid"))
     try:
         return validate_config(TrainConfig, values)
     except ConfigError as exc:

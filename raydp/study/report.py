@@ -7,6 +7,11 @@ Table 3: RLDP's steps-to-target (Sec. 4.2) in % of its steps, mean over seeds (t
 The perplexity is the study's selection split (ERRATA E15): the public validation split by default; the
 private eval split (not a DP release) when the study selects on it, and the report then says so.
 Then the tuning-aware epsilon of each dataset (ERRATA E7/E14), with its labels and warnings.
+
+Verdicts (:func:`verdicts`, issue 12): per model x epsilon, RLDP's best arm against the best baseline arm,
+both chosen after the fact by mean final perplexity, and Welch's t-test over their seeds (two-sided, 5%):
+RLDP *wins* or *loses* when the difference is significant, and *ties* otherwise. Choosing the best
+baseline after seeing the results favours the baselines; choosing RLDP's best cell favours RLDP.
 """
 
 from __future__ import annotations
@@ -39,8 +44,56 @@ def _final_column(results: pd.DataFrame, summary: dict | None = None) -> str:
     return "final_eval_perplexity"
 
 
+def arm_keys(results: pd.DataFrame) -> pd.Series:
+    """A trial's arm for comparisons: its strategy, plus its settings_grid variant (``[clip=0.03]``)."""
+    variant = results["variant"] if "variant" in results else pd.Series(None, index=results.index, dtype=object)
+    return pd.Series([f"{s} [{v}]" if isinstance(v, str) and v else str(s)
+                      for s, v in zip(results["strategy"], variant)], index=results.index, dtype=object)
+
+
+VERDICT_ALPHA = 0.05
+
+
+def verdicts(results: pd.DataFrame, column: str = "final_eval_perplexity") -> pd.DataFrame:
+    """Per model x epsilon: RLDP's best arm (SAC cell and variant; frozen-policy trials are an arm too)
+    against the best baseline arm (lowest mean), with seed spread and Welch's t-test (module docstring)."""
+    from scipy import stats
+
+    data = results.dropna(subset=["epsilon_target", column]).copy()
+    data["_arm"] = arm_keys(data)
+    if "t_rl" in data:
+        rl = data["strategy"] == "rldp"
+        data.loc[rl, "_arm"] = [f"{a} T_RL={t:g} B_SAC={b:g} K={k:g}" + (" (frozen policy)" if f else "")
+                                for a, t, b, k, f in zip(data.loc[rl, "_arm"], data.loc[rl, "t_rl"],
+                                                         data.loc[rl, "b_sac"], data.loc[rl, "k"],
+                                                         data.loc[rl].get("frozen_policy", False))]
+    rows = []
+    for (model, eps), group in data.groupby(["model", "epsilon_target"]):
+        rldp, base = group[group["strategy"] == "rldp"], group[~group["strategy"].isin(("rldp", "nonprivate"))]
+        if rldp.empty or base.empty:
+            continue
+        r_arm = rldp.groupby("_arm")[column].mean().idxmin()
+        b_arm = base.groupby("_arm")[column].mean().idxmin()
+        r, b = rldp[rldp["_arm"] == r_arm][column].to_numpy(), base[base["_arm"] == b_arm][column].to_numpy()
+        diff = float(r.mean() - b.mean())
+        p = None
+        if len(r) >= 2 and len(b) >= 2:
+            p = float(stats.ttest_ind(r, b, equal_var=False).pvalue)
+            if p != p:  # both arms without spread: any difference is certain
+                p = 0.0 if diff != 0 else 1.0
+        verdict = ("undecided (fewer than 2 seeds)" if p is None else
+                   "wins" if p < VERDICT_ALPHA and diff < 0 else "loses" if p < VERDICT_ALPHA and diff > 0 else "ties")
+        rows.append({"model": model, "epsilon": eps, "rldp_arm": r_arm, "rldp_mean": float(r.mean()),
+                     "rldp_sd": float(r.std(ddof=1)) if len(r) > 1 else float("nan"), "best_baseline": b_arm,
+                     "baseline_mean": float(b.mean()), "baseline_sd": float(b.std(ddof=1)) if len(b) > 1 else
+                     float("nan"), "seeds": f"{len(r)}/{len(b)}", "change_pct": 100.0 * diff / float(b.mean()),
+                     "p_value": p, "verdict": verdict})
+    return pd.DataFrame(rows)
+
+
 def table2(results: pd.DataFrame, column: str = "final_eval_perplexity") -> pd.DataFrame:
-    private = results.dropna(subset=["epsilon_target", column])
+    private = results.dropna(subset=["epsilon_target", column]).copy()
+    private["_arm"] = arm_keys(private)
     rows = []
     for (model, eps), group in private.groupby(["model", "epsilon_target"]):
         frozen = group["frozen_policy"].fillna(False).astype(bool) if "frozen_policy" in group else False
@@ -50,10 +103,13 @@ def table2(results: pd.DataFrame, column: str = "final_eval_perplexity") -> pd.D
         if (group["strategy"] == "rldp").any() and getattr(frozen, "any", lambda: False)():
             row["rldp_frozen_ppl"] = float(group[frozen][column].mean())
         if len(rldp):
-            cells = rldp.groupby(["t_rl", "b_sac", "k"])[column].mean()
-            row.update(rldp_ppl=float(cells.min()), rldp_cell="T_RL={} B_SAC={} K={}".format(*map(int, cells.idxmin())))
+            cells = rldp.groupby(["t_rl", "b_sac", "k", "_arm"])[column].mean()
+            t_rl, b_sac, k, arm = cells.idxmin()
+            variant = arm[len("rldp"):].strip()
+            row.update(rldp_ppl=float(cells.min()), rldp_cell=f"T_RL={int(t_rl)} B_SAC={int(b_sac)} K={int(k)}"
+                       + (f" {variant}" if variant else ""))
         if len(base):
-            means = base.groupby("strategy")[column].mean()
+            means = base.groupby("_arm")[column].mean()
             row.update(best_baseline=means.idxmin(), baseline_ppl=float(means.min()))
         if "rldp_ppl" in row and "baseline_ppl" in row:
             row["change_pct"] = 100.0 * (row["rldp_ppl"] - row["baseline_ppl"]) / row["baseline_ppl"]
@@ -95,6 +151,15 @@ def format_report(study_dir: str | Path) -> str:
     t2 = table2(results, column)
     lines.append(f"\nTable 2 analogue: final {split} perplexity (mean over seeds)")
     lines.append(t2.to_string(index=False, float_format=lambda x: f"{x:.4f}") if len(t2) else "  (no DP trials)")
+    v = verdicts(results, column)
+    if len(v):
+        lines.append(f"\nRLDP against the best baseline: final {split} perplexity, mean ± sd over seeds; Welch's "
+                     f"t-test at {VERDICT_ALPHA:g} (wins/ties/loses)")
+        for rec in v.to_dict("records"):
+            lines.append(f"  {rec['model']} eps {rec['epsilon']:g}: RLDP {rec['verdict'].upper() if rec['verdict'] in ('wins', 'ties', 'loses') else rec['verdict']} "
+                         f"({rec['rldp_arm']} {rec['rldp_mean']:.4f} ± {rec['rldp_sd']:.4f} vs {rec['best_baseline']} "
+                         f"{rec['baseline_mean']:.4f} ± {rec['baseline_sd']:.4f}; {rec['change_pct']:+.2f}%, "
+                         f"p={'n/a' if rec['p_value'] is None else format(rec['p_value'], '.3g')}, seeds {rec['seeds']})")
     t3 = table3(results, column)
     lines.append(f"\nTable 3 analogue: RLDP steps to reach the best baseline's final {split} perplexity "
                  "(% of its steps)")
@@ -112,9 +177,9 @@ def format_report(study_dir: str | Path) -> str:
         lines.append(f"\nPBT population: {pbt['members']} members, {pbt['exploits']} exploits; population epsilon "
                      f"{pbt['population_epsilon']:.3f} at delta {pbt['delta']:g} (Renyi filter over every member's "
                      f"steps, discarded ones included: {'within' if pbt['within_budget'] else 'OVER'} its budget)")
-    verdicts = results["within_budget"].dropna() if "within_budget" in results else pd.Series(dtype=bool)
-    if len(verdicts):
-        lines.append(f"\nper-trial budgets: {int(verdicts.sum())}/{len(verdicts)} within (enforcing accountant)")
+    within = results["within_budget"].dropna() if "within_budget" in results else pd.Series(dtype=bool)
+    if len(within):
+        lines.append(f"\nper-trial budgets: {int(within.sum())}/{len(within)} within (enforcing accountant)")
     return "\n".join(lines)
 
 

@@ -111,6 +111,12 @@ def selection_value(private: float | None, public: float | None, selection: str)
     return (None if private is None else float(private)), "private"
 
 
+def variant_label(trial: dict) -> str | None:
+    """A settings_grid trial's settings as ``clip=0.03`` (None for a trial outside any settings grid)."""
+    grid = trial.get("grid") or {}
+    return ", ".join(f"{k}={v}" for k, v in grid.items()) or None
+
+
 def _isnan(x) -> bool:
     return isinstance(x, float) and math.isnan(x)
 
@@ -124,6 +130,7 @@ def _trial_row(trial: dict, run_dir: Path, status: str, result: dict, s: dict | 
     row = {"trial": trial["name"], "status": status, "model": trial["model"], "strategy": trial["strategy"],
            "epsilon_target": trial.get("epsilon"), "seed": trial["seed"], "t_rl": trial.get("t_rl"),
            "b_sac": trial.get("b_sac"), "k": trial.get("k"), "frozen_policy": bool(trial.get("frozen_from")),
+           "variant": variant_label(trial),
            "run_dir": str(run_dir),
            "trial_seconds": result.get("trial_seconds")}
     if result.get("evaluation_error"):  # the study's `evaluate:` failed after training (the trial stands)
@@ -385,8 +392,10 @@ def dataset_identity(dataset_dir: str | Path | None) -> str | None:
     return sha or f"unhashed:{Path(dataset_dir).resolve()}"
 
 
-def _paper_rldp(study) -> bool:
-    return (study.base.get("rldp") or {}).get("privacy_mode") == "paper"
+def _paper_rldp(study, trial: dict | None = None) -> bool:
+    """Whether an RLDP trial ran in paper mode (the study's base, or the trial's settings_grid variant)."""
+    rldp = {**(study.base.get("rldp") or {}), **((trial or {}).get("grid") or {})}
+    return rldp.get("privacy_mode") == "paper"
 
 
 def _trial_policy(study, trial: dict) -> tuple[str | None, Path | None, str | None]:
@@ -469,7 +478,7 @@ def study_privacy(study, study_dir: Path, table: pd.DataFrame, unfinished: dict[
             b["nonprivate"].append(row["trial"])
             continue
         labels = trial_labels(summary)
-        if summary is None and row["strategy"] == "rldp" and _paper_rldp(study):
+        if summary is None and row["strategy"] == "rldp" and _paper_rldp(study, specs.get(row["trial"])):
             labels = [PAPER_MODE_LABEL]
         spec = {**specs.get(row["trial"], {}), "name": row["trial"], "strategy": row["strategy"]}
         policy_runs, policy_labels, warnings = _policy_runs(study, spec, study_dir, sha, b["seen"])

@@ -40,6 +40,8 @@ def trial_name(trial: dict) -> str:
     parts.append(f"seed{trial['seed']}")
     if trial["strategy"] == "rldp":
         parts.append(f"trl{trial['t_rl']}-b{trial['b_sac']}-k{trial['k']}")
+    if trial.get("grid"):  # settings_grid: e.g. clip0.03
+        parts.append("-".join(f"{k.replace('_', '')}{v}" for k, v in trial["grid"].items()))
     if trial.get("frozen_from"):
         parts.append("frozen")
     if trial.get("optuna_id"):
@@ -56,6 +58,10 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
     from raydp.data import load_texts, resolve_dataset
     from raydp.runner.privacy_setup import build_strategy, plan_key, plan_private_run, training_units
 
+    names = [trial_name(t) for t in trial_grid(study)]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate:  # two trials in one run directory (e.g. a settings_grid value listed twice)
+        raise ConfigError(f"two trials would both be named {duplicate}: remove the repeated value")
     probe = trial_config(study, trial_grid(study)[0])  # validates base + the first trial before building
     dataset = str(resolve_dataset(probe.data, study_dir / "dataset", progress=progress))
     n_train = len(load_texts(dataset, "train"))
@@ -210,6 +216,9 @@ def run_trial(params: dict) -> None:
     from raydp.runner.run import run_training
 
     study = StudyConfig(**params["study"])
+    # Tune starts a trial in its own directory; relative paths in the study (rldp.policy_dir, a policy
+    # path) are the user's, relative to where `raydp study` ran (on a cluster: the job's working dir copy)
+    os.chdir(os.environ.get("TUNE_ORIG_WORKING_DIR", os.getcwd()))
     if not params.get("log_checkpoints", True):  # the driver writes to a log, not a terminal (run_study)
         logging.getLogger(CHECKPOINT_LOGGER).setLevel(logging.WARNING)
     if "trial_name" in params:
@@ -314,6 +323,10 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
         # data would drop out of the tuning-aware epsilon (ERRATA E7/E14).
         raise ConfigError(f"study directory {study_dir} already holds trials: finish it with --resume, or run "
                           "into another --results-dir (removing it forgets what its runs spent)")
+    # absolute: RLlib's checkpointing reads a relative path as a URI, and the service actor's cwd is not ours
+    saved_policy = Path(study.policy_dir).expanduser().resolve() / study.save_policy if study.save_policy else None
+    if saved_policy is not None and saved_policy.exists():
+        raise ConfigError(f"policy {saved_policy} already exists: remove it or set another save_policy")
     study_dir.mkdir(parents=True, exist_ok=True)
     (study_dir / "PRIVACY.txt").write_text(STUDY_PRIVACY_NOTE)
     dataset, trials = prepare_study(study, study_dir, progress=progress, build_models=True)
@@ -353,6 +366,9 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
         if study.search == "pbt":
             grids.append(_fit_pbt(study, [t for t in trials if t.get("stage") == "pbt"], common, storage, progress))
         shared_counters = session.counters() if session is not None else None
+        if saved_policy is not None:
+            _save_study_policy(session, saved_policy, study, dataset, [r for g in grids for r in g],
+                               time.perf_counter() - started, shared_counters)
     finally:
         if session is not None:
             session.close()
@@ -367,6 +383,38 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
         summary["shared_policy"] = shared_counters
     (study_dir / "study_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return study_dir
+
+
+def _save_study_policy(session, path: Path, study: StudyConfig, dataset: str, results, wall: float,
+                       counters: dict) -> None:
+    """Save a shared policy with its training record: what it saw (the dataset, public or not), how many
+    episodes on which models and epsilons, and what the training cost (wall and CPU seconds)."""
+    from raydp.data import load_manifest as dataset_manifest
+
+    manifest = dataset_manifest(dataset)
+    metrics = [r.metrics or {} for r in results]
+    trial_seconds = [float(m["trial_seconds"]) for m in metrics if m.get("trial_seconds") is not None]
+    finished = sum(bool(m.get("done")) for m in metrics)
+    record = {"study": study.name, "episodes": finished, "episodes_planned": len(results),
+              "models": study.models, "epsilons": study.epsilons, "seeds": study.seeds,
+              "data_source": manifest.get("source"), "public_data": bool(manifest.get("public")),
+              "dataset_sha256": manifest.get("content_sha256"), "train_records": (manifest.get("sizes") or {}).get("train"),
+              "wall_seconds": round(wall, 1), "cpu_seconds": round(sum(trial_seconds) * study.resources.cpus_per_trial, 1),
+              "gpu_seconds": round(sum(trial_seconds) * study.resources.gpus_per_trial, 1),
+              "transitions": counters.get("transitions_trained"), "sac_updates": counters.get("module_steps_trained"),
+              "private_budget_spent": "none (public data)" if manifest.get("public") else
+              "see the provenance: every run composes for the people in its dataset (ERRATA E14)"}
+    first = trial_config(study, next(t for t in trial_grid(study) if t["strategy"] == "rldp"), dataset)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    session.save(path, trained_on={"model": ", ".join(study.models), "privacy_mode": first.rldp.privacy_mode,
+                                   "action_decoding": first.rldp.action_decoding, "epsilon": study.epsilons,
+                                   "t_rl": study.sac_grid.t_rl, "pretraining": record},
+                 results={"mean_final_public_perplexity": _mean([m.get("final_public_perplexity") for m in metrics])})
+
+
+def _mean(values) -> float | None:
+    values = [float(v) for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def tune_verbosity(progress: bool) -> int:
