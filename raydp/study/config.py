@@ -350,9 +350,11 @@ def trial_config(study: StudyConfig, trial: dict, dataset_dir: str | None = None
         rldp.update({k: trial[k] for k in ("t_rl", "b_sac", "k") if trial.get(k) is not None})
         if trial.get("frozen_from"):
             rldp.update({"policy": policy_path or "(source policy, saved in stage 1)", "frozen": True})
+        elif policy_path:  # the study's rldp.policy, resolved to an absolute path by the driver
+            rldp["policy"] = policy_path
         values["rldp"] = rldp
     where = ", ".join(f"{k}={v}" for k, v in trial.items()
-                      if v is not None and k not in ("frozen_from", "optuna_id", "settings", "stage", "grid"))
+                      if v is not None and k not in ("frozen_from", "optuna_id", "settings", "stage", "grid", "policy_path"))
     try:
         return validate_config(TrainConfig, values)
     except ConfigError as exc:

@@ -407,7 +407,7 @@ def _trial_policy(study, trial: dict) -> tuple[str | None, Path | None, str | No
     if trial.get("strategy") != "rldp":
         return None, None, None
     rldp = study.base.get("rldp") or {}
-    name = trial.get("policy_path") if trial.get("frozen_from") else rldp.get("policy")
+    name = trial.get("policy_path") or rldp.get("policy")  # resolved by the driver (frozen: the source trial's)
     if not name:
         return None, None, None
     try:

@@ -72,7 +72,8 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
             from raydp.control.policies import check_policy_privacy
 
             try:  # a paper-mode policy may not drive a strict trial (ERRATA E14): fail before Ray starts
-                check_policy_privacy(config)
+                # resolved here, where the user's relative paths mean what they wrote; the trial gets it absolute
+                trial = {**trial, "policy_path": str(check_policy_privacy(config))}
             except ConfigError as exc:
                 raise ConfigError(f"trial {trial_name(trial)}: {exc}") from None
         if config.is_private:
