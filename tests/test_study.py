@@ -247,14 +247,19 @@ def test_rldp_trials_can_share_one_policy(tiny_study, tmp_path, monkeypatch):
     # the study refuses to overwrite the saved policy, before running anything
     assert main(["study", str(path), "--results-dir", str(tmp_path / "again")]) == 2
     assert not (tmp_path / "again").exists()
-    # a later study starts its trials from the saved policy named relative to where it runs (Tune starts
-    # each trial in its own directory, and the policy service elsewhere again)
+    # a later study names the saved policy relative to where it runs: the driver hands each trial the
+    # absolute path (Tune starts a trial in its own directory, and the policy service elsewhere again)
+    from raydp.study.config import trial_config
+    from raydp.study.runner import prepare_study
+
     monkeypatch.chdir(tmp_path)
     rldp = {**TINY_STUDY["base"]["rldp"], "policy": "pre", "policy_dir": "policies"}
-    path = write_study(tmp_path, name="reuse", strategies=["rldp"], wandb={"mode": "disabled"},
-                       base={**TINY_STUDY["base"], "rldp": rldp})
-    table = pd.read_parquet(run_study(path, "out", progress=False) / "results.parquet")
-    assert list(table["status"]) == ["TERMINATED"]
+    study = load_study(write_study(tmp_path, name="reuse", strategies=["rldp"], base={**TINY_STUDY["base"],
+                                                                                       "rldp": rldp}))
+    dataset, (trial,) = prepare_study(study, tmp_path / "reuse")
+    assert trial["policy_path"] == str((tmp_path / "policies" / "pre").resolve())
+    monkeypatch.chdir(tmp_path / "reuse")  # as in a Tune trial
+    assert trial_config(study, trial, dataset, trial["policy_path"]).rldp.policy == trial["policy_path"]
 
 
 def _trial_footprint(study_dir: Path) -> tuple[dict, dict, list]:
