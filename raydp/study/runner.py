@@ -242,7 +242,8 @@ def run_trial(params: dict) -> None:
             torch.save(state, Path(d) / CHECKPOINT_STATE)
             if session is not None and not config.rldp.frozen:
                 client.save_policy(Path(d) / "policy", trained_on={"model": config.model,
-                                                                   "privacy_mode": config.rldp.privacy_mode},
+                                                                   "privacy_mode": config.rldp.privacy_mode,
+                                                                   "action_decoding": config.rldp.action_decoding},
                                    results={})  # a snapshot: no new provenance entry (the run adds it at its end)
             rows = state["trainer"].get("eval_rows") or [{}]
             tune.report({"step": state["trainer"]["step_count"], "checkpoint": True, "eval_step": rows[-1].get("step"),
