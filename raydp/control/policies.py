@@ -32,6 +32,13 @@ def sac_settings(config):
                        alpha=s.alpha, replay_capacity=s.replay_capacity, hidden=s.hidden, seed=config.seed)
 
 
+def trained_on(config, **extra) -> dict:
+    """What a saved policy's manifest records about the runs that trained it: the model, privacy mode and
+    clip decoding (a restored policy must match both, :func:`check_policy_privacy`), plus ``extra``."""
+    return {"model": config.model, "privacy_mode": config.rldp.privacy_mode,
+            "action_decoding": config.rldp.action_decoding, **extra}
+
+
 def check_policy_privacy(config, restore: Path | None = None) -> Path | None:
     """The saved policy an RLDP config starts from (``restore``, else ``rldp.policy``; None if neither),
     after checking it may drive this run: a policy trained in paper mode saw unprivatized statistics of

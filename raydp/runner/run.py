@@ -25,6 +25,7 @@ import torch
 
 from raydp import __version__
 from raydp.config import TrainConfig
+from raydp.control.policies import trained_on
 from raydp.data import load_manifest, load_texts, public_corpus, resolve_dataset
 from raydp.errors import ConfigError
 from raydp.model import LoraSettings, disable_dropout, load_model
@@ -170,11 +171,10 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             private.ledger.save(staging / LEDGER_FILENAME)
             controller = private.strategy.finish(staging) or None
             if client is not None and client.service is not None:
-                client.save_policy(staging / "policy", trained_on={
-                    "model": config.model, "n_adapter_pairs": len(loaded.pairs), "epsilon": config.epsilon,
-                    "steps": trainer.step_count, "privacy_mode": private.strategy.privacy_mode,
-                    "action_decoding": config.rldp.action_decoding,
-                    "decisions": controller.get("decisions") if controller else None},
+                client.save_policy(staging / "policy", trained_on=trained_on(
+                    config, n_adapter_pairs=len(loaded.pairs), epsilon=config.epsilon, steps=trainer.step_count,
+                    privacy_mode=private.strategy.privacy_mode,
+                    decisions=controller.get("decisions") if controller else None),
                     results={"final_public_perplexity": public[-1], "best_public_perplexity": min(public),
                              "epsilon": privacy["epsilon"], "labels": privacy["labels"]},
                     provenance=policy_provenance(private, config, manifest, privacy))

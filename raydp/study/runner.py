@@ -212,14 +212,12 @@ def run_trial(params: dict) -> None:
     from ray import tune
     from ray.tune import Checkpoint
 
+    from raydp.control.policies import trained_on
     from raydp.control.service import client_from_connection
     from raydp.runner.launch import start_policy
     from raydp.runner.run import run_training
 
     study = StudyConfig(**params["study"])
-    # Tune starts a trial in its own directory; relative paths in the study (rldp.policy_dir, a policy
-    # path) are the user's, relative to where `raydp study` ran (on a cluster: the job's working dir copy)
-    os.chdir(os.environ.get("TUNE_ORIG_WORKING_DIR", os.getcwd()))
     if not params.get("log_checkpoints", True):  # the driver writes to a log, not a terminal (run_study)
         logging.getLogger(CHECKPOINT_LOGGER).setLevel(logging.WARNING)
     if "trial_name" in params:
@@ -241,10 +239,7 @@ def run_trial(params: dict) -> None:
         with tempfile.TemporaryDirectory(dir=workdir) as d:
             torch.save(state, Path(d) / CHECKPOINT_STATE)
             if session is not None and not config.rldp.frozen:
-                client.save_policy(Path(d) / "policy", trained_on={"model": config.model,
-                                                                   "privacy_mode": config.rldp.privacy_mode,
-                                                                   "action_decoding": config.rldp.action_decoding},
-                                   results={})  # a snapshot: no new provenance entry (the run adds it at its end)
+                client.save_policy(Path(d) / "policy", trained_on=trained_on(config), results={})  # a snapshot: no new provenance entry (the run adds it at its end)
             rows = state["trainer"].get("eval_rows") or [{}]
             tune.report({"step": state["trainer"]["step_count"], "checkpoint": True, "eval_step": rows[-1].get("step"),
                          **evaluation_metrics(rows[-1], study.selection)},
@@ -391,6 +386,7 @@ def _save_study_policy(session, path: Path, study: StudyConfig, dataset: str, re
                        counters: dict) -> None:
     """Save a shared policy with its training record: what it saw (the dataset, public or not), how many
     episodes on which models and epsilons, and what the training cost (wall and CPU seconds)."""
+    from raydp.control.policies import trained_on
     from raydp.data import load_manifest as dataset_manifest
 
     manifest = dataset_manifest(dataset)
@@ -408,9 +404,8 @@ def _save_study_policy(session, path: Path, study: StudyConfig, dataset: str, re
               "see the provenance: every run composes for the people in its dataset (ERRATA E14)"}
     first = trial_config(study, next(t for t in trial_grid(study) if t["strategy"] == "rldp"), dataset)
     path.parent.mkdir(parents=True, exist_ok=True)
-    session.save(path, trained_on={"model": ", ".join(study.models), "privacy_mode": first.rldp.privacy_mode,
-                                   "action_decoding": first.rldp.action_decoding, "epsilon": study.epsilons,
-                                   "t_rl": study.sac_grid.t_rl, "pretraining": record},
+    session.save(path, trained_on=trained_on(first, model=", ".join(study.models), epsilon=study.epsilons,
+                                             t_rl=study.sac_grid.t_rl, pretraining=record),
                  results={"mean_final_public_perplexity": _mean([m.get("final_public_perplexity") for m in metrics])})
 
 
