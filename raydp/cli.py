@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="what DP protects: patient (default on data with patient ids) or record")
     train.add_argument("--unsafe-fixed-randomness", action="store_true", default=None,
                        help="UNSAFE, for debugging: DP sampling and noise from --seed (replayable; epsilon void)")
+    train.add_argument("--task", choices=["lm", "classification"],
+                       help="lm (default): language modelling, perplexity; classification: a label field of the "
+                            "narratives, accuracy")
+    train.add_argument("--label", choices=["change", "diabetesMed", "readmitted"],
+                       help="label field of --task classification (default change)")
     train.add_argument("--device", help="auto (default), cpu, cuda, cuda:1, ...")
     train.add_argument("--cpus", type=int, help="CPU threads of the run (default: all)")
     _add_data_source_args(train, defaults=False)
@@ -169,6 +174,12 @@ def train_config_from_args(args: argparse.Namespace):
             data[key] = getattr(args, flag)
     if data:
         values["data"] = data
+    task = dict(values.get("task") or {})
+    for flag, key in (("task", "kind"), ("label", "label")):
+        if getattr(args, flag) is not None:
+            task[key] = getattr(args, flag)
+    if task:
+        values["task"] = task
     rldp = dict(values.get("rldp") or {})
     for flag, key in (("privacy_mode", "privacy_mode"), ("t_warm", "t_warm"), ("t_rl", "t_rl"), ("b_sac", "b_sac"),
                       ("k", "k"), ("r_max", "r_max"), ("policy_arch", "architecture"), ("policy", "policy"),
@@ -223,11 +234,25 @@ def cmd_train(args) -> int:
     keys = ("model", "strategy", "device", "n_adapter_pairs", "train_records", "steps",
             "initial_public_perplexity", "final_public_perplexity", "initial_eval_perplexity",
             "final_eval_perplexity", "wall_seconds")
+    if "final_eval_accuracy" in summary:  # a classification task
+        keys = (*keys[:-1], "final_public_accuracy", "final_eval_accuracy", keys[-1])
     for key in keys:
         print(f"  {key:<26} {summary[key]}")
-    print("  (eval_perplexity: private eval split, not a DP release; public_perplexity: public validation)")
+    print("  (eval_*: private eval split, not a DP release; public_*: public validation; a classification "
+          "task's perplexity is its label perplexity)" if "final_eval_accuracy" in summary else
+          "  (eval_perplexity: private eval split, not a DP release; public_perplexity: public validation)")
     privacy = summary["privacy"]
-    if privacy.get("epsilon") is not None:
+    if privacy.get("epsilon") is not None and privacy.get("guarantee") == "local":
+        print(f"  privacy unit               {privacy['privacy_unit']} ({privacy['n_units']} in train, at most "
+              f"{privacy['records_per_unit']} records each)")
+        print(f"  sigma per epoch            {', '.join(f'{s:.4f}' for s in privacy['sigmas_per_epoch'])} (x 2C, "
+              f"C={privacy['clip']:g}, noise after block {privacy['noise_layer_after_block']}, "
+              f"{privacy['neighbouring_relation']})")
+        print(f"  epsilon[local]             {privacy['epsilon']:.4f}  (enforcing: composition of the unit's releases, "
+              "no subsampling)")
+        print(f"  epsilon[paper, subsampled] {privacy['paper_epsilon']:.4f}  (NOT a guarantee: ERRATA E8)")
+        print(f"  verdict                    {privacy['verdict']}")
+    elif privacy.get("epsilon") is not None:
         print(f"  privacy unit               {privacy['privacy_unit']} ({privacy['n_units']} in train)")
         print(f"  sigma_0                    {privacy['sigma_0']:.4f} (q={privacy['q']:.4g}, "
               f"{privacy['planned_steps']} planned steps, {privacy['neighbouring_relation']})")

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from raydp.settings import StrictModel, load_yaml_mapping, validate_config  # noqa: F401  (re-exported)
-from raydp.strategies.registry import STRATEGY_CHOICES, strategy_settings
+from raydp.strategies.registry import STRATEGY_CHOICES, strategy_class, strategy_settings
 
 
 #: records of the embedded default's synthetic dataset
@@ -49,6 +49,17 @@ class LoraConfigModel(StrictModel):
     alpha: int = Field(16, gt=0)
     dropout: float = Field(0.05, ge=0.0, lt=1.0)
     target_modules: tuple[str, ...] | None = None
+
+
+class TaskConfig(StrictModel):
+    """What the run trains and evaluates (:mod:`raydp.runner.task`)."""
+
+    kind: Literal["lm", "classification"] = Field(
+        "lm", description="lm: language modelling, judged by perplexity; classification: a label field of the "
+                          "narratives as a prompt classifier, judged by accuracy (EW-FT, DualTune)")
+    label: Literal["change", "diabetesMed", "readmitted"] = Field(
+        "change", description="the label field of a classification task (readmitted is independent of every "
+                              "other field in synthetic records: use it with the real CSV)")
 
 
 class RLDPConfig(StrictModel):
@@ -103,6 +114,7 @@ class TrainConfig(StrictModel):
 
     model: str = Field("embedded", description="embedded preset, Hugging Face name, or local model dir")
     data: DataConfig = DataConfig()
+    task: TaskConfig = TaskConfig()
     lora: LoraConfigModel = LoraConfigModel()
     strategy: str = Field("nonprivate", description="nonprivate, or a registered DP strategy "
                           "(raydp.strategies.registry)")
@@ -128,7 +140,8 @@ class TrainConfig(StrictModel):
     warmup_steps: int = Field(100, ge=0)
     eval_every: int = Field(48, gt=0)
     eval_max_records: int | None = Field(256, gt=0, description="evaluate on at most this many eval records")
-    max_length: int | None = Field(None, gt=1, description="token cap per sequence (default: model's, at most 512)")
+    max_length: int | None = Field(None, gt=1, description="token cap per sequence (default: model's, at most 512; "
+                                   "a classification prompt is exactly this long, default 384, left-filled)")
     device: str = "auto"
     rldp: RLDPConfig = RLDPConfig()
     cpus: int | None = Field(None, gt=0, description="CPU threads of the run (default: all of this machine's)")
@@ -144,6 +157,9 @@ class TrainConfig(StrictModel):
                              (" (its settings are the `rldp` block)" if self.strategy == "rldp" else ""))
         if self.strategy not in ("nonprivate", "rldp"):
             self.strategy_settings()  # a bad setting is an error naming it, before anything runs
+            if getattr(strategy_class(self.strategy), "mechanism", None) == "local" and self.task.kind != "classification":
+                raise ValueError(f"strategy {self.strategy!r} perturbs a classifier's hidden states: set "
+                                 "task: {kind: classification} (--task classification)")
         return self
 
     def strategy_settings(self):

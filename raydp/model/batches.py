@@ -17,6 +17,8 @@ class Batch:
     attention_mask: torch.Tensor
     #: privacy unit of each row as 0..n_units-1 (ERRATA E11), or None when every row is its own unit
     unit_index: torch.Tensor | None = None
+    #: class of each row (a classification task), or None (language modelling)
+    labels: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -29,16 +31,30 @@ class Batch:
 
 
 class TokenizedSplit:
-    """The texts of one split, tokenised once (truncated to ``max_length`` tokens)."""
+    """The texts of one split, tokenised once (truncated to ``max_length`` tokens).
 
-    def __init__(self, texts: list[str], tokenizer, max_length: int, units=None):
-        """``units``: the privacy unit (patient) of every text, for unit-level DP (ERRATA E11)."""
+    ``fixed_length`` (classification prompts): every sequence is exactly ``max_length`` tokens, its LAST
+    ``max_length`` tokens left-filled with the pad token, and every position counts (attention mask of
+    ones), so the prompt's last token is always the last position and no sequence length is visible in
+    the mask (the forward local mechanism releases the whole fixed-size hidden state; EW-FT Sec. 5.3)."""
+
+    def __init__(self, texts: list[str], tokenizer, max_length: int, units=None, labels=None,
+                 fixed_length: bool = False):
+        """``units``: the privacy unit (patient) of every text, for unit-level DP (ERRATA E11);
+        ``labels``: the class of every text (a classification task)."""
         encoded = tokenizer(texts, truncation=False)["input_ids"]
         self.units = None if units is None else np.asarray(units)
         if self.units is not None and self.units.shape != (len(texts),):
             raise ValueError(f"units must give one unit per text ({len(texts)}), got shape {self.units.shape}")
-        self.sequences = [ids[:max_length] for ids in encoded]
+        self.labels = None if labels is None else np.asarray(labels, dtype=np.int64)
+        if self.labels is not None and self.labels.shape != (len(texts),):
+            raise ValueError(f"labels must give one label per text ({len(texts)}), got shape {self.labels.shape}")
+        self.fixed_length = bool(fixed_length)
         self.pad_token_id = tokenizer.pad_token_id
+        if self.fixed_length:
+            self.sequences = [[self.pad_token_id] * (max_length - len(ids)) + ids[-max_length:] for ids in encoded]
+        else:
+            self.sequences = [ids[:max_length] for ids in encoded]
         self.max_length = max_length
 
     def __len__(self) -> int:
@@ -56,4 +72,10 @@ class TokenizedSplit:
         if self.units is not None:
             _, inverse = np.unique(self.units[np.asarray(indices, dtype=np.int64)], return_inverse=True)
             unit_index = torch.as_tensor(inverse.reshape(-1), dtype=torch.long, device=device)
-        return Batch(list(indices), input_ids.to(device), attention_mask.to(device), unit_index)
+        if self.fixed_length:
+            attention_mask.fill_(1)  # the left fill is content, not padding (no length in the mask)
+        labels = None
+        if self.labels is not None:
+            labels = torch.as_tensor(self.labels[np.asarray(indices, dtype=np.int64)], dtype=torch.long,
+                                     device=device).reshape(-1)
+        return Batch(list(indices), input_ids.to(device), attention_mask.to(device), unit_index, labels)

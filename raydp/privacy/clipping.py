@@ -41,19 +41,22 @@ class PerSampleGradientComputer:
     """Wraps a PEFT model in Opacus's ``GradSampleModule`` (hooks) and returns per-sample LoRA gradients."""
 
     def __init__(self, model: torch.nn.Module, pairs: list[AdapterPair], loss=per_sequence_nll):
-        """``loss(logits, input_ids, attention_mask) -> [batch]``: the task's per-sample loss (language
-        modelling's per-sequence NLL by default; a classification task passes its own)."""
+        """``loss(logits, input_ids, attention_mask[, labels]) -> [batch]``: the task's per-sample loss
+        (language modelling's per-sequence NLL by default; a classification task passes its own, which
+        also takes the batch's labels)."""
         self.pairs = pairs
         self.loss = loss
         self.module = GradSampleModule(model, batch_first=True, loss_reduction="sum")
         self._params = [t for pair in pairs for t in (pair.a, pair.b)]
         self._hooked = [m for m in self.module.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
 
-    def compute(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PerSampleGrads:
+    def compute(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                labels: torch.Tensor | None = None) -> PerSampleGrads:
         """Forward, backward of the summed per-sequence losses, then collect and reset ``grad_sample``."""
         self._reset()  # a gradient-enabled forward through the model elsewhere may have left state
         logits = self.module(input_ids=input_ids, attention_mask=attention_mask).logits
-        losses = self.loss(logits, input_ids, attention_mask)
+        losses = (self.loss(logits, input_ids, attention_mask) if labels is None
+                  else self.loss(logits, input_ids, attention_mask, labels))
         with warnings.catch_warnings():  # Opacus's hooks on LoRA layers whose inputs need no grad
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             losses.sum().backward()

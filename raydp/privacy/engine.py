@@ -136,7 +136,7 @@ class DPStep:
 
     def public_probe(self, batch) -> tuple[np.ndarray, np.ndarray]:
         """Per-sample pair norms and losses of a batch of PUBLIC records (no release, nothing charged)."""
-        grads = self.per_sample.compute(batch.input_ids, batch.attention_mask)
+        grads = self.per_sample.compute(batch.input_ids, batch.attention_mask, getattr(batch, "labels", None))
         return pair_norms(grads).detach().cpu().numpy(), grads.losses.detach().cpu().numpy()
 
     # -- 1. the step's mechanism ---------------------------------------------------------------------
@@ -235,7 +235,7 @@ class DPStep:
     def per_sample_gradients(self, batch, dials: Dials) -> PerSampleGrads:
         """One contribution per privacy unit, zero for a non-finite one, in the transform's coordinates."""
         if batch.size > 0:
-            grads = self.per_sample.compute(batch.input_ids, batch.attention_mask)
+            grads = self.per_sample.compute(batch.input_ids, batch.attention_mask, getattr(batch, "labels", None))
             grads = zero_nonfinite(combine_units(zero_nonfinite(grads), batch.unit_index))
         else:  # an empty Poisson sample still releases noise
             grads = PerSampleGrads([p.a.detach().new_zeros((0, *p.a.shape)) for p in self.pairs],

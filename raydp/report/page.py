@@ -472,8 +472,9 @@ def dials(r: Report) -> str:
         svg = figures.dials_figure(title, ledger["step"].to_numpy(float) + 1, clips,
                                    ledger["sigma_eff"].to_numpy(float) if "sigma_eff" in ledger
                                    else np.full(len(ledger), np.nan), decisions, fid)
-        span = (f"clip range {num(np.nanmin(clips), 4)} to {num(np.nanmax(clips), 4)}; sigma_eff "
-                f"{num(ledger['sigma_eff'].min(), 4)} to {num(ledger['sigma_eff'].max(), 4)}"
+        clip_span = (f"clip range {num(np.nanmin(clips), 4)} to {num(np.nanmax(clips), 4)}; "
+                     if np.isfinite(clips).any() else "no gradient clip (a local mechanism); ")
+        span = (f"{clip_span}sigma_eff {num(ledger['sigma_eff'].min(), 4)} to {num(ledger['sigma_eff'].max(), 4)}"
                 if "sigma_eff" in ledger and len(ledger) else "")
         body.append(figure(fid, svg, f"{title} (trial {row['trial']}): {clips.shape[1]} clip radius(es) per step "
                                      f"over {len(ledger)} ledger steps; {span}."))

@@ -42,13 +42,20 @@ class GradientComputation(Protocol):
 
 
 class NonPrivateGradient:
-    """Plain mini-batch gradient of the mean per-sequence loss (no privacy)."""
+    """Plain mini-batch gradient of the mean per-example loss (no privacy). ``loss``: the task's
+    per-example loss (:class:`raydp.runner.task.Task`; language modelling by default)."""
 
     name = "nonprivate"
 
+    def __init__(self, loss=None):
+        self.loss = loss
+
     def compute(self, model: torch.nn.Module, batch: Batch) -> dict:
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        losses = per_sequence_nll(logits, batch.input_ids, batch.attention_mask)
+        if self.loss is None:
+            losses = per_sequence_nll(logits, batch.input_ids, batch.attention_mask)
+        else:
+            losses = self.loss(logits, batch.input_ids, batch.attention_mask, batch.labels)
         loss = losses.mean()
         loss.backward()
         return {"loss": float(loss.detach()), "batch_size": batch.size}

@@ -144,6 +144,8 @@ class Trainer:
                "perplexity": result.perplexity, "nll_per_token": result.nll_per_token, "utility": result.utility,
                "n_tokens": result.n_tokens,
                "public_perplexity": public.perplexity if public is not None else None}
+        if hasattr(result, "accuracy"):  # a classification task
+            row.update(accuracy=result.accuracy, public_accuracy=getattr(public, "accuracy", None))
         self.history.log_eval(**row)
         return row
 

@@ -31,13 +31,14 @@ from raydp.privacy.calibration import SigmaEffMap
 from raydp.privacy.mechanism import release_precisions
 from raydp.privacy.schedule import CONSTANT, SigmaSchedule
 from raydp.privacy.statistics import releases_sigma_map
+from raydp.privacy.clipping import PerSampleGradientComputer
 from raydp.privacy.engine import DPStep
 from raydp.privacy.filter import FILTER_NAME, FilterGuard
 from raydp.privacy.ledger import NEIGHBOURING_RELATION
 from raydp.privacy.randomness import PrivateRandomness
 from raydp.runner.sampling import PoissonSampler
 from raydp.strategies import make_strategy
-from raydp.strategies.base import Strategy, StrategyContext
+from raydp.strategies.base import PlanRequest, Strategy, StrategyContext
 from raydp.strategies.base import PAPER_MODE_LABEL
 
 #: Accountants reported in every DP summary; only upper bounds may enforce (ERRATA E2, E9).
@@ -163,9 +164,12 @@ def build_strategy(config: TrainConfig, controller=None) -> Strategy:
 
 def plan_key(config: TrainConfig, strategy: Strategy) -> tuple:
     """What a privacy plan depends on: runs with equal keys calibrate the same sigma_0."""
+    if getattr(strategy, "mechanism", None) == "local":  # a local plan depends on the whole strategy
+        return (config.epsilon, config.delta, config.batch_size, config.epochs, config.max_steps,
+                config.privacy_unit, strategy.name, repr(strategy.settings))
     return (config.epsilon, config.delta, config.batch_size, config.epochs, config.max_steps, config.accountant,
             config.privacy_unit, strategy.adaptive_sigma, release_precisions(strategy.releases()),
-            strategy.schedule())
+            strategy.schedule_key())
 
 
 def plan_private_run(config: TrainConfig, n_units: int, strategy: Strategy | None = None) -> PrivacyPlan:
@@ -179,10 +183,12 @@ def plan_private_run(config: TrainConfig, n_units: int, strategy: Strategy | Non
     steps = planned_dp_steps(config, q)
     strategy = strategy if strategy is not None else build_strategy(config)  # its releases set sigma_eff
     sigma_map = releases_sigma_map(strategy.releases())
+    accountant = "rdp" if strategy.adaptive_sigma else config.accountant
+    strategy.plan(PlanRequest(epsilon=config.epsilon, delta=config.delta, q=q, planned_steps=steps,
+                              accountant=accountant))
     schedule = strategy.schedule()
     if strategy.adaptive_sigma and not schedule.is_constant:
         raise ConfigError(f"strategy {strategy.name!r}: an adaptive-sigma strategy plans a constant schedule")
-    accountant = "rdp" if strategy.adaptive_sigma else config.accountant
     calibration = calibrate_sigma(config.epsilon, config.delta, q, steps, accountant, sigma_eff=sigma_map,
                                   schedule=schedule)
     return PrivacyPlan(q=q, planned_steps=steps, sigma_0=calibration.sigma, sigma_map=sigma_map,
@@ -192,13 +198,17 @@ def plan_private_run(config: TrainConfig, n_units: int, strategy: Strategy | Non
 def setup_private_run(
     config: TrainConfig, plan: PrivacyPlan, model: torch.nn.Module, pairs, units: PrivacyUnits, device,
     strategy: Strategy | None = None, public_batch=None, start_step: int = 0,
-    population_admit=None,
+    population_admit=None, loss=None,
 ) -> PrivateRun:
     """Ledger, guard, secret randomness, sampler and DP step for a planned run; ``public_batch`` feeds a
     strategy that calibrates on public records (RLDP's histogram bins and loss bound); ``population_admit``
-    (PBT): the population Renyi filter's admission, asked by the guard at every step."""
+    (PBT): the population Renyi filter's admission, asked by the guard at every step; ``loss``: the
+    task's per-example loss (:class:`raydp.runner.task.Task`; default language modelling)."""
     q, steps, sigma_0 = plan.q, plan.planned_steps, plan.sigma_0
-    strategy = strategy if strategy is not None else build_strategy(config)
+    if strategy is None:
+        strategy = build_strategy(config)
+        strategy.plan(PlanRequest(epsilon=config.epsilon, delta=config.delta, q=q, planned_steps=steps,
+                                  accountant=plan.accountant))
     expected = releases_sigma_map(strategy.releases())
     if expected.describe() != plan.sigma_map.describe() or plan.adaptive != strategy.adaptive_sigma \
             or plan.schedule != strategy.schedule():
@@ -232,8 +242,9 @@ def setup_private_run(
             tensor_sizes=tuple(t.numel() for p in pairs for t in (p.a, p.b)),
         )
     )
+    gradients = PerSampleGradientComputer(model, pairs, loss=loss) if loss is not None else None
     step = DPStep(model, pairs, strategy, ledger, guard, q=q, expected_batch_size=sampler.expected_batch_size,
-                  planned_steps=steps, device=device, randomness=randomness, sigma_0=sigma_0)
+                  planned_steps=steps, device=device, randomness=randomness, sigma_0=sigma_0, gradients=gradients)
     if strategy.needs_public_probe:
         if public_batch is None:
             raise ConfigError(f"strategy {strategy.name!r} needs a public probe batch")

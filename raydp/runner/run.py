@@ -42,6 +42,14 @@ from raydp.runner.privacy_setup import (
     training_units,
 )
 from raydp.runner.sampling import ShuffledBatchSampler
+from raydp.runner.local_setup import (
+    capped_training_set,
+    is_local,
+    local_privacy_summary,
+    plan_local_run,
+    setup_local_run,
+)
+from raydp.runner.task import Task
 from raydp.privacy.ledger import LEDGER_FILENAME
 
 SYNTHETIC_NOTE = "synthetic records: they describe no real patient"
@@ -69,15 +77,15 @@ def nonprivate_steps(config: TrainConfig, steps_per_epoch: float) -> int:
     return min(steps, config.max_steps) if config.max_steps else steps
 
 
-def public_probe_batch(tokenizer, max_length: int, n_records: int, device):
+def public_probe_batch(tokenizer, max_length: int, n_records: int, device, task: Task | None = None):
     """A batch of PUBLIC records (disjoint synthetic population) for strategies that calibrate on them."""
-    split = TokenizedSplit(public_corpus(n_records, seed=PUBLIC_PROBE_SEED), tokenizer, max_length)
+    split = (task or Task()).split(public_corpus(n_records, seed=PUBLIC_PROBE_SEED), tokenizer, max_length)
     return split.collate(list(range(len(split))), device)
 
 
-def public_validation_split(tokenizer, max_length: int, n_records: int) -> TokenizedSplit:
+def public_validation_split(tokenizer, max_length: int, n_records: int, task: Task | None = None) -> TokenizedSplit:
     """PUBLIC validation records (the public population, drawn apart from the probe and pre-training)."""
-    return TokenizedSplit(public_corpus(n_records, seed=PUBLIC_EVAL_SEED), tokenizer, max_length)
+    return (task or Task()).split(public_corpus(n_records, seed=PUBLIC_EVAL_SEED), tokenizer, max_length)
 
 
 def policy_provenance(private, config: TrainConfig, manifest: dict, privacy: dict) -> dict:
@@ -117,7 +125,12 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
         train_texts = load_texts(dataset_dir, "train")
         strategy = build_strategy(config, client) if config.is_private else None
         units = training_units(config, dataset_dir, len(train_texts)) if config.is_private else None
-        plan = plan_private_run(config, units.public_count, strategy) if config.is_private else None
+        local = config.is_private and is_local(strategy)  # forward-pass local DP (ewft, dpforward)
+        if local:  # a patient keeps at most records_per_patient training records (ERRATA E11)
+            train_texts, units = capped_training_set(train_texts, units, strategy)
+            plan = plan_local_run(config, strategy, len(train_texts), units.name)
+        else:
+            plan = plan_private_run(config, units.public_count, strategy) if config.is_private else None
         torch.manual_seed(config.seed)
         loaded = load_model(
             config.model,
@@ -127,22 +140,30 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
         )
         if config.is_private:  # dropout draws from the public-seeded global generator (ERRATA E12)
             disable_dropout(loaded.model)
-        max_length = config.max_length or min(loaded.max_positions, 512)
-        train = TokenizedSplit(train_texts, loaded.tokenizer, max_length, units=units.ids if units else None)
-        evaluation = TokenizedSplit(load_texts(dataset_dir, "eval"), loaded.tokenizer, max_length)
-        public_eval = public_validation_split(loaded.tokenizer, max_length, config.public_eval_records)
-        private = None
-        if config.is_private:
-            probe = (public_probe_batch(loaded.tokenizer, max_length, config.rldp.public_probe_records, loaded.device)
-                     if strategy.needs_public_probe else None)
+        task = Task.build(config.task.kind, config.task.label, loaded.tokenizer)
+        max_length = config.max_length or min(loaded.max_positions, 384 if task.is_classification else 512)
+        train = task.split(train_texts, loaded.tokenizer, max_length, units=units.ids if units else None,
+                           require_all=True)
+        evaluation = task.split(load_texts(dataset_dir, "eval"), loaded.tokenizer, max_length)
+        public_eval = public_validation_split(loaded.tokenizer, max_length, config.public_eval_records, task)
+        private = local_run = None
+        if local:
+            local_run = setup_local_run(config, plan, strategy, loaded, train, units, task, max_length,
+                                        start_step=resume["trainer"]["step_count"] if resume else 0)
+            sampler, gradient, total_steps = local_run.sampler, local_run.step, local_run.planned_steps
+        elif config.is_private:
+            probe = (public_probe_batch(loaded.tokenizer, max_length, config.rldp.public_probe_records, loaded.device,
+                                        task) if strategy.needs_public_probe else None)
             private = setup_private_run(config, plan, loaded.model, loaded.pairs, units, loaded.device,
                                         strategy=strategy, public_batch=probe,
                                         start_step=resume["trainer"]["step_count"] if resume else 0,
-                                        population_admit=population_admit)  # PBT population filter (or None)
+                                        population_admit=population_admit,  # PBT population filter (or None)
+                                        loss=task.loss if task.is_classification else None)
             sampler, gradient, total_steps = private.sampler, private.step, private.planned_steps
         else:
             sampler = ShuffledBatchSampler(len(train), config.batch_size, seed=config.seed)
-            gradient, total_steps = NonPrivateGradient(), nonprivate_steps(config, sampler.steps_per_epoch)
+            gradient = NonPrivateGradient(task.loss if task.is_classification else None)
+            total_steps = nonprivate_steps(config, sampler.steps_per_epoch)
         trainer = Trainer(
             loaded.model,
             train,
@@ -158,6 +179,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             on_checkpoint=(lambda t: on_checkpoint({"trainer": t.state_dict()})) if on_checkpoint else None,
             checkpoint_every=checkpoint_every,
             public_evaluation=public_eval,
+            evaluate=task.evaluate,
         )
         if resume is not None:
             trainer.load_state_dict(resume["trainer"])
@@ -167,6 +189,9 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
         public = [row["public_perplexity"] for row in history.eval_rows]
         controller = None
         privacy = privacy_summary(private, config) if private else {"mechanism": "none", "epsilon": None}
+        if local_run is not None:
+            privacy = local_privacy_summary(local_run, config)
+            local_run.ledger.save(staging / LEDGER_FILENAME)
         if private is not None:
             private.ledger.save(staging / LEDGER_FILENAME)
             controller = private.strategy.finish(staging) or None
@@ -208,6 +233,11 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             "initial_eval_perplexity": evals[0],
             "final_eval_perplexity": evals[-1],
             "best_eval_perplexity": min(evals),
+            "task": task.describe(),
+            **({"final_eval_accuracy": history.eval_rows[-1]["accuracy"],
+                "final_public_accuracy": history.eval_rows[-1]["public_accuracy"],
+                "best_public_accuracy": max(row["public_accuracy"] for row in history.eval_rows)}
+               if task.is_classification else {}),
             "eval_note": EVAL_NOTE,
             "train_loop_seconds": round(trainer.train_seconds, 2),
             "wall_seconds": round(time.perf_counter() - started, 2),

@@ -27,6 +27,18 @@ from raydp.privacy.schedule import CONSTANT, SigmaSchedule
 
 
 @dataclass(frozen=True)
+class PlanRequest:
+    """The public parameters of a run's privacy plan, given to :meth:`Strategy.plan` before calibration
+    (nothing here is computed from private records: the number of units is treated as public)."""
+
+    epsilon: float
+    delta: float
+    q: float
+    planned_steps: int
+    accountant: str
+
+
+@dataclass(frozen=True)
 class StrategyContext:
     """What a strategy knows when a run starts (nothing here is computed from private records)."""
 
@@ -86,9 +98,18 @@ class Strategy(ABC):
         may be placed later (:meth:`calibrate_public`)."""
         return ()
 
+    def plan(self, request: PlanRequest) -> None:
+        """Called once before calibration with the run's public plan parameters; a strategy whose
+        schedule depends on them (EWPBA: the budget, q and the number of epochs) builds it here."""
+
     def schedule(self) -> SigmaSchedule:
         """The sigma schedule fixed before training (calibration solves for its scale sigma_0)."""
         return CONSTANT
+
+    def schedule_key(self) -> object:
+        """What the schedule depends on besides the plan's parameters (runs whose plan keys are equal
+        calibrate the same sigma_0; :func:`raydp.runner.privacy_setup.plan_key`)."""
+        return self.schedule()
 
     def calibrate_public(self, pair_norms: np.ndarray, losses: np.ndarray) -> None:
         """Receives per-sample pair norms and losses of PUBLIC records under the initial model."""

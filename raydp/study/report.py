@@ -59,6 +59,9 @@ def verdicts(results: pd.DataFrame, column: str = "final_eval_perplexity") -> pd
     against the best baseline arm (lowest mean), with seed spread and Welch's t-test (module docstring)."""
     from scipy import stats
 
+    if column not in results or "epsilon_target" not in results:  # no trial finished
+        return pd.DataFrame()
+
     data = results.dropna(subset=["epsilon_target", column]).copy()
     data["_arm"] = arm_keys(data)
     if "t_rl" in data:
@@ -92,6 +95,8 @@ def verdicts(results: pd.DataFrame, column: str = "final_eval_perplexity") -> pd
 
 
 def table2(results: pd.DataFrame, column: str = "final_eval_perplexity") -> pd.DataFrame:
+    if column not in results or "epsilon_target" not in results:  # no trial finished
+        return pd.DataFrame()
     private = results.dropna(subset=["epsilon_target", column]).copy()
     private["_arm"] = arm_keys(private)
     rows = []
@@ -117,7 +122,27 @@ def table2(results: pd.DataFrame, column: str = "final_eval_perplexity") -> pd.D
     return pd.DataFrame(rows)
 
 
+def accuracy_table(results: pd.DataFrame) -> pd.DataFrame:
+    """A classification study's final accuracy per model x epsilon x arm: mean and sd over seeds, on public
+    validation and (unprotected, E15) on the private eval split."""
+    if "final_public_accuracy" not in results:
+        return pd.DataFrame()
+    done = results.dropna(subset=["final_public_accuracy"]).copy()
+    done["arm"] = arm_keys(done)
+    done["epsilon_target"] = done["epsilon_target"].fillna(float("inf"))  # nonprivate: no target
+    rows = []
+    for (model, eps, arm), g in done.groupby(["model", "epsilon_target", "arm"]):
+        rows.append({"model": model, "epsilon": eps, "arm": arm, "seeds": len(g),
+                     "public_accuracy": g["final_public_accuracy"].mean(),
+                     "public_sd": g["final_public_accuracy"].std(ddof=1) if len(g) > 1 else float("nan"),
+                     "eval_accuracy": g["final_eval_accuracy"].mean(),
+                     "eval_sd": g["final_eval_accuracy"].std(ddof=1) if len(g) > 1 else float("nan")})
+    return pd.DataFrame(rows)
+
+
 def table3(results: pd.DataFrame, column: str = "final_eval_perplexity") -> pd.DataFrame:
+    if column not in results:  # no trial finished
+        return pd.DataFrame()
     frozen = results["frozen_policy"].fillna(False).astype(bool) if "frozen_policy" in results else False
     rldp = results[(results["strategy"] == "rldp") & ~frozen].dropna(subset=[column])
     rows = []
@@ -164,6 +189,10 @@ def format_report(study_dir: str | Path) -> str:
     lines.append(f"\nTable 3 analogue: RLDP steps to reach the best baseline's final {split} perplexity "
                  "(% of its steps)")
     lines.append(t3.to_string(index=False, float_format=lambda x: f"{x:.1f}") if len(t3) else "  (no RLDP trials)")
+    acc = accuracy_table(results)
+    if len(acc):
+        lines.append("\nClassification accuracy (final; mean and sd over seeds; eval: private split, unprotected, E15)")
+        lines.append(acc.to_string(index=False, float_format=lambda x: f"{x:.4f}"))
     tuning = summary.get("tuning_aware_epsilon")
     if isinstance(tuning, dict) and tuning:
         lines.append("\nTuning-aware epsilon (ERRATA E7/E14; RDP upper bounds): every run on the same private "

@@ -159,6 +159,7 @@ def _trial_row(trial: dict, run_dir: Path, status: str, result: dict, s: dict | 
         "rdp_curve_source": ("renyi_filter" if privacy.get("filter") is not None else "ledger")
         if privacy.get("epsilon") is not None else None,
         "wall_seconds": s["wall_seconds"],
+        **{k: s[k] for k in ("final_eval_accuracy", "final_public_accuracy", "best_public_accuracy") if k in s},
     })
     evaluation = run_dir / EVALUATION_FILE  # attacks and audit (not a DP release, E15): never selected on
     if evaluation.exists():
@@ -249,6 +250,9 @@ def run_rdp_curve(summary: dict | None, ledger: PrivacyLedger | None) -> tuple[n
     the run was enforced by one (``summary['privacy']['filter']``, else the ledger's ``filter`` metadata;
     Feldman & Zrnic 2021: the filter's budget B(alpha) is the run's guarantee under fully adaptive
     composition, ERRATA E13), else its ledger's RDP curve."""
+    local = ((summary or {}).get("privacy") or {}).get("local_rdp")
+    if isinstance(local, dict):  # a forward-pass local-DP run: its labels are not in the ledger's rows
+        return curve_on_orders(local["orders"], local["curve"]), "local"
     curve = _filter_curve(((summary or {}).get("privacy") or {}).get("filter"))
     if curve is None and ledger is not None:
         curve = _filter_curve(ledger.metadata.get("filter"))

@@ -1,0 +1,81 @@
+"""The task a run trains and evaluates: language modelling (the default) or classification.
+
+A task gives the run its splits, the per-example loss (what the DP step clips per example) and the
+held-out metric; the loop and the DP step are the same for both (issue "An open DP step": the task is
+injected, not a fork of the loop).
+
+* ``lm``: per-sequence next-token NLL (:mod:`raydp.model.loss`), perplexity.
+* ``classification``: a label field of the narratives as a prompt classifier (:mod:`raydp.data.tasks`,
+  :mod:`raydp.model.classifier`), label perplexity and accuracy. Prompts are fixed-length and
+  left-filled (no sequence length in the attention mask). Every training record must have a label
+  (the number of training units is treated as public: dropping some would change it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+from raydp.data.tasks import ClassificationSpec, classification_spec, to_classification
+from raydp.errors import ConfigError
+from raydp.evaluation.classification import evaluate_classification
+from raydp.evaluation.perplexity import evaluate_perplexity
+from raydp.model.batches import TokenizedSplit
+from raydp.model.classifier import class_token_ids, per_example_cross_entropy
+from raydp.model.loss import per_sequence_nll
+
+TASKS = ("lm", "classification")
+
+
+@dataclass
+class Task:
+    kind: str = "lm"
+    spec: ClassificationSpec | None = None
+    class_ids: tuple[int, ...] | None = None
+
+    @classmethod
+    def build(cls, kind: str, label: str, tokenizer) -> Task:
+        if kind == "lm":
+            return cls()
+        if kind != "classification":
+            raise ConfigError(f"unknown task {kind!r}; choose one of {', '.join(TASKS)}")
+        spec = classification_spec(label)
+        return cls(kind, spec, class_token_ids(tokenizer, spec.classes))
+
+    @property
+    def is_classification(self) -> bool:
+        return self.kind == "classification"
+
+    def split(self, texts: list[str], tokenizer, max_length: int, units=None, require_all: bool = False
+              ) -> TokenizedSplit:
+        """The tokenised split of ``texts`` (classification: prompts and labels; ``require_all``: every
+        text must have a label, e.g. the training split whose unit count is public)."""
+        if not self.is_classification:
+            return TokenizedSplit(texts, tokenizer, max_length, units=units)
+        inputs, labels, kept = to_classification(texts, self.spec)
+        if require_all and len(kept) != len(texts):
+            raise ConfigError(f"{len(texts) - len(kept)} training records have no {self.spec.field!r} label: "
+                              "a classification run needs a label on every training record")
+        return TokenizedSplit(inputs, tokenizer, max_length, units=None if units is None else units[kept],
+                              labels=labels, fixed_length=True)
+
+    def loss(self, logits, input_ids, attention_mask, labels=None):
+        """Per-example loss, shape ``[batch]``."""
+        if not self.is_classification:
+            return per_sequence_nll(logits, input_ids, attention_mask)
+        return per_example_cross_entropy(logits, labels, self.class_ids)
+
+    @property
+    def evaluate(self):
+        """``evaluate(model, split, device, max_sequences=...)`` (the loop's evaluation function)."""
+        if not self.is_classification:
+            return evaluate_perplexity
+        return partial(evaluate_classification, class_ids=self.class_ids)
+
+    def describe(self) -> dict:
+        out = {"kind": self.kind}
+        if self.spec is not None:
+            out.update(self.spec.describe(), metric="accuracy (and label perplexity)")
+        else:
+            out["metric"] = "perplexity"
+        return out

@@ -1,0 +1,188 @@
+"""Classification task and forward-pass local DP (EW-FT, DP-Forward) against independent computations:
+the task's labels against the verbaliser, per-example classification gradients against a naive loop,
+the noise layer's clipping bound and noise scale, the freezing of the user's side, and a whole run's
+ledger recomputed with dp_accounting."""
+
+import json
+import math
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from dp_accounting import dp_event
+from dp_accounting.pld import PLDAccountant
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from raydp.cli import main
+from raydp.data import generate_records, verbalise_records
+from raydp.data.tasks import classification_spec, to_classification
+from raydp.errors import ConfigError
+from raydp.model.adapters import discover_adapter_pairs
+from raydp.model.classifier import per_example_cross_entropy
+from raydp.model.loading import LoraSettings, apply_lora
+from raydp.privacy.clipping import PerSampleGradientComputer, pair_norms
+from raydp.privacy.forward import ForwardNoiseLayer, clip_frobenius, install_noise_layer
+from raydp.privacy.randomness import PrivateRandomness
+
+
+def test_labels_are_the_records_fields_and_the_clause_is_gone():
+    records = generate_records(200, seed=3, progress=False)
+    texts = verbalise_records(records, progress=False)
+    for field, positive in (("change", "Ch"), ("diabetesMed", "Yes")):
+        spec = classification_spec(field)
+        inputs, labels, kept = to_classification(texts, spec)
+        assert len(kept) == len(texts)  # synthetic records always carry these fields
+        want = (records[field].to_numpy() != positive).astype(int)  # class 0 is the positive sentence
+        assert labels.tolist() == want.tolist()
+        for text in inputs:
+            assert text.endswith(spec.prompt)
+            assert all(sentence not in text for sentence, _ in spec.sentences)
+    spec = classification_spec("readmitted")  # <30 and >30 merge into "readmitted"
+    assert spec.classes == ("readmitted", "not")
+    _, labels, _ = to_classification(texts, spec)
+    assert labels.tolist() == (records["readmitted"].to_numpy() == "NO").astype(int).tolist()
+    with pytest.raises(ConfigError, match="unknown label field"):
+        classification_spec("age")
+
+
+def tiny_model(seed=0, n_layer=3):
+    torch.manual_seed(seed)
+    base = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=n_layer, n_head=2,
+                                      embd_pdrop=0, attn_pdrop=0, resid_pdrop=0))
+    model = apply_lora(base, "gpt2", LoraSettings(r=4, alpha=8, dropout=0.0))
+    pairs = discover_adapter_pairs(model)
+    with torch.no_grad():
+        for pair in pairs:
+            pair.b.normal_(0, 0.5)
+    model.train()
+    return model, pairs
+
+
+def test_per_example_classification_gradients_equal_a_naive_loop():
+    model, pairs = tiny_model()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 50, (5, 12), generator=g)
+    mask = torch.ones_like(ids)
+    labels = torch.tensor([0, 1, 1, 0, 1])
+    class_ids = (7, 11)
+
+    def loss(logits, input_ids, attention_mask, labels):
+        return per_example_cross_entropy(logits, labels, class_ids)
+
+    grads = PerSampleGradientComputer(model, pairs, loss=loss).compute(ids, mask, labels)
+    for row in range(5):  # textbook: one example at a time with autograd
+        model.zero_grad()
+        logits = model(input_ids=ids[row:row + 1], attention_mask=mask[row:row + 1]).logits
+        per_example_cross_entropy(logits, labels[row:row + 1], class_ids).sum().backward()
+        for i, pair in enumerate(pairs):
+            assert torch.allclose(grads.a[i][row], pair.a.grad, atol=1e-6)
+            assert torch.allclose(grads.b[i][row], pair.b.grad, atol=1e-6)
+    assert (pair_norms(grads) > 0).all()
+
+
+def test_noise_layer_clips_every_example_to_c_and_adds_noise_of_std_sigma_times_2c():
+    z = torch.randn(64, 10, 8) * torch.logspace(-2, 2, 64).view(-1, 1, 1)
+    clipped = clip_frobenius(z, 0.7)
+    norms = clipped.flatten(1).norm(dim=1)
+    assert (norms <= 0.7 * (1 + 1e-6)).all()
+    small = z.flatten(1).norm(dim=1) <= 0.7
+    assert torch.allclose(clipped[small], z[small])  # inside the ball: untouched
+    layer = ForwardNoiseLayer(0.7, noise=PrivateRandomness.fresh().noise("cpu"))
+    layer.sigma = 1.5
+    out = layer(z)
+    residual = (out - clipped).flatten()
+    assert residual.std().item() == pytest.approx(1.5 * 2 * 0.7, rel=0.02)  # 5,120 draws
+    assert abs(residual.mean().item()) < 0.1
+    layer.noise = None
+    with pytest.raises(ConfigError, match="no noise source"):
+        layer(z)
+
+
+def test_noise_layer_freezes_the_users_side_and_perturbs_the_providers_input():
+    model, pairs = tiny_model(n_layer=3)
+    layer = ForwardNoiseLayer(1.0, noise=PrivateRandomness.fresh().noise("cpu"))
+    ids = torch.randint(1, 50, (2, 8))
+    before = model(input_ids=ids).logits.detach()
+    handle, frozen = install_noise_layer(model, 0, layer)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert frozen and all(".h.0." not in n for n in trainable) and any(".h.1." in n for n in trainable)
+    layer.sigma = 1.0
+    noisy1, noisy2 = model(input_ids=ids).logits.detach(), model(input_ids=ids).logits.detach()
+    assert not torch.allclose(noisy1, before) and not torch.allclose(noisy1, noisy2)  # fresh noise per release
+    handle.remove()
+    assert torch.allclose(model(input_ids=ids).logits, before, atol=1e-6)
+    with pytest.raises(ConfigError, match="at least one must follow"):
+        install_noise_layer(model, 2, layer)
+
+
+TINY = ["--quiet", "--model", "embedded-tiny", "--n-records", "300", "--epochs", "2", "--max-length", "96",
+        "--task", "classification"]
+
+
+@pytest.fixture(scope="module")
+def ewft_run(tmp_path_factory, raydp_cache):
+    out = tmp_path_factory.mktemp("ldp") / "ewft"
+    assert main(["train", "--output", str(out), "--strategy", "ewft", "--epsilon", "8", *TINY]) == 0
+    return out
+
+
+def test_a_local_run_charges_each_epoch_once_and_its_epsilon_is_recomputed_independently(ewft_run):
+    summary = json.loads((ewft_run / "summary.json").read_text())
+    privacy = summary["privacy"]
+    assert summary["task"]["kind"] == "classification" and 0 <= summary["final_eval_accuracy"] <= 1
+    rows = pq.read_table(ewft_run / "privacy_ledger.parquet", columns=["step", "q", "sigma_eff"]).to_pylist()
+    k, sigmas = privacy["records_per_unit"], privacy["sigmas_per_epoch"]
+    assert [r["step"] for r in rows] == [0, 1] and all(r["q"] == 1.0 for r in rows)  # no subsampling (E8)
+    assert [r["sigma_eff"] for r in rows] == pytest.approx([s / math.sqrt(k) for s in sigmas], rel=1e-12)
+    assert sigmas[0] > sigmas[1]  # EWPBA: more noise first
+    # dp_accounting, composed here from the file: the k records x 2 epochs of Gaussian releases, then the
+    # k label releases (k-ary randomized response) by basic composition: the bound the run must respect.
+    accountant = PLDAccountant()
+    for s in sigmas:
+        accountant.compose(dp_event.GaussianDpEvent(s), k)
+    gaussian = accountant.get_epsilon(privacy["delta"])
+    assert privacy["epsilon_by_accountant"]["pld_ledger_embeddings_only"] == pytest.approx(gaussian, rel=0.02)
+    assert gaussian < privacy["epsilon"] <= gaussian + k * privacy["epsilon_label"] + 1e-6
+    assert privacy["epsilon"] <= privacy["epsilon_target"] and privacy["within_budget"]
+    assert privacy["epsilon"] >= 0.95 * privacy["epsilon_target"]
+    assert privacy["paper_epsilon"] < privacy["epsilon"] / 2  # the paper's subsampled figure, labelled
+    assert "NOT a guarantee" in privacy["paper_epsilon_note"]
+
+
+def test_a_local_run_trains_only_the_providers_side(ewft_run):
+    from safetensors.torch import load_file
+
+    privacy = json.loads((ewft_run / "summary.json").read_text())["privacy"]
+    block = privacy["noise_layer_after_block"]
+    weights = load_file(str(next((ewft_run / "adapter").glob("*.safetensors"))))
+    user = [v for n, v in weights.items() if "lora_B" in n and f".h.{block}." in n]
+    provider = [v for n, v in weights.items() if "lora_B" in n and f".h.{block + 1}." in n]
+    assert user and all(float(v.abs().max()) == 0.0 for v in user)  # LoRA B starts at 0: never trained
+    assert provider and any(float(v.abs().max()) > 0.0 for v in provider)
+
+
+def test_local_strategies_need_a_classification_task(tmp_path, capsys):
+    assert main(["train", "--output", str(tmp_path / "x"), "--strategy", "dpforward", "--epsilon", "8",
+                 "--quiet"]) == 2
+    assert "task: {kind: classification}" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_ewpba_run_follows_its_schedule_and_stays_within_budget(tmp_path, raydp_cache):
+    out = tmp_path / "ewpba"
+    assert main(["train", "--output", str(out), "--strategy", "ewpba", "--epsilon", "2", "--quiet", "--model",
+                 "embedded-tiny", "--n-records", "300", "--epochs", "2", "--max-length", "96"]) == 0
+    privacy = json.loads((out / "summary.json").read_text())["privacy"]
+    shape = privacy["schedule"]["per_epoch"]
+    assert privacy["schedule"]["kind"] == "per_epoch" and shape[0] > shape[-1] == 1.0
+    rows = pq.read_table(out / "privacy_ledger.parquet", columns=["q", "sigma_eff"]).to_pylist()
+    q = privacy["q"]
+    epochs = [math.floor(t * q) for t in range(len(rows))]
+    want = [privacy["sigma_0"] * shape[min(e, len(shape) - 1)] for e in epochs]
+    assert [r["sigma_eff"] for r in rows] == pytest.approx(want, rel=1e-9)
+    accountant = PLDAccountant()
+    for row in rows:
+        accountant.compose(dp_event.PoissonSampledDpEvent(row["q"], dp_event.GaussianDpEvent(row["sigma_eff"])))
+    assert privacy["epsilon"] == pytest.approx(accountant.get_epsilon(privacy["delta"]), rel=0.02)
+    assert privacy["epsilon"] <= privacy["epsilon_target"]
