@@ -186,3 +186,30 @@ def test_ewpba_run_follows_its_schedule_and_stays_within_budget(tmp_path, raydp_
         accountant.compose(dp_event.PoissonSampledDpEvent(row["q"], dp_event.GaussianDpEvent(row["sigma_eff"])))
     assert privacy["epsilon"] == pytest.approx(accountant.get_epsilon(privacy["delta"]), rel=0.02)
     assert privacy["epsilon"] <= privacy["epsilon_target"]
+
+
+def test_a_classification_study_runs_a_local_strategy_beside_dp_sgd_on_ray(local_ray, tmp_path):
+    """`raydp study` with the classification task: ewft beside static DP-SGD, attacked after training; the
+    results carry accuracy, the report an accuracy table, and the study composes the local run's RDP curve
+    (labels included) with the DP-SGD run's ledger (ERRATA E7/E14)."""
+    import pandas as pd
+    import yaml
+
+    from raydp.study.runner import run_study
+
+    study = {"name": "cls", "models": ["embedded-tiny"], "epsilons": [8.0], "seeds": [0],
+             "strategies": ["ewft", "static"], "resources": {"cpus_per_trial": 1}, "wandb": {"mode": "disabled"},
+             "evaluate": {"generations": 10, "exposure_candidates": 20, "membership_records": 8, "audit": False},
+             "base": {"task": {"kind": "classification"}, "data": {"n_records": 300}, "epochs": 2,
+                      "max_length": 64, "eval_max_records": 32, "public_eval_records": 32}}
+    path = tmp_path / "cls.yaml"
+    path.write_text(yaml.safe_dump(study))
+    study_dir = run_study(path, tmp_path / "out", progress=False)
+    table = pd.read_parquet(study_dir / "results.parquet")
+    assert sorted(table["strategy"]) == ["ewft", "static"] and (table["status"] == "TERMINATED").all()
+    assert table["within_budget"].all() and (table["epsilon"] <= 8.0).all()
+    assert table["final_public_accuracy"].between(0, 1).all() and table["mia_auc"].notna().all()
+    composed = json.loads((study_dir / "study_summary.json").read_text())["tuning_aware_epsilon"]
+    sources = {run["name"].split("_")[0]: run["curve"] for d in composed.values() for run in d["composed"]}
+    assert sources == {"ewft": "local", "static": "ledger"}
+    assert main(["report", str(study_dir)]) == 0
