@@ -157,9 +157,13 @@ class TrainConfig(StrictModel):
                              (" (its settings are the `rldp` block)" if self.strategy == "rldp" else ""))
         if self.strategy not in ("nonprivate", "rldp"):
             self.strategy_settings()  # a bad setting is an error naming it, before anything runs
-            if getattr(strategy_class(self.strategy), "mechanism", None) == "local" and self.task.kind != "classification":
-                raise ValueError(f"strategy {self.strategy!r} perturbs a classifier's hidden states: set "
-                                 "task: {kind: classification} (--task classification)")
+            if getattr(strategy_class(self.strategy), "mechanism", None) == "local":
+                if self.task.kind != "classification":
+                    raise ValueError(f"strategy {self.strategy!r} perturbs a classifier's hidden states: set "
+                                     "task: {kind: classification} (--task classification)")
+                if self.data.n_audit:
+                    raise ValueError(f"strategy {self.strategy!r} is a local (replace-one) mechanism: the one-run "
+                                     "audit's add/remove canaries (data.n_audit) do not apply; set n_audit: 0")
         return self
 
     def strategy_settings(self):

@@ -82,7 +82,7 @@ def test_per_example_classification_gradients_equal_a_naive_loop():
 
 
 def test_noise_layer_clips_every_example_to_c_and_adds_noise_of_std_sigma_times_2c():
-    z = torch.randn(64, 10, 8) * torch.logspace(-2, 2, 64).view(-1, 1, 1)
+    z = torch.randn(64, 50, 8) * torch.logspace(-3, 2, 64).view(-1, 1, 1)
     clipped = clip_frobenius(z, 0.7)
     norms = clipped.flatten(1).norm(dim=1)
     assert (norms <= 0.7 * (1 + 1e-6)).all()
@@ -92,7 +92,7 @@ def test_noise_layer_clips_every_example_to_c_and_adds_noise_of_std_sigma_times_
     layer.sigma = 1.5
     out = layer(z)
     residual = (out - clipped).flatten()
-    assert residual.std().item() == pytest.approx(1.5 * 2 * 0.7, rel=0.02)  # 5,120 draws
+    assert residual.std().item() == pytest.approx(1.5 * 2 * 0.7, rel=0.02)  # 25,600 draws: 4.5 s.e.
     assert abs(residual.mean().item()) < 0.1
     layer.noise = None
     with pytest.raises(ConfigError, match="no noise source"):
@@ -213,3 +213,87 @@ def test_a_classification_study_runs_a_local_strategy_beside_dp_sgd_on_ray(local
     sources = {run["name"].split("_")[0]: run["curve"] for d in composed.values() for run in d["composed"]}
     assert sources == {"ewft": "local", "static": "ledger"}
     assert main(["report", str(study_dir)]) == 0
+
+
+def test_the_noise_layer_finds_the_blocks_of_a_llama_model_too():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+    model = apply_lora(base, "llama", LoraSettings(r=4, alpha=8, dropout=0.0))
+    ids = torch.randint(1, 50, (2, 8))
+    before = model(input_ids=ids).logits.detach()
+    layer = ForwardNoiseLayer(0.5, noise=PrivateRandomness.fresh().noise("cpu"))
+    layer.sigma = 2.0
+    handle, frozen = install_noise_layer(model, 1, layer)
+    assert frozen and not torch.allclose(model(input_ids=ids).logits, before)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".layers.2." in n for n in trainable)  # only the provider's side
+    handle.remove()
+
+
+def test_each_patient_contributes_exactly_k_records_so_the_count_is_not_released():
+    from raydp.runner.local_setup import unit_records
+
+    units = np.array([7, 7, 7, 3, 9, 9])  # patient 7 has three records, 3 has one, 9 has two
+    rows = unit_records(units, len(units), 2)
+    assert rows.tolist() == [0, 1, 3, 3, 4, 5]  # first k in file order; a single record repeated
+    assert unit_records(units, len(units), 1).tolist() == [0, 3, 4]
+    assert unit_records(None, 4, 3).tolist() == [0, 1, 2, 3]  # record unit: every record once
+
+
+def test_a_resumed_local_step_keeps_its_released_labels_and_will_not_re_release_an_epoch():
+    from raydp.model.batches import Batch
+    from raydp.privacy.guard import BudgetExhausted
+    from raydp.privacy.ledger import PrivacyLedger
+    from raydp.privacy.forward import ForwardLDPStep
+
+    class Split:  # stands in for the training split: only its (released) labels matter here
+        labels = np.array([0, 1, 1, 0])
+
+    def loss(logits, input_ids, attention_mask, labels):
+        return per_example_cross_entropy(logits, labels, (7, 11))
+
+    model, _ = tiny_model()
+    layer = ForwardNoiseLayer(1.0, noise=PrivateRandomness.fresh().noise("cpu"))
+    install_noise_layer(model, 0, layer)
+    first = ForwardLDPStep(layer, (2.0, 1.0), 1, PrivacyLedger(delta=1e-5), 3, loss, "ewft", train_split=Split())
+    ids = torch.randint(1, 50, (2, 8))
+    first.compute(model, Batch([0, 1], ids, torch.ones_like(ids), labels=torch.tensor([0, 1])))
+    state = first.state_dict()
+    split = type("Redrawn", (), {"labels": np.array([1, 1, 1, 1])})()  # a resume's fresh draw: discarded
+    resumed = ForwardLDPStep(layer, (2.0, 1.0), 1, PrivacyLedger(delta=1e-5), 3, loss, "ewft", train_split=split)
+    resumed.load_state_dict(state)
+    assert split.labels.tolist() == [0, 1, 1, 0] and len(resumed.ledger) == 1
+    assert "middle of epoch 1" in resumed.stop_reason(1)  # the loop stops cleanly before the step
+    with pytest.raises(BudgetExhausted, match="middle of epoch 1"):
+        resumed.compute(model, Batch([0, 1], ids, torch.ones_like(ids), labels=torch.tensor([0, 1])))
+
+
+def test_nothing_trainable_may_sit_before_the_noise_or_outside_the_clipped_pairs(tmp_path, capsys):
+    model, _ = tiny_model()
+    model.get_input_embeddings().weight.requires_grad_(True)  # e.g. LoRA on the embeddings
+    layer = ForwardNoiseLayer(1.0, noise=PrivateRandomness.fresh().noise("cpu"))
+    with pytest.raises(ConfigError, match="trainable parameters outside the blocks after the noise"):
+        install_noise_layer(model, 0, layer)
+    config = tmp_path / "c.yaml"  # DP-SGD: LoRA on the embeddings would be updated with raw gradients
+    config.write_text("lora: {target_modules: [c_attn, wte]}\n")
+    assert main(["train", "--output", str(tmp_path / "x"), "--config", str(config), "--strategy", "static",
+                 "--epsilon", "2", *TINY[:-2]]) == 2
+    assert "outside the LoRA adapter pairs" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_local_ledger_alone_gives_the_runs_spend_labels_included(ewft_run):
+    from raydp.privacy.ledger import PrivacyLedger
+    from raydp.study.results import ORDERS, ledger_curve
+    from raydp.privacy.accounting.rdp import ledger_rdp_curve, rdp_epsilon
+
+    privacy = json.loads((ewft_run / "summary.json").read_text())["privacy"]
+    ledger = PrivacyLedger.load(ewft_run / "privacy_ledger.parquet")
+    assert ledger.metadata["neighbouring_relation"] == "replace_one_local"
+    with_labels, rows_only = ledger_curve(ledger), ledger_rdp_curve(ledger)
+    k, e = privacy["records_per_unit"], privacy["epsilon_label"]
+    assert np.allclose(with_labels - rows_only, k * np.minimum(e, ORDERS * e * e / 2))  # the labels' RDP
+    assert rdp_epsilon(with_labels, ORDERS, privacy["delta"]) >= privacy["epsilon"]  # RDP: looser, never below

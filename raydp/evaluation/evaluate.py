@@ -95,6 +95,9 @@ def _claimed(summary: dict, config) -> dict:
                "labels": labels, "within_budget": privacy.get("within_budget"), "comparable": True, "note": None}
     if claimed["epsilon"] is None:
         claimed.update(comparable=False, note="non-private run: no claimed epsilon")
+    elif privacy.get("guarantee") == "local":
+        claimed.update(comparable=False, note="a local mechanism's epsilon is replace-one per unit; the audit is an "
+                       "add/remove membership game: the two cannot be compared")
     elif any("void" in label.lower() or "paper mode" in label.lower() for label in labels):
         claimed.update(comparable=False, note="the claimed epsilon is labelled (void or paper mode): the audit "
                        "cannot confirm or refute it")

@@ -26,18 +26,27 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
 from raydp.errors import ConfigError
+from raydp.privacy.guard import BudgetExhausted
 
 FORWARD_RELEASE = "embedding"
 
 
+#: relative margin under C in the clip factor, so rounding cannot put a clipped norm above C
+CLIP_MARGIN = 1e-6
+
+
 def clip_frobenius(z: torch.Tensor, clip: float) -> torch.Tensor:
-    """Each example (dim 0) scaled to Frobenius norm <= ``clip`` over all its other dims (Eq. 11)."""
+    """Each example (dim 0) scaled to Frobenius norm <= ``clip`` over all its other dims (Eq. 11), in
+    float32 or wider (a bf16 clip overshoots C by ~0.5%)."""
+    if z.dtype not in (torch.float32, torch.float64):
+        z = z.float()
     norms = z.flatten(1).norm(dim=1).clamp_min(1e-12)
-    factors = torch.clamp(clip / norms, max=1.0)
+    factors = torch.clamp(clip * (1 - CLIP_MARGIN) / norms, max=1.0)
     return z * factors.view(-1, *([1] * (z.dim() - 1)))
 
 
@@ -60,14 +69,18 @@ class ForwardNoiseLayer(nn.Module):
         return 2.0 * self.clip
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        z = self.autoencoder.encode(hidden) if self.autoencoder is not None else hidden
+        # encode, clip and noise in float32 (the autoencoder is float32; bf16 would round the clip and the
+        # noise), then back to the model's dtype
+        h = hidden.float()
+        z = self.autoencoder.encode(h) if self.autoencoder is not None else h
         z = clip_frobenius(z, self.clip)
         if self.sigma is not None:
             if self.noise is None:
                 raise ConfigError("the noise layer has no noise source")
-            noise = self.noise.randn(z.shape, dtype=torch.float32).to(device=z.device, dtype=z.dtype)
+            noise = self.noise.randn(z.shape, dtype=torch.float32).to(device=z.device)
             z = z + (self.sigma * self.sensitivity) * noise
-        return self.autoencoder.decode(z) if self.autoencoder is not None else z
+        out = self.autoencoder.decode(z) if self.autoencoder is not None else z
+        return out.to(hidden.dtype)
 
 
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:
@@ -95,6 +108,11 @@ def install_noise_layer(model: nn.Module, block: int, layer: ForwardNoiseLayer):
             if p.requires_grad:
                 p.requires_grad_(False)
                 frozen.append(f"block{i}.{name}")
+    provider = {id(p) for b in blocks[block + 1:] for p in b.parameters()}
+    outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in provider]
+    if outside:  # e.g. LoRA on the embeddings: trained on raw private activations, before the noise
+        raise ConfigError(f"trainable parameters outside the blocks after the noise layer ({outside[0]}, ...): "
+                          "a local mechanism trains only the provider's side; restrict lora.target_modules")
 
     def hook(module, inputs, output):
         if isinstance(output, tuple):
@@ -110,7 +128,9 @@ class ForwardLDPStep:
     noisy forward pass (the labels in the batch are the randomized-response ones)."""
 
     def __init__(self, layer: ForwardNoiseLayer, sigmas: tuple[float, ...], records_per_unit: int, ledger,
-                 steps_per_epoch: int, loss, strategy_name: str):
+                 steps_per_epoch: int, loss, strategy_name: str, train_split=None):
+        """``train_split``: the training split, whose labels are the randomized-response release; they
+        are checkpointed and restored, never redrawn (a redraw would be a second, uncharged release)."""
         self.layer = layer
         self.sigmas = tuple(float(s) for s in sigmas)
         self.records_per_unit = int(records_per_unit)
@@ -120,6 +140,8 @@ class ForwardLDPStep:
         self.name = f"local:{strategy_name}"
         self.planned_steps = self.steps_per_epoch * len(self.sigmas)
         self.step = 0
+        self.train_split = train_split
+        self.resumed_mid_epoch = False
 
     def epoch_of(self, step: int) -> int:
         return step // self.steps_per_epoch
@@ -128,6 +150,10 @@ class ForwardLDPStep:
         epoch = self.epoch_of(self.step)
         if epoch >= len(self.sigmas):
             raise ConfigError(f"step {self.step} is past the planned {len(self.sigmas)} epochs")
+        if self.resumed_mid_epoch:  # the loop asks stop_reason first; this is the step's own refusal
+            raise BudgetExhausted(self._mid_epoch_message(), spent=math.nan,
+                                  epsilon_target=self.ledger.epsilon_target or math.nan, steps_done=self.step,
+                                  remaining_steps=self.planned_steps - self.step)
         if len(self.ledger) <= epoch:  # charged before the epoch's first release
             self.ledger.record_gaussian(1.0, self.sigmas[epoch] / math.sqrt(self.records_per_unit),
                                         name=FORWARD_RELEASE, step=epoch)
@@ -149,18 +175,32 @@ class ForwardLDPStep:
     def between_steps(self, step: int) -> None:
         pass
 
+    def _mid_epoch_message(self) -> str:
+        return (f"resumed in the middle of epoch {self.epoch_of(self.step) + 1}: its records' embeddings may "
+                "already have been released once, and releasing them again would exceed the budget")
+
     def stop_reason(self, step: int) -> str | None:
+        if self.resumed_mid_epoch:  # the receiver saw part of this epoch before the interruption
+            return self._mid_epoch_message()
         if step >= self.planned_steps:
             return f"the planned {len(self.sigmas)} epochs of releases are done"
         return None
 
     def state_dict(self) -> dict:
-        # no RNG state: a resumed run draws fresh secret noise (ERRATA E12)
-        return {"step": self.step, "ledger": self.ledger.to_arrow()}
+        # no RNG state: a resumed run draws fresh secret noise (ERRATA E12); the randomized labels are a
+        # release (private state, like every checkpoint: it lives outside the run directory)
+        labels = None if self.train_split is None or self.train_split.labels is None else \
+            self.train_split.labels.tolist()
+        return {"step": self.step, "ledger": self.ledger.to_arrow(), "released_labels": labels}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore into a fresh run: the ledger gets exactly the checkpoint's rows (the epochs charged)."""
+        """Restore into a fresh run: the ledger gets exactly the checkpoint's rows (the epochs charged), the
+        training split the labels released before. A run resumed inside an epoch stops at its next step
+        (:meth:`compute`): part of that epoch was released, and a second release is not in the plan."""
         if len(self.ledger):
             raise ValueError("restore a local-DP step before its first step, into an empty ledger")
         self.ledger.extend_from_arrow(state["ledger"])
         self.step = int(state["step"])
+        if state.get("released_labels") is not None and self.train_split is not None:
+            self.train_split.labels = np.asarray(state["released_labels"], dtype=np.int64)
+        self.resumed_mid_epoch = self.step % self.steps_per_epoch != 0

@@ -61,6 +61,9 @@ __all__ = [
 ]
 
 NEIGHBOURING_RELATION = "add_remove_one"
+#: a forward-pass local-DP ledger (raydp.privacy.forward): one row per epoch, q = 1, replace-one per unit
+LOCAL_RELATION = "replace_one_local"
+NEIGHBOURING_RELATIONS = (NEIGHBOURING_RELATION, LOCAL_RELATION)
 ALLOCATIONS = ("proportional", "uniform", "flat")
 LEDGER_FILENAME = "privacy_ledger.parquet"
 FORMAT_VERSION = 1
@@ -227,7 +230,8 @@ class PrivacyLedger:
         for k, v in kwargs.items():
             if v is not None or k not in self.metadata:
                 self.metadata[k] = v
-        self.metadata["neighbouring_relation"] = NEIGHBOURING_RELATION
+        if self.metadata.get("neighbouring_relation") is None:  # a local-DP ledger states replace-one
+            self.metadata["neighbouring_relation"] = NEIGHBOURING_RELATION
 
     @property
     def delta(self) -> float | None:
@@ -369,9 +373,9 @@ class PrivacyLedger:
             raise DataError(f"{path}: not a privacy ledger (missing columns {', '.join(missing)})")
         kv = table.schema.metadata or {}
         meta = json.loads(kv[_META_KEY]) if _META_KEY in kv else {}
-        if meta.get("neighbouring_relation", NEIGHBOURING_RELATION) != NEIGHBOURING_RELATION:
+        if meta.get("neighbouring_relation", NEIGHBOURING_RELATION) not in NEIGHBOURING_RELATIONS:
             raise DataError(f"{path}: neighbouring relation {meta.get('neighbouring_relation')!r}, "
-                            f"expected {NEIGHBOURING_RELATION!r}")
+                            f"expected one of {', '.join(NEIGHBOURING_RELATIONS)}")
         for k in ("format_version", "num_steps", "sigma_eff"):
             meta.pop(k, None)
         ledger = cls(**{k: meta.pop(k, None) for k in ("delta", "epsilon_target", "accountant")},

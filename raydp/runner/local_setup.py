@@ -7,9 +7,11 @@ numbers (the target, the cap, the number of training records and epochs) and run
 
 Privacy (ERRATA E8, E11, E12):
 
-* one unit is a patient with at most ``records_per_patient`` training records (extra records of a
-  patient are dropped, in file order, before anything is trained; :func:`cap_records`), or a record
-  under ``privacy_unit: record``;
+* one unit is a patient who contributes EXACTLY ``records_per_patient`` training records (the first ones
+  in file order; a patient with fewer has theirs repeated; :func:`unit_records`), or a record under
+  ``privacy_unit: record``. Exactly, not at most: the receiver counts the releases it gets per patient,
+  and a patient's number of encounters is itself health data; with a fixed count the training set has
+  k x N_units records, N_units treated as public like everywhere else;
 * each training record's embedding is released once per epoch (shuffled fixed batches: every record
   exactly once an epoch; the order is not part of the mechanism), each label once per run by randomized
   response with the run's secret generator;
@@ -30,7 +32,7 @@ from raydp.data import public_corpus
 from raydp.errors import ConfigError
 from raydp.model.autoencoder import StackedAutoencoder, pretrain_autoencoder
 from raydp.privacy.forward import ForwardLDPStep, ForwardNoiseLayer, install_noise_layer, transformer_blocks
-from raydp.privacy.ledger import PrivacyLedger
+from raydp.privacy.ledger import LOCAL_RELATION, PrivacyLedger
 from raydp.privacy.local import PAPER_FIGURE_LABEL, LocalPlan, calibrate_local_scale, paper_epsilon, \
     randomized_response
 from raydp.runner.privacy_setup import PrivacyUnits, private_randomness
@@ -45,24 +47,23 @@ def is_local(strategy) -> bool:
     return getattr(strategy, "mechanism", None) == "local"
 
 
-def cap_records(unit_ids: np.ndarray | None, n_records: int, cap: int) -> np.ndarray:
-    """Indices of the training records kept when each unit keeps at most ``cap`` records (file order)."""
+def unit_records(unit_ids: np.ndarray | None, n_records: int, k: int) -> np.ndarray:
+    """Indices of exactly ``k`` training records per unit, units in order of first appearance: a unit's
+    first ``k`` records, cycled when it has fewer (every record is its own unit when ``unit_ids`` is None)."""
     if unit_ids is None:
         return np.arange(n_records)
-    seen: dict = {}
-    kept = []
+    rows: dict = {}
     for i, unit in enumerate(unit_ids.tolist()):
-        if seen.get(unit, 0) < cap:
-            seen[unit] = seen.get(unit, 0) + 1
-            kept.append(i)
-    return np.asarray(kept, dtype=np.int64)
+        rows.setdefault(unit, []).append(i)
+    return np.asarray([r[j % len(r)] for r in rows.values() for j in range(k)], dtype=np.int64)
 
 
-def capped_training_set(texts: list[str], units: PrivacyUnits, strategy) -> tuple[list[str], PrivacyUnits]:
-    """The training texts and units after the per-patient cap (nothing dropped under the record unit)."""
+def unit_training_set(texts: list[str], units: PrivacyUnits, strategy) -> tuple[list[str], PrivacyUnits]:
+    """The training texts and units with exactly ``records_per_patient`` records per patient (all records
+    under the record unit)."""
     if units.ids is None:
         return texts, units
-    kept = cap_records(units.ids, len(texts), strategy.settings.records_per_patient)
+    kept = unit_records(units.ids, len(texts), strategy.settings.records_per_patient)
     return [texts[i] for i in kept], PrivacyUnits(units.name, units.count, units.ids[kept], units.held_back)
 
 
@@ -83,11 +84,15 @@ class LocalPlanned:
         return self.epochs * self.steps_per_epoch
 
 
-def plan_local_run(config: TrainConfig, strategy, n_records: int, unit_name: str) -> LocalPlanned:
-    """Calibrate the schedule's scale so the per-unit local epsilon lands on the target (public inputs only:
-    ``n_records`` is the number of training records after the cap, treated as public like N_units)."""
+def plan_local_run(config: TrainConfig, strategy, units: PrivacyUnits, n_classes: int = 2) -> LocalPlanned:
+    """Calibrate the schedule's scale so the per-unit local epsilon lands on the target. Public inputs only:
+    the number of units (treated as public) times the records each contributes."""
     settings = strategy.settings
-    k_max = settings.records_per_patient if unit_name == "patient" else 1
+    k_max = settings.records_per_patient if units.name == "patient" else 1
+    if units.held_back:  # TrainConfig refuses n_audit for local strategies; a built dataset may still have them
+        raise ConfigError("this dataset has audit canaries (an add/remove membership game): a local mechanism is "
+                          "replace-one; build the dataset with n_audit: 0")
+    n_records = k_max * units.count
     epochs = max(1, math.ceil(config.epochs - 1e-9))
     batch = min(config.batch_size, n_records)
     steps_per_epoch = math.ceil(n_records / batch)
@@ -98,7 +103,7 @@ def plan_local_run(config: TrainConfig, strategy, n_records: int, unit_name: str
     share = settings.label_share
     epsilon_label = share * config.epsilon / k_max if share > 0 else None
     plan = calibrate_local_scale(multipliers, config.epsilon, config.delta, records_per_unit=k_max,
-                                 epsilon_label=epsilon_label, n_classes=2)
+                                 epsilon_label=epsilon_label, n_classes=n_classes)
     return LocalPlanned(plan, epochs, steps_per_epoch, k_max, n_records, epsilon_label, q)
 
 
@@ -130,7 +135,8 @@ def setup_local_run(config: TrainConfig, planned: LocalPlanned, strategy, loaded
         raise ConfigError("the local plan was made for another training set than this one")
     settings = strategy.settings
     randomness = private_randomness(config, start_step)
-    if planned.epsilon_label is not None:  # once per record per run, reused every epoch (post-processing)
+    if planned.epsilon_label is not None:  # once per record per run, reused every epoch (post-processing);
+        # a resumed run gets the labels of its checkpoint back (ForwardLDPStep.load_state_dict)
         train.labels = randomized_response(train.labels, planned.epsilon_label, task.spec.n_classes,
                                            randomness.sampling_rng())
     model = loaded.model
@@ -148,13 +154,33 @@ def setup_local_run(config: TrainConfig, planned: LocalPlanned, strategy, loaded
     _, frozen = install_noise_layer(model, block, layer)
     ledger = PrivacyLedger(delta=config.delta, epsilon_target=config.epsilon, accountant="local",
                            metadata={"privacy_unit": units.name, "mechanism": "local",
+                                     "neighbouring_relation": LOCAL_RELATION,
+                                     "local_plan": local_plan_metadata(planned.plan),
                                      "guarantee": "local-exact" if planned.plan.is_exact() else "local-upper-bound",
                                      "guarantee_note": LOCAL_GUARANTEE_NOTE, "randomness": randomness.source,
                                      "labels": local_labels(planned, randomness)})
     step = ForwardLDPStep(layer, planned.plan.sigmas, planned.records_per_unit, ledger, planned.steps_per_epoch,
-                          task.loss, strategy.name)
+                          task.loss, strategy.name, train_split=train)
     sampler = ShuffledBatchSampler(len(train), config.batch_size, seed=config.seed)
     return LocalRun(planned, step, sampler, ledger, layer, units, strategy, randomness, block, frozen, error)
+
+
+def local_plan_metadata(plan: LocalPlan) -> dict:
+    """What the ledger file keeps of the plan, so that its spend can be recomputed from the file alone
+    (labels included; a study composes an unfinished trial's checkpoint ledger this way)."""
+    return {"records_per_unit": plan.records_per_unit, "epsilon_label": plan.epsilon_label,
+            "n_classes": plan.n_classes}
+
+
+def ledger_local_plan(metadata: dict, sigma_eff) -> LocalPlan | None:
+    """The local plan of what a local-DP ledger charged (None for another ledger): one Gaussian release
+    per row at sigma_eff * sqrt(k) per record, and the labels once the first row is charged."""
+    spec = (metadata or {}).get("local_plan")
+    if not isinstance(spec, dict) or not len(sigma_eff):
+        return None
+    k = int(spec["records_per_unit"])
+    return LocalPlan(tuple(float(s) * math.sqrt(k) for s in sigma_eff), k, spec.get("epsilon_label"),
+                     int(spec.get("n_classes", 2)))
 
 
 LOCAL_GUARANTEE_NOTE = ("local DP on hidden embeddings: each unit's cost is the composition of the releases of its "
@@ -200,7 +226,8 @@ def local_privacy_summary(run: LocalRun, config: TrainConfig) -> dict:
 
     plan, planned = run.planned.plan, run.planned
     charged = len(run.ledger)
-    epsilon = plan.epsilon_after(charged, config.delta) if charged else 0.0
+    spent = ledger_local_plan(run.ledger.metadata, run.ledger.sigma_eff)  # what the ledger charged
+    epsilon = spent.epsilon(config.delta) if spent is not None else 0.0
     labels = local_labels(planned, run.randomness)
     ledger_pld = get_accountant("pld").epsilon(run.ledger, config.delta) if charged else 0.0
     paper = paper_epsilon(plan.sigmas[:charged], planned.paper_q, planned.steps_per_epoch, config.delta) \
@@ -242,7 +269,8 @@ def local_privacy_summary(run: LocalRun, config: TrainConfig) -> dict:
         "paper_epsilon_note": PAPER_FIGURE_LABEL,
         "local_plan": plan.describe(config.delta),
         # what a study composes across trials on the same data (raydp.study.results.run_rdp_curve)
-        "local_rdp": {"orders": list(DEFAULT_ORDERS), "curve": plan.rdp_curve(DEFAULT_ORDERS, charged).tolist()},
+        "local_rdp": {"orders": list(DEFAULT_ORDERS), "curve": (spent.rdp_curve(DEFAULT_ORDERS).tolist() if spent
+                                                                else [0.0] * len(DEFAULT_ORDERS))},
         "strategy": run.strategy.describe(),
         "privacy_mode": "strict",
         "randomness": run.randomness.source,

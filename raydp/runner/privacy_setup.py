@@ -242,6 +242,11 @@ def setup_private_run(
             tensor_sizes=tuple(t.numel() for p in pairs for t in (p.a, p.b)),
         )
     )
+    clipped = {id(t) for p in pairs for t in (p.a, p.b)}
+    outside = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in clipped]
+    if outside:  # the optimizer would apply their raw (unclipped, noiseless) gradients
+        raise ConfigError(f"trainable parameters outside the LoRA adapter pairs ({outside[0]}, ...) would get no "
+                          "clipping and no noise: restrict lora.target_modules to linear layers")
     gradients = PerSampleGradientComputer(model, pairs, loss=loss) if loss is not None else None
     step = DPStep(model, pairs, strategy, ledger, guard, q=q, expected_batch_size=sampler.expected_batch_size,
                   planned_steps=steps, device=device, randomness=randomness, sigma_0=sigma_0, gradients=gradients)

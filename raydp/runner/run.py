@@ -43,12 +43,13 @@ from raydp.runner.privacy_setup import (
 )
 from raydp.runner.sampling import ShuffledBatchSampler
 from raydp.runner.local_setup import (
-    capped_training_set,
+    unit_training_set,
     is_local,
     local_privacy_summary,
     plan_local_run,
     setup_local_run,
 )
+from raydp.data.tasks import classification_spec
 from raydp.runner.task import Task
 from raydp.privacy.ledger import LEDGER_FILENAME
 
@@ -58,8 +59,9 @@ PUBLIC_EVAL_SEED = 8_888
 PRIVATE_DIR = "private"
 PRIVATE_README = ("Everything under this directory is private data (the dataset splits built for this run). "
                   "Never release it.\n")
-EVAL_NOTE = ("eval_perplexity is computed on the private held-out eval split: not a DP release (unprotected, "
-             "ERRATA E15); public_perplexity is on public validation records and is what studies select on")
+EVAL_NOTE = ("eval_perplexity (and a classification task's eval_accuracy) is computed on the private held-out eval "
+             "split: not a DP release (unprotected, ERRATA E15); public_perplexity (public_accuracy) is on public "
+             "validation records, and the public perplexity is what studies select on")
 
 
 def prepare_dataset(config: TrainConfig, workdir: Path, progress: bool = True) -> Path:
@@ -126,9 +128,9 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
         strategy = build_strategy(config, client) if config.is_private else None
         units = training_units(config, dataset_dir, len(train_texts)) if config.is_private else None
         local = config.is_private and is_local(strategy)  # forward-pass local DP (ewft, dpforward)
-        if local:  # a patient keeps at most records_per_patient training records (ERRATA E11)
-            train_texts, units = capped_training_set(train_texts, units, strategy)
-            plan = plan_local_run(config, strategy, len(train_texts), units.name)
+        if local:  # each patient contributes exactly records_per_patient training records (ERRATA E11)
+            train_texts, units = unit_training_set(train_texts, units, strategy)
+            plan = plan_local_run(config, strategy, units, classification_spec(config.task.label).n_classes)
         else:
             plan = plan_private_run(config, units.public_count, strategy) if config.is_private else None
         torch.manual_seed(config.seed)
@@ -150,7 +152,8 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
         if local:
             local_run = setup_local_run(config, plan, strategy, loaded, train, units, task, max_length,
                                         start_step=resume["trainer"]["step_count"] if resume else 0)
-            sampler, gradient, total_steps = local_run.sampler, local_run.step, local_run.planned_steps
+            sampler, gradient = local_run.sampler, local_run.step
+            total_steps = min(local_run.planned_steps, config.max_steps or local_run.planned_steps)
         elif config.is_private:
             probe = (public_probe_batch(loaded.tokenizer, max_length, config.rldp.public_probe_records, loaded.device,
                                         task) if strategy.needs_public_probe else None)
@@ -214,7 +217,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             "adapter_pairs": [pair.describe() for pair in loaded.pairs],
             "strategy": config.strategy,
             "privacy": privacy,
-            "dropout": "off (DP run: ERRATA E12)" if private else "as configured",
+            "dropout": "off (DP run: ERRATA E12)" if config.is_private else "as configured",
             "controller": controller,
             "resumed_from_step": resume["trainer"]["step_count"] if resume is not None else None,
             "stopped_early": trainer.stopped_early,

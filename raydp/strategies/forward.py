@@ -13,8 +13,9 @@ same ledger, reports and attacks. What each chooses:
 
 Both clip each example's (encoded) hidden states to Frobenius norm ``clip`` (the paper's C = 1), protect
 the class labels by k-ary randomized response with ``label_share`` of the budget (basic composition
-share; 0 leaves the labels unprotected, which every output then says), and cap each patient at
-``records_per_patient`` training records (ERRATA E11: a patient's cost composes over their records).
+share; 0 leaves the labels unprotected, which every output then says), and take exactly
+``records_per_patient`` training records from each patient (ERRATA E11: a patient's cost composes over
+their records, and the receiver counts the releases it gets, so the count must not depend on the patient).
 The guarantee is computed by :mod:`raydp.privacy.local`; the paper's subsampled figure is reported beside
 it, labelled.
 """
@@ -34,7 +35,8 @@ class ForwardSettings(StrictModel):
     clip: float = Field(1.0, gt=0, description="C of Eq. 11: each example's hidden states clipped to Frobenius norm C")
     label_share: float = Field(0.25, ge=0, lt=1, description="share of epsilon spent on randomized-response labels "
                                                             "(0: labels unprotected, labelled)")
-    records_per_patient: int = Field(2, ge=1, description="cap on a patient's training records (ERRATA E11)")
+    records_per_patient: int = Field(1, ge=1, description="training records each patient contributes, exactly "
+                                     "(their first ones, repeated if they have fewer; ERRATA E11)")
     autoencoder_steps: int = Field(300, ge=1, description="public reconstruction steps of the autoencoder")
     public_records: int = Field(256, gt=0, description="public records the autoencoder is fitted on")
 

@@ -156,7 +156,8 @@ def _trial_row(trial: dict, run_dir: Path, status: str, result: dict, s: dict | 
         "epsilon": privacy.get("epsilon"), "guarantee": privacy.get("guarantee"),
         "privacy_unit": privacy.get("privacy_unit"),
         "dataset_sha256": s.get("dataset_sha256"),
-        "rdp_curve_source": ("renyi_filter" if privacy.get("filter") is not None else "ledger")
+        "rdp_curve_source": ("local" if privacy.get("guarantee") == "local" else "renyi_filter"
+                             if privacy.get("filter") is not None else "ledger")
         if privacy.get("epsilon") is not None else None,
         "wall_seconds": s["wall_seconds"],
         **{k: s[k] for k in ("final_eval_accuracy", "final_public_accuracy", "best_public_accuracy") if k in s},
@@ -250,9 +251,8 @@ def run_rdp_curve(summary: dict | None, ledger: PrivacyLedger | None) -> tuple[n
     the run was enforced by one (``summary['privacy']['filter']``, else the ledger's ``filter`` metadata;
     Feldman & Zrnic 2021: the filter's budget B(alpha) is the run's guarantee under fully adaptive
     composition, ERRATA E13), else its ledger's RDP curve."""
-    local = ((summary or {}).get("privacy") or {}).get("local_rdp")
-    if isinstance(local, dict):  # a forward-pass local-DP run: its labels are not in the ledger's rows
-        return curve_on_orders(local["orders"], local["curve"]), "local"
+    if ledger is not None and ledger.metadata.get("local_plan"):  # forward-pass local DP (labels included)
+        return ledger_curve(ledger), "local"
     curve = _filter_curve(((summary or {}).get("privacy") or {}).get("filter"))
     if curve is None and ledger is not None:
         curve = _filter_curve(ledger.metadata.get("filter"))
@@ -261,6 +261,17 @@ def run_rdp_curve(summary: dict | None, ledger: PrivacyLedger | None) -> tuple[n
     if ledger is not None:
         return ledger_rdp_curve(ledger), "ledger"
     return None, "unknown"
+
+
+def ledger_curve(ledger: PrivacyLedger) -> np.ndarray:
+    """The RDP curve of what a ledger charged: its rows, or for a local-DP ledger its plan's releases
+    (its randomized-response labels are not rows: :func:`raydp.runner.local_setup.ledger_local_plan`)."""
+    from raydp.runner.local_setup import ledger_local_plan
+
+    plan = ledger_local_plan(ledger.metadata, ledger.sigma_eff)
+    if plan is not None:
+        return plan.rdp_curve(ORDERS)
+    return ledger_rdp_curve(ledger)
 
 
 def tuning_aware_epsilon(curves: list, delta: float) -> dict:
@@ -327,6 +338,12 @@ def compose_dataset(sha: str, runs: list[dict], delta: float, *, unknown_spend: 
     if len(units) > 1:
         warnings = [*warnings, f"runs of different privacy units ({', '.join(units)}) are composed: the figure "
                     "bounds the smallest unit only; a patient with k records gets group privacy in k (E11)"]
+    relations = sorted({r.get("neighbouring_relation") for r in runs if r.get("neighbouring_relation")})
+    figure["neighbouring_relations"] = relations
+    if len(relations) > 1:
+        warnings = [*warnings, f"runs under different neighbouring relations ({'; '.join(relations)}) are composed: "
+                    "a local (replace-one) run gives no add/remove bound, and an add/remove run bounds replace-one "
+                    "only by group privacy (two steps); the sum is a guarantee under neither relation as it stands"]
     figure["unknown_spend"] = list(unknown_spend)
     figure["nonprivate_trials"] = list(nonprivate)
     figure["warnings"] = list(warnings)
@@ -497,7 +514,7 @@ def study_privacy(study, study_dir: Path, table: pd.DataFrame, unfinished: dict[
             curve = _filter_curve(spend.get("filter"))
             source = "renyi_filter" if curve is not None else "checkpoint_ledger"
             if curve is None:
-                curve = ledger_rdp_curve(spend["ledger"])
+                curve = ledger_curve(spend["ledger"])
         else:
             curve, source = None, "unknown"
         if curve is None:
@@ -508,7 +525,9 @@ def study_privacy(study, study_dir: Path, table: pd.DataFrame, unfinished: dict[
             target = row.get("epsilon_target")
             b["runs"].append({"name": row["trial"], "kind": kind, "curve_source": source, "curve": curve,
                               "epsilon_target": None if _isnan(target) else target, "labels": labels,
-                              "privacy_unit": ((summary or {}).get("privacy") or {}).get("privacy_unit")})
+                              "privacy_unit": ((summary or {}).get("privacy") or {}).get("privacy_unit"),
+                              "neighbouring_relation": ((summary or {}).get("privacy") or {}).get(
+                                  "neighbouring_relation")})
         b["runs"].extend(policy_runs)
     return {sha: compose_dataset(sha, b["runs"], delta, unknown_spend=b["unknown"], nonprivate=b["nonprivate"],
                                  warnings=list(dict.fromkeys(b["warnings"])))

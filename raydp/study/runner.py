@@ -56,7 +56,7 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
     """Build the dataset, validate every trial and calibrate every plan; returns (dataset_dir, trials).
     ``build_models``: also build the embedded models the study uses, once, here (not in every trial)."""
     from raydp.data import load_texts, resolve_dataset
-    from raydp.runner.local_setup import capped_training_set, is_local, plan_local_run
+    from raydp.runner.local_setup import is_local, plan_local_run
     from raydp.runner.privacy_setup import build_strategy, plan_key, plan_private_run, training_units
 
     names = [trial_name(t) for t in trial_grid(study)]
@@ -84,8 +84,10 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
                 try:
                     units = training_units(config, dataset, n_train)  # patients by default (E11)
                     if is_local(strategy):  # forward-pass local DP: its own plan (ERRATA E8)
-                        texts, units = capped_training_set(load_texts(dataset, "train"), units, strategy)
-                        plans[key] = plan_local_run(config, strategy, len(texts), units.name)
+                        from raydp.data.tasks import classification_spec
+
+                        plans[key] = plan_local_run(config, strategy, units,
+                                                    classification_spec(config.task.label).n_classes)
                     else:
                         plans[key] = plan_private_run(config, units.public_count, strategy)
                 except ConfigError as exc:
