@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from raydp.model.batches import TokenizedSplit
+from raydp.evaluation.perplexity import evaluation_mode
 from raydp.model.classifier import class_logits
 
 
@@ -37,18 +38,14 @@ def evaluate_classification(model: torch.nn.Module, split: TokenizedSplit, devic
     """Label perplexity and accuracy of ``model`` on the first ``max_sequences`` examples of ``split``."""
     if split.labels is None:
         raise ValueError("a classification evaluation needs a split with labels")
-    was_training = model.training
-    model.eval()
     n = len(split) if max_sequences is None else min(len(split), max_sequences)
     total_nll, correct = 0.0, 0
-    try:
+    with evaluation_mode(model):
         for start in range(0, n, batch_size):
             batch = split.collate(list(range(start, min(start + batch_size, n))), device)
             logits = class_logits(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits,
                                   class_ids)
             total_nll += float(torch.nn.functional.cross_entropy(logits, batch.labels, reduction="sum"))
             correct += int((logits.argmax(dim=1) == batch.labels).sum())
-    finally:
-        model.train(was_training)
     nll = total_nll / max(n, 1)
     return ClassificationResult(math.exp(nll), nll, n, n, correct / max(n, 1))

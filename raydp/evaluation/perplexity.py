@@ -7,6 +7,7 @@ The utility the controller and the reports use is u = -log PPL.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -27,24 +28,31 @@ class PerplexityResult:
         return -self.nll_per_token
 
 
+@contextmanager
+def evaluation_mode(model: torch.nn.Module):
+    """``model`` in eval mode for the block, back to its previous mode after (also on error)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
 @torch.no_grad()
 def evaluate_perplexity(
     model: torch.nn.Module, split: TokenizedSplit, device: torch.device, batch_size: int = 32,
     max_sequences: int | None = None,
 ) -> PerplexityResult:
     """Perplexity of ``model`` on the first ``max_sequences`` sequences of ``split`` (all by default)."""
-    was_training = model.training
-    model.eval()
     n = len(split) if max_sequences is None else min(len(split), max_sequences)
     total_nll, total_tokens = 0.0, 0
-    try:
+    with evaluation_mode(model):
         for start in range(0, n, batch_size):
             batch = split.collate(list(range(start, min(start + batch_size, n))), device)
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
             nll, mask = token_nll(logits, batch.input_ids, batch.attention_mask)
             total_nll += float(nll.sum())
             total_tokens += int(mask.sum())
-    finally:
-        model.train(was_training)
     nll_per_token = total_nll / max(total_tokens, 1)
     return PerplexityResult(math.exp(nll_per_token), nll_per_token, total_tokens, n)
