@@ -297,3 +297,24 @@ def test_a_local_ledger_alone_gives_the_runs_spend_labels_included(ewft_run):
     k, e = privacy["records_per_unit"], privacy["epsilon_label"]
     assert np.allclose(with_labels - rows_only, k * np.minimum(e, ORDERS * e * e / 2))  # the labels' RDP
     assert rdp_epsilon(with_labels, ORDERS, privacy["delta"]) >= privacy["epsilon"]  # RDP: looser, never below
+
+
+def test_a_local_run_on_a_from_pretrained_llama_directory(tmp_path, tiny_tokenizer_dir):
+    """The real path: any local (or hub) causal LM directory; here a tiny random Llama saved to disk."""
+    import shutil
+
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    model_dir = tmp_path / "llama"
+    vocab = len(AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
+    LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+                     ).save_pretrained(model_dir)
+    shutil.copytree(tiny_tokenizer_dir, model_dir, dirs_exist_ok=True)
+    out = tmp_path / "run"
+    assert main(["train", "--output", str(out), "--model", str(model_dir), "--strategy", "ewft", "--epsilon", "8",
+                 "--quiet", "--n-records", "200", "--epochs", "1", "--max-length", "48", "--task",
+                 "classification", "--set", "autoencoder=[4]", "--set", "layer=1"]) == 0
+    privacy = json.loads((out / "summary.json").read_text())["privacy"]
+    assert privacy["noise_layer_after_block"] == 1 and privacy["autoencoder"]["dims"] == [4]
+    assert privacy["within_budget"] and privacy["neighbouring_relation"].startswith("replace-one")
