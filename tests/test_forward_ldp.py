@@ -318,3 +318,38 @@ def test_a_local_run_on_a_from_pretrained_llama_directory(tmp_path, tiny_tokeniz
     privacy = json.loads((out / "summary.json").read_text())["privacy"]
     assert privacy["noise_layer_after_block"] == 1 and privacy["autoencoder"]["dims"] == [4]
     assert privacy["within_budget"] and privacy["neighbouring_relation"].startswith("replace-one")
+
+
+@pytest.fixture(scope="module")
+def tiny_bert_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """A tiny random BERT (masked LM) saved with the local tokenizer plus a mask token (no hub)."""
+    from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
+
+    path = tmp_path_factory.mktemp("bert")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    tokenizer.add_special_tokens({"mask_token": "[MASK]"})
+    tokenizer.save_pretrained(path)
+    BertForMaskedLM(BertConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                               num_attention_heads=2, max_position_embeddings=64,
+                               pad_token_id=tokenizer.pad_token_id)).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("strategy", ["ewft", "static"])
+def test_an_encoder_classifies_at_its_mask_token_under_dp_sgd_and_local_dp(tiny_bert_dir, tmp_path, strategy):
+    """The paper's model family: an encoder (masked LM) from a local directory, the prompt ending in the
+    mask token, the class words' masked-LM logits as the classifier."""
+    out = tmp_path / strategy
+    assert main(["train", "--output", str(out), "--model", str(tiny_bert_dir), "--strategy", strategy,
+                 "--epsilon", "8", "--quiet", "--n-records", "200", "--epochs", "1", "--max-length", "48",
+                 "--task", "classification", "--set", "autoencoder=[4]" if strategy == "ewft" else "clip=0.5"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model_type"] == "bert" and 0 <= summary["final_eval_accuracy"] <= 1
+    assert summary["privacy"]["within_budget"] and summary["n_adapter_pairs"] == 6  # query and value x 3
+
+
+def test_an_encoder_trains_classification_only(tiny_bert_dir, tmp_path, capsys):
+    assert main(["train", "--output", str(tmp_path / "x"), "--model", str(tiny_bert_dir), "--quiet",
+                 "--n-records", "200", "--epochs", "1"]) == 2
+    assert "classification task only" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -34,7 +34,7 @@ class ClassificationResult:
 @torch.no_grad()
 def evaluate_classification(model: torch.nn.Module, split: TokenizedSplit, device: torch.device,
                             class_ids: tuple[int, ...], batch_size: int = 32,
-                            max_sequences: int | None = None) -> ClassificationResult:
+                            max_sequences: int | None = None, position: int = -1) -> ClassificationResult:
     """Label perplexity and accuracy of ``model`` on the first ``max_sequences`` examples of ``split``."""
     if split.labels is None:
         raise ValueError("a classification evaluation needs a split with labels")
@@ -44,7 +44,7 @@ def evaluate_classification(model: torch.nn.Module, split: TokenizedSplit, devic
         for start in range(0, n, batch_size):
             batch = split.collate(list(range(start, min(start + batch_size, n))), device)
             logits = class_logits(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits,
-                                  class_ids)
+                                  class_ids, position)
             total_nll += float(torch.nn.functional.cross_entropy(logits, batch.labels, reduction="sum"))
             correct += int((logits.argmax(dim=1) == batch.labels).sum())
     nll = total_nll / max(n, 1)

@@ -76,6 +76,8 @@ def load_trained_model(run_dir: Path, config, device: str):
     if not adapter.is_file():
         raise ConfigError(f"run {run_dir} has no trained adapter ({adapter})")
     loaded = load_model(config.model, device=device, lora=LoraSettings(**config.lora.model_dump()), progress=False)
+    if loaded.is_encoder:  # the attacks score narrative likelihoods under a causal LM
+        raise ConfigError(f"the attacks score a causal language model; {config.model!r} is an encoder")
     result = set_peft_model_state_dict(loaded.model, load_file(str(adapter), device=str(loaded.device)))
     missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
     if getattr(result, "unexpected_keys", None) or missing:  # a partial load would score the base model

@@ -23,11 +23,13 @@ def class_token_ids(tokenizer, classes: tuple[str, ...]) -> tuple[int, ...]:
     return ids
 
 
-def class_logits(logits: torch.Tensor, class_ids: tuple[int, ...]) -> torch.Tensor:
-    """``[batch, n_classes]``: the last position's logits of the class tokens."""
-    return logits[:, -1, list(class_ids)].float()
+def class_logits(logits: torch.Tensor, class_ids: tuple[int, ...], position: int = -1) -> torch.Tensor:
+    """``[batch, n_classes]``: the class tokens' logits at ``position`` (the prompt's last token for a
+    causal LM; the mask token, before the closing special token, for an encoder)."""
+    return logits[:, position, list(class_ids)].float()
 
 
-def per_example_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, class_ids: tuple[int, ...]) -> torch.Tensor:
+def per_example_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, class_ids: tuple[int, ...],
+                              position: int = -1) -> torch.Tensor:
     """Cross-entropy of each example over the classes, shape ``[batch]``."""
-    return F.cross_entropy(class_logits(logits, class_ids), labels, reduction="none")
+    return F.cross_entropy(class_logits(logits, class_ids, position), labels, reduction="none")

@@ -3,6 +3,10 @@
 One path for every model: ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``
 on a hub name (``gpt2``, ``meta-llama/Llama-3.2-1B``, ``mistralai/Mistral-7B-v0.1``), a local
 directory, or an embedded preset name (built into the cache first, then loaded from there).
+
+Encoders (BERT, RoBERTa, DistilBERT: :data:`ENCODERS`; EW-FT's and DualTune's models) load with
+``AutoModelForMaskedLM``: they train the classification task only, as a prompt ending in the mask token
+whose masked-LM logits of the class words are the classifier (:mod:`raydp.runner.task`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
 from raydp.errors import ModelError
 from raydp.model.adapters import AdapterPair, discover_adapter_pairs
@@ -25,7 +29,12 @@ LORA_TARGETS: dict[str, list[str]] = {
     "gpt2": ["c_attn"],
     "llama": ["q_proj", "v_proj"],
     "mistral": ["q_proj", "v_proj"],
+    "bert": ["query", "value"],
+    "roberta": ["query", "value"],
+    "distilbert": ["q_lin", "v_lin"],
 }
+#: Encoder (masked-LM) architectures: the classification task only.
+ENCODERS = {"bert", "roberta", "distilbert"}
 #: Architectures whose projections are ``Conv1D`` (weights stored transposed).
 FAN_IN_FAN_OUT = {"gpt2"}
 
@@ -55,6 +64,10 @@ class LoadedModel:
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.model_type in ENCODERS
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -116,7 +129,9 @@ def load_model(
     try:
         with transformers_progress(progress):
             tokenizer = AutoTokenizer.from_pretrained(source)
-            base = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+            kind = getattr(AutoConfig.from_pretrained(source), "model_type", None)
+            auto = AutoModelForMaskedLM if kind in ENCODERS else AutoModelForCausalLM
+            base = auto.from_pretrained(source, dtype=dtype)
     except (OSError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"cannot load model {name_or_path!r}: {first_line}") from None
@@ -157,7 +172,7 @@ def apply_lora(model: torch.nn.Module, model_type: str, settings: LoraSettings) 
         target_modules=targets,
         fan_in_fan_out=model_type in FAN_IN_FAN_OUT,
         bias="none",
-        task_type="CAUSAL_LM",
+        task_type=None if model_type in ENCODERS else "CAUSAL_LM",
     )
     try:
         with warnings.catch_warnings():  # PEFT calls a transformers method deprecated in 5.x

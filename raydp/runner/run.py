@@ -142,7 +142,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
         )
         if config.is_private:  # dropout draws from the public-seeded global generator (ERRATA E12)
             disable_dropout(loaded.model)
-        task = Task.build(config.task.kind, config.task.label, loaded.tokenizer)
+        task = Task.build(config.task.kind, config.task.label, loaded.tokenizer, encoder=loaded.is_encoder)
         max_length = config.max_length or min(loaded.max_positions, 384 if task.is_classification else 512)
         train = task.split(train_texts, loaded.tokenizer, max_length, units=units.ids if units else None,
                            require_all=True)

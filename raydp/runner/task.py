@@ -32,15 +32,29 @@ class Task:
     kind: str = "lm"
     spec: ClassificationSpec | None = None
     class_ids: tuple[int, ...] | None = None
+    #: where the class logits are read: the last token (causal LM) or the mask token (encoder)
+    position: int = -1
+    #: appended to every prompt (an encoder's mask token)
+    suffix: str = ""
 
     @classmethod
-    def build(cls, kind: str, label: str, tokenizer) -> Task:
+    def build(cls, kind: str, label: str, tokenizer, encoder: bool = False) -> Task:
+        if kind not in TASKS:
+            raise ConfigError(f"unknown task {kind!r}; choose one of {', '.join(TASKS)}")
+        if encoder and kind == "lm":
+            raise ConfigError("an encoder (masked LM) trains the classification task only: set "
+                              "task: {kind: classification}")
         if kind == "lm":
             return cls()
-        if kind != "classification":
-            raise ConfigError(f"unknown task {kind!r}; choose one of {', '.join(TASKS)}")
         spec = classification_spec(label)
-        return cls(kind, spec, class_token_ids(tokenizer, spec.classes))
+        if not encoder:
+            return cls(kind, spec, class_token_ids(tokenizer, spec.classes))
+        if tokenizer.mask_token is None:
+            raise ConfigError("this encoder's tokenizer has no mask token to classify with")
+        suffix = f" {tokenizer.mask_token}"
+        ids = tokenizer(f"{spec.prompt}{suffix}")["input_ids"]  # the mask's place from the end (before [SEP])
+        position = ids.index(tokenizer.mask_token_id) - len(ids)
+        return cls(kind, spec, class_token_ids(tokenizer, spec.classes), position, suffix)
 
     @property
     def is_classification(self) -> bool:
@@ -53,6 +67,7 @@ class Task:
         if not self.is_classification:
             return TokenizedSplit(texts, tokenizer, max_length, units=units)
         inputs, labels, kept = to_classification(texts, self.spec)
+        inputs = [f"{text}{self.suffix}" for text in inputs]
         if require_all and len(kept) != len(texts):
             raise ConfigError(f"{len(texts) - len(kept)} training records have no {self.spec.field!r} label: "
                               "a classification run needs a label on every training record")
@@ -63,14 +78,14 @@ class Task:
         """Per-example loss, shape ``[batch]``."""
         if not self.is_classification:
             return per_sequence_nll(logits, input_ids, attention_mask)
-        return per_example_cross_entropy(logits, labels, self.class_ids)
+        return per_example_cross_entropy(logits, labels, self.class_ids, self.position)
 
     @property
     def evaluate(self):
         """``evaluate(model, split, device, max_sequences=...)`` (the loop's evaluation function)."""
         if not self.is_classification:
             return evaluate_perplexity
-        return partial(evaluate_classification, class_ids=self.class_ids)
+        return partial(evaluate_classification, class_ids=self.class_ids, position=self.position)
 
     def describe(self) -> dict:
         out = {"kind": self.kind}
