@@ -136,7 +136,7 @@ class DPStep:
 
     def public_probe(self, batch) -> tuple[np.ndarray, np.ndarray]:
         """Per-sample pair norms and losses of a batch of PUBLIC records (no release, nothing charged)."""
-        grads = self.per_sample.compute(batch.input_ids, batch.attention_mask, getattr(batch, "labels", None))
+        grads = self._per_sample(batch)
         return pair_norms(grads).detach().cpu().numpy(), grads.losses.detach().cpu().numpy()
 
     # -- 1. the step's mechanism ---------------------------------------------------------------------
@@ -235,7 +235,7 @@ class DPStep:
     def per_sample_gradients(self, batch, dials: Dials) -> PerSampleGrads:
         """One contribution per privacy unit, zero for a non-finite one, in the transform's coordinates."""
         if batch.size > 0:
-            grads = self.per_sample.compute(batch.input_ids, batch.attention_mask, getattr(batch, "labels", None))
+            grads = self._per_sample(batch)
             grads = zero_nonfinite(combine_units(zero_nonfinite(grads), batch.unit_index))
         else:  # an empty Poisson sample still releases noise
             grads = PerSampleGrads([p.a.detach().new_zeros((0, *p.a.shape)) for p in self.pairs],
@@ -246,6 +246,14 @@ class DPStep:
             a, b = unflatten_pairs(flat, grads.a, grads.b, batched=True)
             grads = zero_nonfinite(PerSampleGrads(a, b, grads.losses))
         return grads
+
+    def _per_sample(self, batch) -> PerSampleGrads:
+        """The gradient source on a batch; a classification batch's labels go with it (a source for a
+        task without labels keeps its two-argument ``compute``)."""
+        labels = getattr(batch, "labels", None)
+        if labels is None:
+            return self.per_sample.compute(batch.input_ids, batch.attention_mask)
+        return self.per_sample.compute(batch.input_ids, batch.attention_mask, labels)
 
     # -- 3. clipping ---------------------------------------------------------------------------------
     def clip(self, grads: PerSampleGrads, groups: torch.Tensor, dials: Dials, mode: str):
