@@ -18,6 +18,16 @@ SLOW = {
     # test_a_killed_trial_resumes_with_exactly_the_planned_ledger; the broker dropping a dead run's open
     # decision is test_broker.py::test_a_run_that_dies_leaves_only_an_open_decision_dropped_after_its_ttl
     "tests/test_rldp.py::test_two_runs_share_a_policy_and_one_can_die",
+    # ~80 s: Optuna over the SAC grid; the same study runner, trial grid and results table with grid
+    # search are test_study.py::test_study_results_table (tiny_study)
+    "tests/test_study.py::test_optuna_chooses_the_sac_cells",
+    # ~50 s: a frozen saved policy driving a larger model in paper mode; frozen actions are
+    # test_rldp.py::test_saved_policy_reloads_and_gives_identical_actions, a saved policy's reuse by a later
+    # study test_study.py::test_rldp_trials_can_share_one_policy, the paper-mode label test_policy_provenance.py
+    "tests/test_rldp.py::test_frozen_policy_controls_a_model_with_more_adapters_in_paper_mode",
+    # ~105 s: `ray job submit` of a study to a local head (cluster/submit.sh); the study it submits is the
+    # runner of test_study.py (tiny_study), started in-process
+    "tests/test_study_job.py::test_ray_job_submit_runs_a_study_on_a_local_head",
 }
 
 

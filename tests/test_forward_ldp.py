@@ -190,8 +190,9 @@ def test_ewpba_run_follows_its_schedule_and_stays_within_budget(tmp_path, raydp_
 
 def test_a_classification_study_runs_a_local_strategy_beside_dp_sgd_on_ray(local_ray, tmp_path):
     """`raydp study` with the classification task: ewft beside static DP-SGD, attacked after training; the
-    results carry accuracy, the report an accuracy table, and the study composes the local run's RDP curve
-    (labels included) with the DP-SGD run's ledger (ERRATA E7/E14)."""
+    results carry accuracy,
+    the report an accuracy table, and the study composes the local run's RDP curve (labels included) with
+    the DP-SGD run's ledger (ERRATA E7/E14), warning that their neighbouring relations differ."""
     import pandas as pd
     import yaml
 
@@ -208,10 +209,11 @@ def test_a_classification_study_runs_a_local_strategy_beside_dp_sgd_on_ray(local
     table = pd.read_parquet(study_dir / "results.parquet")
     assert sorted(table["strategy"]) == ["ewft", "static"] and (table["status"] == "TERMINATED").all()
     assert table["within_budget"].all() and (table["epsilon"] <= 8.0).all()
-    assert table["final_public_accuracy"].between(0, 1).all() and table["mia_auc"].notna().all()
+    assert table["final_public_accuracy"].between(0, 1).all() and table["mia_auc"].notna().all()  # attacked
     composed = json.loads((study_dir / "study_summary.json").read_text())["tuning_aware_epsilon"]
     sources = {run["name"].split("_")[0]: run["curve"] for d in composed.values() for run in d["composed"]}
     assert sources == {"ewft": "local", "static": "ledger"}
+    assert any("neighbouring relations" in w for d in composed.values() for w in d["warnings"])
     assert main(["report", str(study_dir)]) == 0
 
 
