@@ -36,6 +36,12 @@ class PerSampleGrads:
     def batch_size(self) -> int:
         return int(self.losses.shape[0])
 
+    def pair_norms(self) -> torch.Tensor:
+        return pair_norms(self)
+
+    def clipped_sums(self, factors: torch.Tensor, mode: str) -> tuple[list, list]:
+        return clipped_sums(self, factors, mode)
+
 
 class PerSampleGradientComputer:
     """Wraps a PEFT model in Opacus's ``GradSampleModule`` (hooks) and returns per-sample LoRA gradients."""

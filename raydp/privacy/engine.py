@@ -7,11 +7,14 @@ Opacus's ``DPOptimizer.pre_step``):
 
 1. ``prepare``: the strategy's dials; sigma is the plan's sigma_t for a fixed schedule, or the strategy's
    proposal for adaptive sigma, which the Renyi filter's guard may raise (E4, E13);
-2. ``per_sample_gradients``: per-sample gradients of the LoRA pairs from the gradient source (Opacus
-   hooks); a sample with a non-finite loss or gradient contributes zero; the records of one privacy unit
-   (a patient, E11) are summed into one contribution; the strategy's transform, if any, is applied;
+2. ``per_sample_gradients``: one contribution per privacy unit (a patient, E11: its records' gradients
+   summed) from the gradient source: per-sample gradients of the LoRA pairs (Opacus hooks; the
+   strategy's transform, if any, is applied), or, for a ghost-clipping source
+   (:mod:`raydp.privacy.ghost`), the contributions' norms only; a unit with a non-finite loss or
+   gradient contributes zero;
 3. ``clip``: pairwise (Eq. 4-5) or flat group norms, the scaling rule (default min(1, C/(norm+1e-6))),
-   whose bound ``scale * norm <= C`` is checked, and the sum over the Poisson sample of units;
+   whose bound ``scale * norm <= C`` is checked, and the sum over the Poisson sample of units (a ghost
+   source sums by a second backward pass weighted by the factors);
 4. ``declare``: the step's releases (the gradient, plus the strategy's declared statistics on the same
    sample): together one Gaussian mechanism of multiplier sigma_eff (E1, E3) that the guard must admit;
 5. ``add_noise``: Gaussian noise with per-group std s_g from the allocation, so that the gradient's true
@@ -35,7 +38,6 @@ import torch
 from raydp.privacy.clipping import (
     PerSampleGradientComputer,
     PerSampleGrads,
-    clipped_sums,
     combine_units,
     group_norms,
     pair_norms,
@@ -136,8 +138,14 @@ class DPStep:
 
     def public_probe(self, batch) -> tuple[np.ndarray, np.ndarray]:
         """Per-sample pair norms and losses of a batch of PUBLIC records (no release, nothing charged)."""
-        grads = self._per_sample(batch)
-        return pair_norms(grads).detach().cpu().numpy(), grads.losses.detach().cpu().numpy()
+        if getattr(self.per_sample, "ghost", False):
+            grads = self.per_sample.contributions(batch)
+            norms = grads.pair_norms()
+            grads.row_losses = None  # no second pass
+        else:
+            grads = self._per_sample(batch)
+            norms = pair_norms(grads)
+        return norms.detach().cpu().numpy(), grads.losses.detach().cpu().numpy()
 
     # -- 1. the step's mechanism ---------------------------------------------------------------------
     def planned_sigma(self, step: int) -> float:
@@ -200,7 +208,7 @@ class DPStep:
         prepared = self.prepare(step)  # 1
         dials, mode = prepared.dials, self.strategy.clip_mode
         grads = self.per_sample_gradients(batch, dials)  # 2
-        norms = pair_norms(grads)
+        norms = grads.pair_norms()
         groups = group_norms(norms, mode)
         sums_a, sums_b = self.clip(grads, groups, dials, mode)  # 3
         charged_stds = allocate_noise(dials.sigma, dials.clip, self.strategy.allocation)  # E1, once per step
@@ -232,8 +240,15 @@ class DPStep:
         }
 
     # -- 2. per-sample gradients ---------------------------------------------------------------------
-    def per_sample_gradients(self, batch, dials: Dials) -> PerSampleGrads:
-        """One contribution per privacy unit, zero for a non-finite one, in the transform's coordinates."""
+    def per_sample_gradients(self, batch, dials: Dials):
+        """One contribution per privacy unit, zero for a non-finite one, in the transform's coordinates:
+        :class:`PerSampleGrads`, or a ghost source's :class:`~raydp.privacy.ghost.GhostContributions`
+        (norms now, the clipped sum later)."""
+        if batch.size > 0 and getattr(self.per_sample, "ghost", False):
+            if dials.transform is not None:
+                raise ValueError(f"strategy {self.strategy.name!r} transforms per-sample gradients; ghost "
+                                 "clipping never forms them")
+            return self.per_sample.contributions(batch)
         if batch.size > 0:
             grads = self._per_sample(batch)
             grads = zero_nonfinite(combine_units(zero_nonfinite(grads), batch.unit_index))
@@ -271,7 +286,7 @@ class DPStep:
         # Within the tolerance is still not within C: cap every factor at C / norm, so the sensitivity is C
         # up to float32 rounding (~1e-7, covered by the noise margin).
         factors = torch.where(groups > 0, torch.minimum(factors, clips.unsqueeze(0) / groups), factors)
-        return clipped_sums(grads, factors, mode)
+        return grads.clipped_sums(factors, mode)
 
     # -- 4. the step's releases ------------------------------------------------------------------------
     def declare(self, dials: Dials, charged_stds) -> list[Release]:

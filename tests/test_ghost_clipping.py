@@ -1,0 +1,140 @@
+"""Ghost clipping against an independent computation: the naive per-example loop (one unit at a time,
+unpadded, plain autograd), and against Opacus's per-sample hooks on the same batch."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from raydp.model.batches import Batch
+from raydp.model.loss import per_sequence_nll
+from raydp.privacy import BudgetGuard, PrivacyLedger
+from raydp.privacy.clipping import PerSampleGradientComputer, combine_units, pair_norms
+from raydp.privacy.engine import DPStep
+from raydp.privacy.ghost import GhostClippingComputer, group_rows_by_unit
+from raydp.privacy.randomness import PrivateRandomness
+from raydp.strategies.base import Dials, Strategy, StrategyContext
+from tests.test_dp_engine import padded_batch, tiny_lora_model
+
+
+def naive_unit_clipped_sum(model, pairs, ids, mask, units, clip):
+    """Per unit: the sum of its records' gradients (each record alone, unpadded), its norm, the factor
+    min(1, C / (norm + 1e-6)) and the weighted sum: textbook user-level clipping (McMahan et al. 2018)."""
+    n_units = max(units) + 1
+    sums = [torch.zeros_like(t) for p in pairs for t in (p.a, p.b)]
+    norms = []
+    for u in range(n_units):
+        unit = [torch.zeros_like(t) for p in pairs for t in (p.a, p.b)]
+        for row in [r for r, x in enumerate(units) if x == u]:
+            n = int(mask[row].sum())
+            model.zero_grad()
+            logits = model(input_ids=ids[row:row + 1, :n], attention_mask=mask[row:row + 1, :n]).logits
+            per_sequence_nll(logits, ids[row:row + 1, :n], mask[row:row + 1, :n]).sum().backward()
+            for acc, t in zip(unit, [t for p in pairs for t in (p.a, p.b)]):
+                acc += t.grad
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in unit))
+        norms.append(norm)
+        factor = min(1.0, clip / (norm + 1e-6))
+        for acc, g in zip(sums, unit):
+            acc += factor * g
+    model.zero_grad()
+    return sums, np.array(norms)
+
+
+@pytest.mark.parametrize("units", [[0, 1, 2, 3, 4], [0, 1, 0, 2, 1]])
+def test_ghost_norms_and_clipped_sum_equal_the_naive_loop(units):
+    model, pairs = tiny_lora_model()
+    ids, mask = padded_batch()
+    clip = 0.5
+    want, want_norms = naive_unit_clipped_sum(model, pairs, ids, mask, units, clip)
+    ghost = GhostClippingComputer(model, pairs)
+    batch = Batch(list(range(5)), ids, mask, unit_index=torch.tensor(units))
+    contributions = ghost.contributions(batch)
+    flat = contributions.pair_norms().double().pow(2).sum(1).sqrt().numpy()
+    assert np.allclose(flat, want_norms, rtol=1e-5, atol=1e-7)
+    assert (flat > clip).any() and (flat < clip).any() or len(set(units)) < 5  # some units are clipped
+    factors = torch.clamp(clip / (contributions.pair_norms().pow(2).sum(1, keepdim=True).sqrt() + 1e-6), max=1.0)
+    sums_a, sums_b = contributions.clipped_sums(factors, "flat")
+    got = [t for pair in zip(sums_a, sums_b) for t in pair]
+    for g, w in zip(got, want):
+        assert (g - w).abs().max().item() <= 1e-6 * max(1.0, w.abs().max().item())
+    assert all(p.a.grad is None and p.b.grad is None for p in pairs)  # nothing left behind for the optimiser
+
+
+def test_ghost_pair_norms_equal_opacus_per_sample_hooks_on_the_same_batch():
+    model, pairs = tiny_lora_model(seed=3)
+    ids, mask = padded_batch(seed=4)
+    units = torch.tensor([0, 0, 1, 2, 2])
+    per_sample = combine_units(PerSampleGradientComputer(model, pairs).compute(ids, mask), units)
+    model2, pairs2 = tiny_lora_model(seed=3)  # a second copy: Opacus refuses two hook sets on one model
+    ghost = GhostClippingComputer(model2, pairs2).contributions(Batch(list(range(5)), ids, mask, unit_index=units))
+    assert torch.allclose(ghost.pair_norms().double(), pair_norms(per_sample).double(), rtol=1e-5, atol=1e-7)
+    assert torch.allclose(ghost.losses, per_sample.losses, rtol=1e-6)
+
+
+def test_group_rows_by_unit_places_each_units_rows_side_by_side():
+    t = torch.arange(5 * 2 * 1, dtype=torch.float32).reshape(5, 2, 1) + 1
+    out = group_rows_by_unit(t, torch.tensor([1, 0, 1, 2, 1]), 3)
+    assert out.shape == (3, 6, 1)
+    assert out[0, :, 0].tolist() == [3, 4, 0, 0, 0, 0]
+    assert out[1, :, 0].tolist() == [1, 2, 5, 6, 9, 10]
+    assert out[2, :, 0].tolist() == [7, 8, 0, 0, 0, 0]
+
+
+class _Flat(Strategy):
+    name = "flat-test"
+    clip_mode = "flat"
+    allocation = "flat"
+
+    def dials(self, step):
+        return Dials((0.3,))
+
+
+def _step(model, pairs, gradients):
+    strategy = _Flat()
+    strategy.setup(StrategyContext(len(pairs), tuple(p.relative_depth for p in pairs), q=0.5, planned_steps=4,
+                                   sigma_0=1.0, epsilon_target=1e6, delta=1e-5))
+    guard = BudgetGuard("rdp", epsilon_target=1e6, delta=1e-5, planned_steps=4, q=0.5)
+    return DPStep(model, pairs, strategy, PrivacyLedger(delta=1e-5), guard, q=0.5, expected_batch_size=2.5,
+                  planned_steps=4, randomness=PrivateRandomness.unsafe_from_seed(11), device=torch.device("cpu"),
+                  gradients=gradients)
+
+
+def test_a_dp_step_with_ghost_clipping_releases_what_per_sample_clipping_releases():
+    """Same batch, same secret noise seed: the two sources give the same noisy gradient."""
+    ids, mask = padded_batch(seed=6)
+    batch = Batch(list(range(5)), ids, mask, unit_index=torch.tensor([0, 1, 1, 2, 3]))
+    model_a, pairs_a = tiny_lora_model(seed=5)
+    model_b, pairs_b = tiny_lora_model(seed=5)
+    per_sample = _step(model_a, pairs_a, None)
+    ghost = _step(model_b, pairs_b, GhostClippingComputer(model_b, pairs_b))
+    out_a, out_b = per_sample.compute(model_a, batch), ghost.compute(model_b, batch)
+    assert out_a["sigma_eff"] == out_b["sigma_eff"]
+    for pa, pb in zip(pairs_a, pairs_b):
+        assert torch.allclose(pa.a.grad, pb.a.grad, atol=1e-6) and torch.allclose(pa.b.grad, pb.b.grad, atol=1e-6)
+    assert len(ghost.ledger) == 1
+
+
+def test_ghost_clipping_refuses_pairwise_clipping_and_zeroes_a_non_finite_unit():
+    model, pairs = tiny_lora_model(seed=2)
+    ids, mask = padded_batch(seed=2)
+    ghost = GhostClippingComputer(model, pairs)
+    contributions = ghost.contributions(Batch(list(range(5)), ids, mask))
+    with pytest.raises(ValueError, match="flat"):
+        contributions.clipped_sums(torch.ones(5, len(pairs)), "pairwise")
+    # a non-finite loss in unit 1: norms and loss 0 there, and the clipped sum is that of the others
+    poisoned = lambda logits, i, m: per_sequence_nll(logits, i, m) * torch.tensor([1, float("nan"), 1, 1, 1])[:len(i)] \
+        if len(i) == 5 else per_sequence_nll(logits, i, m)
+    model2, pairs2 = tiny_lora_model(seed=2)
+    bad = GhostClippingComputer(model2, pairs2, loss=poisoned).contributions(Batch(list(range(5)), ids, mask))
+    assert not bool(bad.finite[1]) and bool(bad.finite[[0, 2, 3, 4]].all())
+    assert float(bad.pair_norms()[1].abs().sum()) == 0.0 and float(bad.losses[1]) == 0.0
+    sums_a, sums_b = bad.clipped_sums(torch.ones(5, 1), "flat")
+    assert all(torch.isfinite(t).all() for t in sums_a + sums_b)
+    keep = torch.tensor([0, 2, 3, 4])
+    model3, pairs3 = tiny_lora_model(seed=2)
+    ref = GhostClippingComputer(model3, pairs3).contributions(Batch([0, 1, 2, 3], ids[keep], mask[keep]))
+    ref_a, ref_b = ref.clipped_sums(torch.ones(4, 1), "flat")
+    for g, w in zip(sums_a + sums_b, ref_a + ref_b):
+        assert torch.allclose(g, w, atol=1e-6)
