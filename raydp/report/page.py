@@ -36,6 +36,7 @@ import numpy as np
 import pandas as pd
 
 from raydp.errors import ConfigError
+from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
 from raydp.report import figures
 from raydp.study.report import VERDICT_ALPHA, _final_column, load_results, table2, table3, verdicts
 
@@ -245,7 +246,7 @@ def _single_run(root: Path) -> Report:
         **{f"{w}_{split}_perplexity": s.get(f"{w}_{split}_perplexity")
            for w in ("initial", "final", "best") for split in ("eval", "public")},
         "steps": s.get("steps"), "planned_steps": privacy.get("planned_steps", s.get("steps")),
-        **{f"epsilon_{a}": eps.get(a) for a in ("pld", "prv", "rdp", "gdp")},
+        **{f"epsilon_{a}": eps.get(a) for a in REPORTED_ACCOUNTANTS},
         "enforcing_accountant": privacy.get("enforcing_accountant"), "within_budget": privacy.get("within_budget"),
         "verdict": privacy.get("verdict"), "privacy_mode": privacy.get("privacy_mode"),
         "privacy_labels": "; ".join(trial_labels(s)) or None, "epsilon": privacy.get("epsilon"),
@@ -571,17 +572,18 @@ def privacy(r: Report) -> str:
         within_cell = (Cell("n/a") if _missing(within) else Cell("yes", "ok") if bool(within) else Cell("NO", "bad"))
         rows.append([row["trial"], row["strategy"], _eps(row.get("epsilon_target")),
                      Cell(num(row.get("epsilon"), 3), "num"),
-                     *(Cell(num(row.get(f"epsilon_{a}"), 3), "num") for a in ("pld", "prv", "rdp", "gdp")),
+                     *(Cell(num(row.get(f"epsilon_{a}"), 3), "num") for a in REPORTED_ACCOUNTANTS),
                      row.get("enforcing_accountant"), row.get("guarantee"), within_cell,
                      row.get("privacy_unit"), row.get("privacy_mode"),
                      Cell(str(row.get("privacy_labels")), "warn-text") if not _missing(row.get("privacy_labels"))
                      else "none"])
     body = [how("one row per trial. ε (enforced) is the figure of the enforcing accountant, the run's guarantee; "
                 "the other columns compose the same ledger with each accountant (PLD, PRV, RDP upper bounds; GDP "
-                "is a CLT approximation and enforces nothing; under adaptive sigma they are not a guarantee, "
+                "(a CLT) and Edgeworth (the accountant of EW-Tune and DualTune-GhostDP) are approximations and "
+                "enforce nothing, ERRATA E9; under adaptive sigma they are not a guarantee, "
                 "ERRATA E13). 'within budget' is the enforcing accountant's verdict; labels qualify the epsilon."),
             table("table-privacy", ["trial", "strategy", "ε target", "ε (enforced)", "ε PLD", "ε PRV", "ε RDP",
-                                    "ε GDP (approx.)", "enforcing accountant", "guarantee", "within budget",
+                                    "ε GDP (approx.)", "ε Edgeworth (approx.)", "enforcing accountant", "guarantee", "within budget",
                                     "privacy unit", "mode", "labels"], rows)]
     tuning = r.summary.get("tuning_aware_epsilon")
     body.append(how("tuning-aware epsilon (ERRATA E7/E14): every run on the same private dataset spends its "

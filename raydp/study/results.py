@@ -15,7 +15,8 @@ steps, planned_steps       steps run and planned (ceil(epochs / q), E10)
 steps_to_target            first eval step at which the trial's selection perplexity is <= the best
                            baseline's final one (same model, epsilon and seed), divided by its planned
                            steps; NaN if never reached (Sec. 4.2; baselines = the non-RLDP DP trials)
-epsilon_pld/prv/rdp/gdp    final epsilon from the trial's full ledger per accountant (GDP: approximation)
+epsilon_pld/prv/rdp/gdp/edgeworth  final epsilon from the trial's full ledger per accountant (GDP, Edgeworth:
+                           approximations, ERRATA E2/E9)
 enforcing_accountant, within_budget, verdict   the enforcing accountant and its verdict
 privacy_mode, privacy_label   'strict' / 'paper' (+ the E3 label) for RLDP trials
 privacy_labels             every label of the run's epsilon ('; '-joined; E3 paper mode, E12 void
@@ -76,6 +77,7 @@ import numpy as np
 import pandas as pd
 
 from raydp.evaluation.results import EVALUATION_FILE, flat_metrics
+from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve, rdp_epsilon
 from raydp.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 
@@ -149,7 +151,7 @@ def _trial_row(trial: dict, run_dir: Path, status: str, result: dict, s: dict | 
            for w in ("initial", "final", "best")},
         "steps": s["steps"],
         "planned_steps": privacy.get("planned_steps", s["steps"]),
-        **{f"epsilon_{a}": eps.get(a) for a in ("pld", "prv", "rdp", "gdp")},
+        **{f"epsilon_{a}": eps.get(a) for a in REPORTED_ACCOUNTANTS},
         "enforcing_accountant": privacy.get("enforcing_accountant"), "within_budget": privacy.get("within_budget"),
         "verdict": privacy.get("verdict"), "privacy_mode": privacy.get("privacy_mode"),
         "privacy_label": privacy.get("privacy_label"), "privacy_labels": "; ".join(labels) or None,
