@@ -264,11 +264,26 @@ def cmd_train(args) -> int:
                 kind = "ledger composed as if fixed in advance; not a guarantee"
             else:
                 kind = "enforcing, upper bound" if name == privacy["enforcing_accountant"] else (
-                    "approximation" if name == "gdp" else "upper bound")
+                    "approximation" if name in ("gdp", "edgeworth") else "upper bound")
             print(f"  epsilon[{name}]{'':<{17 - len(name)}} {eps:.4f}  ({kind})")
         print(f"  verdict                    {privacy['verdict']}")
+        paper = (privacy.get("strategy") or {}).get("paper_calibration")
+        if paper and paper.get("sigma") is not None:
+            print(f"  paper's sigma (Edgeworth)  {paper['sigma']:.4f} would spend epsilon[pld] "
+                  f"{paper['epsilon_pld_at_that_sigma']:.4f}  (not used: Edgeworth enforces nothing, ERRATA E9)")
         if privacy.get("privacy_label"):
             print(f"  LABEL: {privacy['privacy_label']}")
+    phase = summary.get("phase_one")
+    if phase and "data" in phase:  # a non-private phase before the DP phase (DualTune-GhostDP)
+        print(f"  phase 1 (non-private)      {phase['data']}: {phase['trained_records']} records, {phase['steps']} steps, "
+              f"public perplexity {phase['public_perplexity_before']:.4f} -> {phase['public_perplexity_after']:.4f}")
+        if phase["data"] == "redacted":
+            recall = phase.get("canary_recall_private")
+            fields = phase.get("field_recall_public") or {}
+            overall = fields.get("overall", {}).get("recall") if isinstance(fields.get("overall"), dict) else None
+            print(f"  secret detector            {phase['detector']['level']}: canary recall "
+                  f"{'n/a' if recall is None else format(recall['recall'], '.3f')} (private records, not a DP "
+                  f"release), field recall {'n/a' if overall is None else format(overall, '.3f')} (public records)")
     controller = summary.get("controller")
     if controller and "decisions" in controller:  # RLDP's controller summary
         print(f"  controller                 {controller['decisions']} decisions, {controller['transitions']} "

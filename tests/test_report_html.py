@@ -63,7 +63,7 @@ def _row(trial: str, run_dir: Path, strategy: str, seed: int, cell: tuple | None
         **{f"{w}_{split}_perplexity": s[f"{w}_{split}_perplexity"]
            for w in ("initial", "final", "best") for split in ("eval", "public")},
         "steps": s["steps"], "planned_steps": p["planned_steps"],
-        **{f"epsilon_{a}": eps[a] for a in ("pld", "prv", "rdp", "gdp")},
+        **{f"epsilon_{a}": eps[a] for a in ("pld", "prv", "rdp", "gdp", "edgeworth")},
         "enforcing_accountant": p["enforcing_accountant"], "within_budget": p["within_budget"],
         "verdict": p["verdict"], "privacy_mode": p.get("privacy_mode") or "strict",
         "privacy_label": None, "privacy_labels": "; ".join(trial_labels(s)) or None,
@@ -280,7 +280,7 @@ def test_study_page_has_every_section_with_real_numbers(study, study_page):
 
     for trial, row in results.iterrows():  # every accountant's epsilon, 3 decimals
         cells = [c for c, _ in page.row_of("table-privacy", trial)]
-        for a in ("pld", "prv", "rdp", "gdp"):
+        for a in ("pld", "prv", "rdp", "gdp", "edgeworth"):
             assert f"{row[f'epsilon_{a}']:.3f}" in cells
         assert "yes" in cells and "patient" in cells
     summary = json.loads((study / "study_summary.json").read_text())

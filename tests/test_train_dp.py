@@ -36,7 +36,7 @@ def test_ledger_recomputed_independently_matches_reported_epsilon(static_run):
     assert privacy["epsilon"] <= privacy["epsilon_target"] and privacy["within_budget"]
     assert privacy["epsilon"] >= 0.95 * privacy["epsilon_target"]  # calibrated, not wasted
     assert privacy["neighbouring_relation"] == "add_remove_one"
-    assert set(privacy["epsilon_by_accountant"]) == {"pld", "prv", "rdp", "gdp"}
+    assert set(privacy["epsilon_by_accountant"]) == {"pld", "prv", "rdp", "gdp", "edgeworth"}
 
 
 def test_dp_run_reports_no_unprivatized_training_statistics(static_run):

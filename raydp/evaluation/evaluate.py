@@ -103,6 +103,9 @@ def _claimed(summary: dict, config) -> dict:
     elif any("void" in label.lower() or "paper mode" in label.lower() for label in labels):
         claimed.update(comparable=False, note="the claimed epsilon is labelled (void or paper mode): the audit "
                        "cannot confirm or refute it")
+    elif any("epsilon covers phase 2 only" in label for label in labels):
+        claimed.update(comparable=False, note="phase 1 trained non-privately on redacted private records (ERRATA E16): "
+                       "the audit tests the whole pipeline, the claimed epsilon covers phase 2 only")
     elif config.strategy == "rldp" and config.rldp.policy:
         claimed.update(comparable=False, note="the run's dials came from a saved policy trained on other runs: its "
                        "model's epsilon composes theirs (ERRATA E14; the study's tuning-aware figure), not this run's")

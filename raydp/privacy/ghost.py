@@ -133,7 +133,8 @@ class GhostClippingComputer:
         if unit_index is None:
             unit_index = torch.arange(rows, device=batch.input_ids.device)
         n_units = int(unit_index.max()) + 1
-        self.module.unit_index, self.module.n_units = unit_index, n_units
+        # one record per unit (the default): Opacus's per-row norms are the units' norms as they are
+        self.module.unit_index, self.module.n_units = (unit_index if n_units < rows else None), n_units
         self.module.enable_hooks()
         try:
             losses = self._losses(self.module, batch.input_ids, batch.attention_mask, getattr(batch, "labels", None))
@@ -160,22 +161,27 @@ class GhostClippingComputer:
         row_weights = weights[unit_index].to(contributions.row_losses.dtype)
         self.module.disable_hooks()
         try:
-            if bool(contributions.finite.all()):
-                (contributions.row_losses * row_weights).sum().backward()
-            else:  # a NaN may sit in the kept graph: a fresh forward over the finite records only
-                contributions.row_losses = None
-                keep = contributions.finite[unit_index]
-                if bool(keep.any()):
-                    labels = getattr(batch, "labels", None)
-                    losses = self._losses(self.module, batch.input_ids[keep], batch.attention_mask[keep],
-                                          None if labels is None else labels[keep])
-                    (losses * row_weights[keep]).sum().backward()
+            with warnings.catch_warnings():  # the backward hooks are registered (though disabled) on LoRA layers
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                self._second_pass(contributions, batch, unit_index, row_weights)
         finally:
             self.module.enable_hooks()
         sums_a = [p.a.grad.detach().clone() if p.a.grad is not None else torch.zeros_like(p.a) for p in self.pairs]
         sums_b = [p.b.grad.detach().clone() if p.b.grad is not None else torch.zeros_like(p.b) for p in self.pairs]
         self._reset()
         return sums_a, sums_b
+
+    def _second_pass(self, contributions: GhostContributions, batch, unit_index, row_weights) -> None:
+        if bool(contributions.finite.all()):
+            (contributions.row_losses * row_weights).sum().backward()
+            return
+        contributions.row_losses = None  # a NaN may sit in the kept graph: a fresh forward, finite records only
+        keep = contributions.finite[unit_index]
+        if bool(keep.any()):
+            labels = getattr(batch, "labels", None)
+            losses = self._losses(self.module, batch.input_ids[keep], batch.attention_mask[keep],
+                                  None if labels is None else labels[keep])
+            (losses * row_weights[keep]).sum().backward()
 
     def _reset(self, keep_graph: bool = False) -> None:
         for p in self._params:

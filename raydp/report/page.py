@@ -226,7 +226,7 @@ def load_report(path: str | Path) -> Report:
 
 
 def _single_run(root: Path) -> Report:
-    from raydp.study.results import trial_labels
+    from raydp.study.results import _phase_one_columns, trial_labels
 
     try:
         s = json.loads((root / "summary.json").read_text())
@@ -252,6 +252,7 @@ def _single_run(root: Path) -> Report:
         "privacy_labels": "; ".join(trial_labels(s)) or None, "epsilon": privacy.get("epsilon"),
         "guarantee": privacy.get("guarantee"), "privacy_unit": privacy.get("privacy_unit"),
         "dataset_sha256": s.get("dataset_sha256"), "steps_to_target": None, "run_dir": str(root),
+        **_phase_one_columns(s.get("phase_one")),
     }
     results = pd.DataFrame([row])
     for col in ("epsilon_target", "t_rl", "b_sac", "k", "steps_to_target") + tuple(
@@ -627,6 +628,7 @@ def privacy(r: Report) -> str:
         body.append(para("no tuning-aware epsilon: " + ("a single run (a study composes its trials)" if r.kind == "run"
                                                          else "the study summary has none (public data?)"),
                          "missing"))
+    body += _phase_one(res)
     pbt = r.summary.get("pbt_population")
     if isinstance(pbt, dict) and pbt:
         verdict = "within" if pbt.get("within_budget") else "OVER"
@@ -635,6 +637,27 @@ def privacy(r: Report) -> str:
                          f"over every member's steps, discarded ones included): {verdict} its budget",
                          None if pbt.get("within_budget") else "bad"))
     return _section("sec-privacy", "Privacy", "\n".join(body))
+
+
+def _phase_one(res: pd.DataFrame) -> list[str]:
+    """Trials with a non-private phase 1 (DualTune-GhostDP): what it trained on, whether any epsilon covers
+    it (ERRATA E16) and the secret detector's recall."""
+    if "phase1_data" not in res.columns or res["phase1_data"].isna().all():
+        return []
+    rows = []
+    for _, row in res[res["phase1_data"].notna()].iterrows():
+        redacted = row["phase1_data"] == "redacted"
+        rows.append([row["trial"], row["phase1_data"], Cell(num(row.get("phase1_steps"), 0), "num"),
+                     Cell(num(row.get("phase1_public_perplexity"), 4), "num"),
+                     Cell("NO: epsilon covers phase 2 only", "bad") if redacted else Cell("yes (public data)", "ok"),
+                     Cell(num(row.get("detector_canary_recall"), 3), "num"),
+                     Cell(num(row.get("detector_field_recall"), 3), "num")])
+    return [how("a non-private phase 1 before DP-SGD (DualTune-GhostDP). On the public corpus it needs no epsilon; "
+                "on the redacted private records no epsilon covers it: a secret detector is a deterministic function "
+                "of the records and gives no DP guarantee (ERRATA E16). Detector recall: on the run's canaries "
+                "(computed on private records, not a DP release) and on the sensitive fields of public records."),
+            table("table-phase1", ["trial", "phase 1 data", "phase 1 steps", "public perplexity after phase 1",
+                                   "covered by epsilon", "detector canary recall", "detector field recall"], rows)]
 
 
 def _dig(d: dict | None, *keys):

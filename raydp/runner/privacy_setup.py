@@ -27,22 +27,21 @@ import torch
 from raydp.config import TrainConfig
 from raydp.errors import ConfigError
 from raydp.privacy import BudgetGuard, PrivacyLedger, calibrate_sigma, get_accountant, planned_steps
+from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
 from raydp.privacy.calibration import SigmaEffMap
 from raydp.privacy.mechanism import release_precisions
 from raydp.privacy.schedule import CONSTANT, SigmaSchedule
 from raydp.privacy.statistics import releases_sigma_map
 from raydp.privacy.clipping import PerSampleGradientComputer
 from raydp.privacy.engine import DPStep
+from raydp.privacy.ghost import GhostClippingComputer
 from raydp.privacy.filter import FILTER_NAME, FilterGuard
 from raydp.privacy.ledger import NEIGHBOURING_RELATION
 from raydp.privacy.randomness import PrivateRandomness
 from raydp.runner.sampling import PoissonSampler
 from raydp.strategies import make_strategy
 from raydp.strategies.base import PlanRequest, Strategy, StrategyContext
-from raydp.strategies.base import PAPER_MODE_LABEL
 
-#: Accountants reported in every DP summary; only upper bounds may enforce (ERRATA E2, E9).
-REPORTED_ACCOUNTANTS = ("pld", "prv", "rdp", "gdp")
 
 
 UNIT_NOTES = {
@@ -247,7 +246,15 @@ def setup_private_run(
     if outside:  # the optimizer would apply their raw (unclipped, noiseless) gradients
         raise ConfigError(f"trainable parameters outside the LoRA adapter pairs ({outside[0]}, ...) would get no "
                           "clipping and no noise: restrict lora.target_modules to linear layers")
-    gradients = PerSampleGradientComputer(model, pairs, loss=loss) if loss is not None else None
+    if strategy.gradient_source == "ghost":
+        if strategy.clip_mode != "flat":
+            raise ConfigError(f"strategy {strategy.name!r}: ghost clipping clips flat (one radius over all LoRA "
+                              f"gradients), not {strategy.clip_mode}")
+        gradients = GhostClippingComputer(model, pairs, **({"loss": loss} if loss is not None else {}))
+    elif strategy.gradient_source == "per_sample":
+        gradients = PerSampleGradientComputer(model, pairs, loss=loss) if loss is not None else None
+    else:
+        raise ConfigError(f"strategy {strategy.name!r}: unknown gradient source {strategy.gradient_source!r}")
     step = DPStep(model, pairs, strategy, ledger, guard, q=q, expected_batch_size=sampler.expected_batch_size,
                   planned_steps=steps, device=device, randomness=randomness, sigma_0=sigma_0, gradients=gradients)
     if strategy.needs_public_probe:
@@ -259,7 +266,7 @@ def setup_private_run(
 
 def privacy_labels(strategy: Strategy, randomness: PrivateRandomness) -> list[str]:
     """Every caveat that voids or narrows a run's epsilon; carried by every artifact that states one."""
-    labels = [PAPER_MODE_LABEL] if strategy.privacy_mode == "paper" else []
+    labels = list(strategy.labels())
     if randomness.label:
         labels.append(randomness.label)
     return labels
@@ -332,6 +339,8 @@ def privacy_summary(run: PrivateRun, config: TrainConfig) -> dict:
         "epsilon_by_accountant_note": ("compositions of the realized ledger as if fixed in advance: not a "
                                        "guarantee under adaptive sigma (ERRATA E13)") if run.plan.adaptive else None,
         "gdp_note": "GDP (CLT) is an approximation reported for comparison with the paper; it enforces nothing",
+        "edgeworth_note": ("Edgeworth (Wang et al. 2022; the accountant of EW-Tune and DualTune-GhostDP) is an "
+                           "approximation, reported beside the enforcing upper bound; it enforces nothing (ERRATA E9)"),
         "guard_clamps": len(run.step.clamp_events),
         "strategy": run.strategy.describe(),
         "privacy_mode": run.strategy.privacy_mode,

@@ -41,6 +41,7 @@ from raydp.runner.privacy_setup import (
     setup_private_run,
     training_units,
 )
+from raydp.runner.phases import run_phase_one
 from raydp.runner.sampling import ShuffledBatchSampler
 from raydp.runner.local_setup import (
     unit_training_set,
@@ -148,6 +149,11 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
                            require_all=True)
         evaluation = task.split(load_texts(dataset_dir, "eval"), loaded.tokenizer, max_length)
         public_eval = public_validation_split(loaded.tokenizer, max_length, config.public_eval_records, task)
+        warm = strategy.warm_start() if config.is_private and hasattr(strategy, "warm_start") else None
+        phase_one = None
+        if warm is not None:  # a non-private phase before the DP phase (DualTune-GhostDP phase 1)
+            phase_one = (resume.get("phase_one") or {"resumed": True}) if resume is not None else run_phase_one(
+                warm, config, loaded, task, train_texts, max_length, public_eval, dataset_dir, progress=progress)
         private = local_run = None
         if local:
             local_run = setup_local_run(config, plan, strategy, loaded, train, units, task, max_length,
@@ -179,7 +185,8 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             eval_max_sequences=config.eval_max_records,
             progress=progress,
             on_evaluation=on_evaluation,
-            on_checkpoint=(lambda t: on_checkpoint({"trainer": t.state_dict()})) if on_checkpoint else None,
+            on_checkpoint=(lambda t: on_checkpoint({"trainer": t.state_dict(), "phase_one": phase_one}))
+            if on_checkpoint else None,
             checkpoint_every=checkpoint_every,
             public_evaluation=public_eval,
             evaluate=task.evaluate,
@@ -219,6 +226,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             "privacy": privacy,
             "dropout": "off (DP run: ERRATA E12)" if config.is_private else "as configured",
             "controller": controller,
+            "phase_one": phase_one,
             "resumed_from_step": resume["trainer"]["step_count"] if resume is not None else None,
             "stopped_early": trainer.stopped_early,
             "data_source": manifest.get("source"),

@@ -39,6 +39,21 @@ class PlanRequest:
 
 
 @dataclass(frozen=True)
+class WarmStart:
+    """A NON-private fine-tuning phase the runner runs before the DP phase (DualTune-GhostDP phase 1,
+    :mod:`raydp.runner.phases`). ``data``: ``"public"`` (the public corpus: the guarantee covers the whole
+    run) or ``"redacted"`` (the private training records after a secret detector: NOT covered by any
+    epsilon, ERRATA E16; the run carries :meth:`Strategy.labels`)."""
+
+    data: str
+    epochs: float
+    lr: float | None = None  # None: the run's lr
+    records: int | None = None  # public: how many public records (None: as many as the training records)
+    detector: str = "high_context"  # redacted: the detector's level (raydp.data.redaction)
+    detector_pipeline: str | None = None  # redacted: an installed spaCy pipeline (None: rules only)
+
+
+@dataclass(frozen=True)
 class StrategyContext:
     """What a strategy knows when a run starts (nothing here is computed from private records)."""
 
@@ -82,6 +97,9 @@ class Strategy(ABC):
     #: the pydantic model of the strategy's settings (:mod:`raydp.strategies.registry`); its constructor
     #: takes an instance as its first argument
     settings_model: type | None = None
+    #: where the DP step's per-unit contributions come from: ``"per_sample"`` (Opacus hooks, per-sample
+    #: gradients) or ``"ghost"`` (ghost clipping, norms only; flat clipping, :mod:`raydp.privacy.ghost`)
+    gradient_source: str = "per_sample"
 
     def setup(self, context: StrategyContext) -> None:
         self.context = context
@@ -97,6 +115,14 @@ class Strategy(ABC):
         (sigma_0 is calibrated with it before the model loads); public parameters such as histogram bins
         may be placed later (:meth:`calibrate_public`)."""
         return ()
+
+    def warm_start(self) -> WarmStart | None:
+        """A non-private phase to run before the DP phase (None: none)."""
+        return None
+
+    def labels(self) -> tuple[str, ...]:
+        """Caveats the strategy's design puts on the run's epsilon (carried by every artifact stating it)."""
+        return (PAPER_MODE_LABEL,) if self.privacy_mode == "paper" else ()
 
     def plan(self, request: PlanRequest) -> None:
         """Called once before calibration with the run's public plan parameters; a strategy whose
@@ -138,6 +164,7 @@ class Strategy(ABC):
     def describe(self) -> dict:
         out = {"name": self.name, "clip_mode": self.clip_mode, "allocation": self.allocation,
                "privacy_mode": self.privacy_mode, "schedule": self.schedule().describe(),
+               "gradient_source": self.gradient_source,
                "releases": [{"name": r.name, "noise": {k: v for k, v in vars(r.noise).items() if v is not None}}
                             for r in self.releases()]}
         if self.privacy_mode == "paper":

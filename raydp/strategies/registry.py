@@ -46,6 +46,9 @@ _SPECS = (
                  "EW-FT: forward-pass local DP on hidden embeddings, autoencoder, EWPBA schedule (local accounting)"),
     StrategySpec("dpforward", "raydp.strategies.forward:DPForwardStrategy",
                  "DP-Forward: forward-pass local DP on hidden embeddings, uniform schedule (local accounting)"),
+    StrategySpec("dualtune", "raydp.strategies.dualtune:DualTuneStrategy",
+                 "DualTune-GhostDP: non-private phase 1 (public, or redacted private: labelled), then flat DP-SGD "
+                 "with ghost clipping"),
     StrategySpec("rldp", "raydp.strategies.rldp:RLDPStrategy",
                  "RLDP: a SAC policy sets per-pair clips and sigma online (Renyi filter)", config_field="rldp"),
     StrategySpec("adaclip", "raydp.strategies.adaclip:AdaClipStrategy",

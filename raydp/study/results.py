@@ -25,6 +25,10 @@ dataset_sha256             the private dataset's identity (its ``content_sha256`
 rdp_curve_source           'renyi_filter' (the run was enforced by a Renyi filter: its budget curve is its
                            guarantee) or 'ledger' (the RDP curve of its ledger)
 trial_seconds, wall_seconds   the trial's run time as Tune saw it, and the run's own wall time
+phase1_data, phase1_steps, phase1_public_perplexity   a non-private phase 1 (DualTune-GhostDP: 'public' or
+                           'redacted'), its steps and the public perplexity after it
+detector_canary_recall, detector_field_recall   a redacted phase 1's secret detector: recall on the run's
+                           canaries (private records: not a DP release) and on sensitive fields (public records)
 run_dir                    the trial's outputs (train/eval metrics, ledger, control trace, adapters)
 mia_*, canary_*, exposure_*, audit_*   the trial's attacks and epsilon audit (``evaluation.json``, when
                            the study's ``evaluate:`` asked or ``raydp eval`` ran; computed from private
@@ -163,11 +167,23 @@ def _trial_row(trial: dict, run_dir: Path, status: str, result: dict, s: dict | 
         if privacy.get("epsilon") is not None else None,
         "wall_seconds": s["wall_seconds"],
         **{k: s[k] for k in ("final_eval_accuracy", "final_public_accuracy", "best_public_accuracy") if k in s},
+        **_phase_one_columns(s.get("phase_one")),
     })
     evaluation = run_dir / EVALUATION_FILE  # attacks and audit (not a DP release, E15): never selected on
     if evaluation.exists():
         row.update(flat_metrics(json.loads(evaluation.read_text())))
     return row
+
+
+def _phase_one_columns(phase: dict | None) -> dict:
+    """A non-private phase 1 (DualTune-GhostDP): its data, steps and the secret detector's recall."""
+    if not phase or "data" not in phase:
+        return {}
+    canary = phase.get("canary_recall_private") or {}
+    fields = (phase.get("field_recall_public") or {}).get("overall") or {}
+    return {"phase1_data": phase["data"], "phase1_steps": phase.get("steps"),
+            "phase1_public_perplexity": phase.get("public_perplexity_after"),
+            "detector_canary_recall": canary.get("recall"), "detector_field_recall": fields.get("recall")}
 
 
 def _float_or_nan(x) -> float:
