@@ -15,7 +15,7 @@ ghost / per-sample ratios. The paper's savings (Li et al. 2022: ghost clipping a
 per-sample gradients of FULL fine-tuning) do not carry over to LoRA as such: a rank-r adapter's per-sample
 gradient is r x (d_in + d_out) per example, while ghost norms cost T x T per example and layer.
 
-Run: python bench/bench_ghost_clipping.py [--models embedded embedded-small] [--lengths 128 512] [--batch 16]
+Run: python bench/bench_ghost_clipping.py [--models embedded gpt2-small-config] [--lengths 128 512] [--batch 16]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import threading
 import time
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+GPT2_SMALL = "gpt2-small-config"
 
 
 def _rss() -> int:
@@ -61,13 +62,27 @@ def one(model_name: str, source: str, length: int, batch_size: int, steps: int, 
     import torch
 
     from raydp.data import public_corpus
-    from raydp.model import load_model
+    from raydp.model import disable_dropout, load_model
     from raydp.model.batches import TokenizedSplit
     from raydp.privacy.clipping import PerSampleGradientComputer, combine_units, zero_nonfinite
     from raydp.privacy.ghost import GhostClippingComputer
 
     torch.manual_seed(0)
-    loaded = load_model(model_name, device="auto", progress=False)
+    if model_name == GPT2_SMALL:  # GPT-2 small's shape, built from config (random weights: cost, not utility)
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        from raydp.model.adapters import discover_adapter_pairs
+        from raydp.model.loading import LoraSettings, apply_lora
+
+        loaded = load_model("embedded", device="auto", progress=False)  # for its tokenizer and device
+        base = GPT2LMHeadModel(GPT2Config(vocab_size=len(loaded.tokenizer), n_positions=1024, n_embd=768,
+                                          n_layer=12, n_head=12)).to(loaded.device)
+        loaded.model = apply_lora(base, "gpt2", LoraSettings())
+        loaded.pairs = discover_adapter_pairs(loaded.model)
+        loaded.max_positions = 1024
+    else:
+        loaded = load_model(model_name, device="auto", progress=False)
+    disable_dropout(loaded.model)  # as in every DP run (ERRATA E12)
     loaded.model.train()
     texts = public_corpus(batch_size, seed=3, progress=False)
     split = TokenizedSplit(texts, loaded.tokenizer, min(loaded.max_positions, length))
@@ -122,7 +137,8 @@ def one(model_name: str, source: str, length: int, batch_size: int, steps: int, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["embedded", "embedded-small"])
+    parser.add_argument("--models", nargs="+", default=["embedded", GPT2_SMALL],
+                        help=f"embedded presets, or {GPT2_SMALL} (GPT-2 small's shape from config, random weights)")
     parser.add_argument("--lengths", nargs="+", type=int, default=[128, 512])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=5)

@@ -28,6 +28,10 @@ SLOW = {
     # ~105 s: `ray job submit` of a study to a local head (cluster/submit.sh); the study it submits is the
     # runner of test_study.py (tiny_study), started in-process
     "tests/test_study_job.py::test_ray_job_submit_runs_a_study_on_a_local_head",
+    # ~100 s: the one-run audit of a ghost-clipped run; the ghost-clipped release equals the per-sample one
+    # (test_ghost_clipping.py::test_a_dp_step_with_ghost_clipping_releases_what_per_sample_clipping_releases),
+    # whose audit is test_evaluation.py::test_the_correct_mechanism_passes_its_audit_and_reports
+    "tests/test_dualtune.py::test_the_epsilon_audit_is_consistent_with_a_ghost_clipped_run",
 }
 
 

@@ -99,3 +99,22 @@ def test_a_study_runs_both_dualtune_variants_beside_static_dp_sgd_on_ray(local_r
     assert main(["report", str(study_dir)]) == 0
     page = next(study_dir.glob("**/*.html")).read_text()
     assert "Edgeworth" in page and "phase 2 only" in page
+
+
+def test_the_epsilon_audit_is_consistent_with_a_ghost_clipped_run(tmp_path):
+    """An attack on the ghost-clipped mechanism: the one-run audit (Steinke et al. 2023) of a run where
+    memorisation is possible (tests/test_evaluation.py's AUDITABLE settings, whose noise-off twin the
+    audit catches) must not bound epsilon above the claim."""
+    from raydp.config import TrainConfig
+    from raydp.runner.run import run_training
+    from tests.test_evaluation import AUDITABLE, QUICK
+
+    config = {**AUDITABLE, "strategy": "dualtune", "settings": {"clip": 10.0, "phase1_epochs": 0}}
+    run = tmp_path / "ghost-audit"
+    run_training(TrainConfig.model_validate(config), run, progress=False)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["privacy"]["strategy"]["gradient_source"] == "ghost" and summary["phase_one"] is None
+    assert main(["eval", str(run), *QUICK]) == 0
+    audit = json.loads((run / "evaluation.json").read_text())["audit"]
+    assert audit["consistent"] is True and audit["m"] == 100
+    assert audit["epsilon_one_run"] <= audit["claimed_epsilon"]

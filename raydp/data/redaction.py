@@ -87,7 +87,7 @@ from raydp.errors import ConfigError
 MASK = "[REDACTED]"
 LEVELS = ("base", "high_context")
 E16_LABEL = ("phase 1 trained non-privately on redacted private records: epsilon covers phase 2 only; "
-             "redaction gives no DP guarantee")
+             "redaction gives no DP guarantee (ERRATA E16)")
 
 #: Fields whose values are secrets for :func:`field_recall`, by kind. Demographics and the encounter's
 #: quasi-identifiers (admission/discharge/source, payer, specialty, diagnoses, stay length, counts, lab

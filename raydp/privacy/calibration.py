@@ -258,7 +258,7 @@ def calibrate_sigma(epsilon_target: float, delta: float, q: float, steps: int,
     ``schedule``: step t runs at sigma_0 * m(t) (:class:`~raydp.privacy.schedule.SigmaSchedule`; default
     constant); the whole planned schedule is composed (dp_accounting's ``calibrate_dp_mechanism`` does the
     same for a parameterised event). The accountant must be an upper bound (``rdp``, ``prv``, ``pld``);
-    ``allow_approximation=True`` admits GDP for reproducing the paper's numbers only. Raises ConfigError
+    ``allow_approximation=True`` admits GDP or Edgeworth for reproducing a paper's numbers only. Raises ConfigError
     for a bad request or a target that no sigma up to ``sigma_cap`` reaches.
     """
     epsilon_target = check_epsilon(epsilon_target)

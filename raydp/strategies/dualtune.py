@@ -26,13 +26,14 @@ from typing import Literal
 
 from pydantic import Field
 
+from raydp.data.redaction import E16_LABEL  # the label only: spaCy is imported when a detector is built
 from raydp.errors import ConfigError
 from raydp.settings import StrictModel
 from raydp.strategies.base import PlanRequest, WarmStart
 from raydp.strategies.static import ConstantDials
 
-REDACTED_LABEL = ("phase 1 trained non-privately on redacted private records: epsilon covers phase 2 only; "
-                  "redaction gives no DP guarantee (ERRATA E16)")
+#: the label of a run whose phase 1 trained on redacted private records (ERRATA E16)
+REDACTED_LABEL = E16_LABEL
 
 
 class DualTuneSettings(StrictModel):
@@ -76,10 +77,11 @@ class DualTuneStrategy(ConstantDials):
         """What the paper's calibration would have done (Sec. 4.3: sigma from the Edgeworth accountant), for
         the report only: the run's sigma comes from the enforcing upper bound (ERRATA E9)."""
         from raydp.privacy.accounting import get_accountant
-        from raydp.privacy.accounting.edgeworth import paper_sigma_edgeworth
+        from raydp.privacy.calibration import calibrate_sigma
 
         try:
-            sigma = paper_sigma_edgeworth(request.epsilon, request.delta, request.q, request.planned_steps)
+            sigma = calibrate_sigma(request.epsilon, request.delta, request.q, request.planned_steps, "edgeworth",
+                                    allow_approximation=True).sigma
         except ConfigError as error:
             self.paper_calibration = {"accountant": "edgeworth", "sigma": None, "note": str(error)}
             return

@@ -2,9 +2,10 @@
 
 An APPROXIMATION, never an upper bound (ERRATA E9): ``is_upper_bound = False``. The project reports the
 Edgeworth estimate beside the enforcing upper-bound accountant (``pld``, ``prv`` or ``rdp``); the budget
-guard and the calibration refuse it, exactly as they refuse ``gdp``. :func:`paper_sigma_edgeworth` gives
-the noise multiplier the Edgeworth accountant would have chosen ("the sigma the paper would have used")
-for reports; it is not the calibration.
+guard and the calibration refuse it, exactly as they refuse ``gdp``.
+``calibrate_sigma(..., "edgeworth", allow_approximation=True)`` (:mod:`raydp.privacy.calibration`) gives the noise multiplier the Edgeworth accountant would have chosen
+("the sigma the paper would have used", :mod:`raydp.strategies.dualtune`) for reports; it calibrates
+nothing.
 
 Reference: H. Wang, S. Gao, H. Zhang, M. Shen, W. J. Su, "Analytical composition of differential
 privacy via the Edgeworth accountant", arXiv:2206.04236 (2022); EW-Tune: R. Behnia et al., ICDMW 2022.
@@ -102,7 +103,6 @@ __all__ = [
     "edgeworth_delta",
     "edgeworth_epsilon",
     "edgeworth_sf",
-    "paper_sigma_edgeworth",
     "step_cumulants",
 ]
 
@@ -254,44 +254,6 @@ def edgeworth_epsilon(groups, delta: float) -> float:
     return _epsilon_from_cumulants(kp, kq, delta)
 
 
-def paper_sigma_edgeworth(epsilon_target: float, delta: float, q: float, steps: int, *,
-                          sigma_min: float = 0.05, sigma_max: float = 1e4, rtol: float = 1e-6) -> float:
-    """The noise multiplier the Edgeworth accountant would choose: the sigma at which ``steps`` steps at
-    rate ``q`` have Edgeworth epsilon ``epsilon_target`` at ``delta`` (EW-Tune's choice).
-
-    FOR REPORTS ONLY ("the sigma the paper would have used"): Edgeworth epsilon is an approximation, so
-    this sigma may be smaller (few steps, small q: the target is then exceeded) or slightly larger than
-    the sigma that actually achieves the target; the project calibrates with
-    :func:`raydp.privacy.calibration.calibrate_sigma` and an upper-bound accountant (ERRATA E9).
-    The root is bracketed by doubling (or halving) sigma from 1 until epsilon crosses the target, then
-    refined by Brent's method in log sigma within that factor-2 bracket (Edgeworth epsilon need not be
-    monotone in sigma; this is the crossing in the first bracket found). Raises ConfigError if the
-    target is not crossed within [sigma_min, sigma_max].
-    """
-    epsilon_target = check_epsilon(epsilon_target)
-    delta = check_delta(delta)
-    q = check_q(q)
-    if int(steps) != steps or steps <= 0:
-        raise ConfigError(f"steps must be a positive integer, got {steps}")
-    steps = int(steps)
-
-    def gap(log_s: float) -> float:
-        return edgeworth_epsilon([(q, math.exp(log_s), steps)], delta) - epsilon_target
-
-    hi = 0.0
-    while gap(hi) > 0.0:
-        hi += math.log(2.0)
-        if hi > math.log(sigma_max):
-            raise ConfigError(f"epsilon={epsilon_target} unreachable by Edgeworth up to sigma={sigma_max:g}")
-    lo = hi - math.log(2.0)
-    while gap(lo) <= 0.0:
-        hi, lo = lo, lo - math.log(2.0)
-        if lo < math.log(sigma_min):
-            raise ConfigError(f"epsilon={epsilon_target} is reached by Edgeworth even at sigma={sigma_min:g}")
-    return math.exp(optimize.brentq(gap, lo, hi, xtol=rtol, rtol=rtol))
-
-
-# -- the accountant ----------------------------------------------------------------------------------------
 class EdgeworthAccountant(Accountant):
     """Edgeworth approximation (second order) of heterogeneous Poisson-subsampled Gaussian compositions.
 
