@@ -12,7 +12,7 @@ from raydp.model.loss import per_sequence_nll
 from raydp.privacy import BudgetGuard, PrivacyLedger
 from raydp.privacy.clipping import PerSampleGradientComputer, combine_units, pair_norms
 from raydp.privacy.engine import DPStep
-from raydp.privacy.ghost import GhostClippingComputer, group_rows_by_unit
+from raydp.privacy.ghost import NORM_MARGIN, GhostClippingComputer, group_rows_by_unit
 from raydp.privacy.randomness import PrivateRandomness
 from raydp.strategies.base import Dials, Strategy, StrategyContext
 from tests.test_dp_engine import padded_batch, tiny_lora_model
@@ -52,9 +52,11 @@ def test_ghost_norms_and_clipped_sum_equal_the_naive_loop(units):
     batch = Batch(list(range(5)), ids, mask, unit_index=torch.tensor(units))
     contributions = ghost.contributions(batch)
     flat = contributions.pair_norms().double().pow(2).sum(1).sqrt().numpy()
-    assert np.allclose(flat, want_norms, rtol=1e-5, atol=1e-7)
+    assert np.allclose(flat / (1 + NORM_MARGIN), want_norms, rtol=1e-6, atol=1e-8)
+    assert (flat >= want_norms).all()  # an upper bound of the norm
     assert (flat > clip).any() and (flat < clip).any() or len(set(units)) < 5  # some units are clipped
-    factors = torch.clamp(clip / (contributions.pair_norms().pow(2).sum(1, keepdim=True).sqrt() + 1e-6), max=1.0)
+    norms = torch.tensor(want_norms).unsqueeze(1)  # clip with the naive norms: the sums must then agree exactly
+    factors = torch.clamp(clip / (norms + 1e-6), max=1.0)
     sums_a, sums_b = contributions.clipped_sums(factors, "flat")
     got = [t for pair in zip(sums_a, sums_b) for t in pair]
     for g, w in zip(got, want):
@@ -69,7 +71,8 @@ def test_ghost_pair_norms_equal_opacus_per_sample_hooks_on_the_same_batch():
     per_sample = combine_units(PerSampleGradientComputer(model, pairs).compute(ids, mask), units)
     model2, pairs2 = tiny_lora_model(seed=3)  # a second copy: Opacus refuses two hook sets on one model
     ghost = GhostClippingComputer(model2, pairs2).contributions(Batch(list(range(5)), ids, mask, unit_index=units))
-    assert torch.allclose(ghost.pair_norms().double(), pair_norms(per_sample).double(), rtol=1e-5, atol=1e-7)
+    assert torch.allclose(ghost.pair_norms().double() / (1 + NORM_MARGIN), pair_norms(per_sample).double(),
+                          rtol=1e-6, atol=1e-8)
     assert torch.allclose(ghost.losses, per_sample.losses, rtol=1e-6)
 
 
@@ -111,8 +114,8 @@ def test_a_dp_step_with_ghost_clipping_releases_what_per_sample_clipping_release
     ghost = _step(model_b, pairs_b, GhostClippingComputer(model_b, pairs_b))
     out_a, out_b = per_sample.compute(model_a, batch), ghost.compute(model_b, batch)
     assert out_a["sigma_eff"] == out_b["sigma_eff"]
-    for pa, pb in zip(pairs_a, pairs_b):
-        assert torch.allclose(pa.a.grad, pb.a.grad, atol=1e-6) and torch.allclose(pa.b.grad, pb.b.grad, atol=1e-6)
+    for pa, pb in zip(pairs_a, pairs_b):  # equal up to the ghost norms' 1e-5 margin on the clipped units
+        assert torch.allclose(pa.a.grad, pb.a.grad, atol=2e-6) and torch.allclose(pa.b.grad, pb.b.grad, atol=2e-6)
     assert len(ghost.ledger) == 1
 
 
