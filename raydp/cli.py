@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--save-policy", help="save the trained policy as POLICY_DIR/NAME")
     rl.add_argument("--policy-dir", help="directory of named policies (default: policies)")
     rl.add_argument("--overwrite-policy", action="store_true", help="replace an existing --save-policy")
+    rl.add_argument("--controller", metavar="URL",
+                    help="'broker' (default: a policy service started for the run) or rllink://HOST:PORT, a policy "
+                         "server over RLlib's RLlink (python -m raydp.control.policy_server; secret in "
+                         "RAYDP_RLLINK_SECRET or Ray's auth token; HOST defaults to 127.0.0.1)")
 
     study = commands.add_parser("study", help="run a study file on Ray Tune (e.g. trials/quickstart.yaml)")
     study.add_argument("path", help="study file (YAML)")
@@ -129,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--seed", type=int, help="seed of the attacks' sampling")
     evaluate.add_argument("--quiet", action="store_true", help="no progress lines (the results still print)")
 
+    from raydp.control import policy_server  # argparse only: Ray is imported when the server runs
+
+    policy_server.add_arguments(commands.add_parser(
+        "policy-server", help="serve an RLDP policy over RLlink to runs started with --controller rllink://HOST:PORT"))
     policy = commands.add_parser("policy", help="list, show and export saved RLDP policies")
     policy_cmds = policy.add_subparsers(dest="policy_command", required=True)
     plist = policy_cmds.add_parser("list", help="the saved policies")
@@ -153,7 +161,7 @@ def train_config_from_args(args: argparse.Namespace):
     values = load_yaml_mapping(args.config) if args.config else {}
     for key in ("model", "strategy", "epsilon", "delta", "accountant", "clip", "epochs", "max_steps", "batch_size",
                 "lr", "warmup_steps", "eval_every", "eval_max_records", "max_length", "seed", "device", "cpus",
-                "privacy_unit", "unsafe_fixed_randomness"):
+                "privacy_unit", "unsafe_fixed_randomness", "controller"):
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)
     if args.settings:
@@ -294,6 +302,9 @@ def cmd_train(args) -> int:
                   f"{service['module_steps_trained']} transitions sampled in updates")
         if summary.get("saved_policy"):
             print(f"  policy saved to            {summary['saved_policy']}")
+        transport = summary.get("controller_transport")
+        if transport:
+            print(f"  policy server              {transport['address']} (RLlink; it owns and trains the policy)")
     if summary.get("stopped_early"):
         print(f"  stopped early: {summary['stopped_early']}")
     if summary.get("data_note"):
@@ -437,10 +448,17 @@ def cmd_policy_export(args) -> int:
     return 0
 
 
+def cmd_policy_server(args) -> int:
+    from raydp.control import policy_server
+
+    return policy_server.run(args)
+
+
 COMMANDS = {("data", "build"): cmd_data_build, ("data", "show"): cmd_data_show, ("train", None): cmd_train,
             ("study", None): cmd_study, ("report", None): cmd_report, ("eval", None): cmd_eval,
             ("policy", "list"): cmd_policy_list, ("policy", "show"): cmd_policy_show,
-            ("policy", "export"): cmd_policy_export}
+            ("policy", "export"): cmd_policy_export, ("policy-server", None): cmd_policy_server}
+
 
 
 def main(argv: list[str] | None = None) -> int:

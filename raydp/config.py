@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from raydp.settings import StrictModel, load_yaml_mapping, validate_config  # noqa: F401  (re-exported)
 from raydp.strategies.registry import STRATEGY_CHOICES, strategy_class, strategy_settings
@@ -145,9 +145,27 @@ class TrainConfig(StrictModel):
     device: str = "auto"
     rldp: RLDPConfig = RLDPConfig()
     cpus: int | None = Field(None, gt=0, description="CPU threads of the run (default: all of this machine's)")
+    controller: str = Field("broker", description="where an RLDP run's policy is: 'broker' (a policy service "
+                            "started for the run) or 'rllink://HOST:PORT', a policy server reached over RLlib's "
+                            "RLlink protocol (raydp.control.rllink; HOST defaults to 127.0.0.1)")
+
+    @field_validator("controller")
+    @classmethod
+    def _controller_address(cls, value: str) -> str:
+        from raydp.control.address import parse_controller
+
+        parse_controller(value)  # ValueError: one line naming the field
+        return value
 
     @model_validator(mode="after")
     def _consistent(self):
+        if self.controller != "broker":
+            if self.strategy != "rldp":
+                raise ValueError(f"controller {self.controller!r} drives an RLDP run only (strategy rldp)")
+            for key in ("policy", "frozen", "save_policy"):
+                if getattr(self.rldp, key):
+                    raise ValueError(f"rldp.{key} does not apply with controller {self.controller!r}: the policy "
+                                     "server owns the policy")
         if self.strategy not in STRATEGY_CHOICES:
             raise ValueError(f"unknown strategy {self.strategy!r}; known: {', '.join(STRATEGY_CHOICES)}")
         if self.strategy != "nonprivate" and self.epsilon is None:

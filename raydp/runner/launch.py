@@ -2,7 +2,10 @@
 
 For an RLDP run this starts (or joins) Ray, starts the policy (broker, and the SAC service unless the
 policy is frozen), runs the fine-tuning as a :class:`~raydp.runner.actor.FineTuningRun` actor, saves
-the policy under ``policy_dir/NAME`` if asked, and shuts the policy down.
+the policy under ``policy_dir/NAME`` if asked, and shuts the policy down. With ``controller:
+rllink://HOST:PORT`` the policy is a running policy server (:mod:`raydp.control.policy_server`) and the
+run, a :class:`~raydp.runner.rllink_actor.RLlinkFineTuningRun`, reaches it over RLlink
+(:mod:`raydp.control.rllink`): nothing is started or saved on the policy's side.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ def start_policy(config: TrainConfig, restore: Path | None = None):
     (:func:`raydp.control.policies.check_policy_privacy`, ERRATA E14)."""
     from raydp.control.service import PolicySession
 
+    if config.controller != "broker":  # e.g. a study trial: only `raydp train` reaches a policy server
+        raise ConfigError(f"controller {config.controller!r} is for `raydp train`; this starts its own policy "
+                          "(controller: broker)")
     s = config.rldp
     restore = check_policy_privacy(config, restore)
     layout = None if restore is not None else policy_layout_for(config)
@@ -60,6 +66,8 @@ def train(config: TrainConfig, output: str | Path, overwrite: bool = False, prog
         from raydp.runner.run import run_training
 
         return run_training(config, output, overwrite=overwrite, progress=progress)
+    if config.controller != "broker":
+        return _train_over_rllink(config, output, overwrite=overwrite, progress=progress)
     import ray
 
     from raydp.control.store import copy_policy
@@ -88,3 +96,34 @@ def train(config: TrainConfig, output: str | Path, overwrite: bool = False, prog
         return summary
     finally:
         session.close()
+
+
+def _train_over_rllink(config: TrainConfig, output: str | Path, overwrite: bool = False,
+                       progress: bool = True) -> dict:
+    """An RLDP run driven by the policy server at ``config.controller`` (see the module docstring). The
+    secret is resolved here, before Ray starts (:func:`raydp.control.rllink.resolve_secret`), and handed to
+    the run actor; a non-loopback server gets the plaintext warning."""
+    import sys
+
+    import ray
+
+    from raydp.control.address import parse_controller, plaintext_warning
+    from raydp.control.rllink import check_policy_server, resolve_secret, rllink_connection
+    from raydp.model.loading import check_model_name
+    from raydp.runner.rllink_actor import RLlinkFineTuningRun
+
+    address = parse_controller(config.controller)
+    check_model_name(config.model)
+    secret, _ = resolve_secret()
+    if not address.loopback:
+        print(f"raydp: {plaintext_warning(address.host)}", file=sys.stderr)
+    check_policy_server(address, secret)  # a one-line error now rather than a failed run actor later
+    threads = config.cpus or os.cpu_count() or 1
+    ensure_ray()
+    run = RLlinkFineTuningRun.options(num_cpus=min(threads, int(ray.available_resources().get("CPU", 1)) or 1)).remote(
+        threads)
+    summary = ray.get(run.run.remote(config.model_dump(mode="json"), str(Path(output).resolve()), overwrite,
+                                     rllink_connection(address, secret), f"run-{uuid.uuid4().hex[:8]}", progress))
+    summary["controller_transport"] = {"kind": "rllink", "address": address.url}
+    _rewrite_json(Path(output) / "summary.json", summary)
+    return summary

@@ -1,0 +1,566 @@
+"""raydp's DP step under an existing ``transformers.Trainer`` script (issue 15).
+
+A user with a Hugging Face ``Trainer`` script and a PEFT (LoRA) model keeps it, and adds::
+
+    dp = DPTraining(model, train_dataset, tokenizer, strategy="static", epsilon=2.0, batch_size=16, epochs=1)
+    args = TrainingArguments(..., max_steps=dp.planned_steps, max_grad_norm=0.0)
+    trainer = Trainer(model=model, args=args, train_dataset=train_dataset, callbacks=[dp.callback])
+    dp.attach(trainer)
+    trainer.train()
+    dp.summary()["epsilon"]
+
+What each piece does (nothing of the DP step is copied: it is :class:`raydp.privacy.engine.DPStep` as
+wired by :func:`raydp.runner.privacy_setup.setup_private_run`, the same object raydp's own loop drives):
+
+* :class:`DPTraining` checks the request and calibrates sigma_0 for the data's public size before the
+  Trainer exists (:func:`~raydp.runner.privacy_setup.plan_private_run`: q = B/N, the planned steps
+  ``dp.planned_steps`` (ERRATA E10), delta < 1/N), then, in :meth:`DPTraining.attach`, sets up the run
+  on the Trainer's model and device: secret sampling and noise randomness (E12), ledger, guard or Renyi
+  filter (E4, E13), the strategy, dropout off (E12).
+* :meth:`DPTraining.attach` installs the thin hook, three of the Trainer's documented override points on
+  that one Trainer instance:
+
+  - ``get_train_dataloader``: a DataLoader whose batch sampler is raydp's
+    :class:`~raydp.runner.sampling.PoissonSampler` (secret randomness): every step's batch is a Poisson
+    sample of privacy units (E5, E11), empty samples included; the Trainer's sampler, shuffling and
+    ``per_device_train_batch_size`` choose nothing. Batches reach the Trainer as one opaque object, so
+    the Trainer never counts their tokens or sizes (its flops and token counters stay 0: the Poisson
+    batch size is private, E5);
+  - ``training_step``: :meth:`DPStep.compute <raydp.privacy.engine.DPStep.compute>` in place of the
+    Trainer's forward/backward: per-unit gradients, clipping, calibrated noise, the mean over the
+    EXPECTED batch size (E1, E5), the ledger row. It computes no reportable loss: the Trainer receives
+    a constant 0;
+  - ``log``: the Trainer's ``loss``/``train_loss`` entries (a training loss on private data would be a
+    release no accountant counts, E3) are removed; post-processed figures of the release are logged
+    instead (``dp_sigma_eff``, ``dp_noisy_grad_norm``, ``dp_epsilon_spent``, ``dp_steps_charged``).
+
+* :class:`DPCallback` (``dp.callback``) keeps the guarantee around the Trainer's own steps: at train
+  begin it refuses unsafe ``TrainingArguments`` (:func:`check_training_arguments`) and a Trainer that is
+  not attached, resumed, or whose ``max_steps`` is not the plan's, and it wraps the Trainer's
+  ``optimizer.step`` (the optimizer hook): every update first checks that the gradient about to be
+  applied is exactly the DP step's (nothing in between, e.g. gradient clipping, accumulation, another
+  callback or a hook, changed it; otherwise it refuses the update), then shows the strategy its update;
+  at every step end the controller acts (``between_steps``) and the guard is asked whether another step
+  may run (``control.should_training_stop`` when the budget or the plan is spent); it saves the ledger
+  (and the privacy summary) where the user says, at every checkpoint and at the end.
+
+Mixed precision, gradient accumulation, gradient clipping, ``torch.compile``, NEFTune, gradient
+checkpointing, several devices and resuming from a checkpoint are refused (one-line
+:class:`~raydp.errors.ConfigError`). The optimizer and the learning-rate schedule are the Trainer's: they
+only post-process the noisy gradient.
+
+What stays the user's responsibility (the integration cannot see it) is listed in the README section
+"Bring your own loop: transformers.Trainer".
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from transformers import Trainer, TrainerCallback
+
+from raydp.config import TrainConfig
+from raydp.errors import ConfigError
+from raydp.model.adapters import discover_adapter_pairs
+from raydp.model.batches import TokenizedSplit
+from raydp.model.loading import disable_dropout
+from raydp.privacy.guard import BudgetExhausted
+from raydp.privacy.ledger import LEDGER_FILENAME
+from raydp.runner.privacy_setup import (
+    PrivacyUnits,
+    PrivateRun,
+    build_strategy,
+    plan_private_run,
+    privacy_summary,
+    setup_private_run,
+)
+
+__all__ = ["BATCH_KEY", "DPCallback", "DPTraining", "PoissonBatches", "check_training_arguments"]
+
+#: the one key of the inputs the Trainer receives: an opaque :class:`raydp.model.batches.Batch`
+BATCH_KEY = "raydp_poisson_batch"
+SUMMARY_FILENAME = "privacy_summary.json"
+#: what the Trainer reports as its training loss under DP (and why it is not a loss)
+LOSS_NOTE = ("the Trainer's loss is not computed under DP: training_step returns a constant 0 and the "
+             "'loss'/'train_loss' log entries are removed (a training loss on private data is a release no "
+             "accountant counts, ERRATA E3); the logged dp_* figures are post-processing of the DP release")
+#: optimizers that update inside the backward pass (they would never apply the DP step's gradient)
+FUSED_BACKWARD_OPTIMIZERS = ("lomo", "adalomo")
+
+
+# -- refusals ----------------------------------------------------------------------------------------
+
+def check_training_arguments(args, *, planned_steps: int | None = None, eval_data_is_public: bool = False) -> None:
+    """Raise a one-line :class:`ConfigError` for ``TrainingArguments`` under which the Trainer would change the
+    DP step's gradient, its sampling or its step count, or select on (possibly private) eval data."""
+    def refuse(message: str):
+        raise ConfigError(f"TrainingArguments: {message}")
+
+    if args.max_grad_norm not in (None, 0, 0.0):
+        refuse(f"max_grad_norm={args.max_grad_norm:g} would rescale the DP step's noisy gradient; set max_grad_norm=0 "
+               "(the DP step clips every privacy unit itself)")
+    if args.gradient_accumulation_steps != 1:
+        refuse(f"gradient_accumulation_steps={args.gradient_accumulation_steps} would charge one DP step per "
+               "micro-batch and apply their last gradient only; set 1 (the Poisson batch is the step's whole batch)")
+    if args.fp16 or args.bf16:
+        refuse("fp16/bf16 mixed precision is not supported: the loss scaler would rescale the DP gradient and skip "
+               "steps already charged; set fp16=False, bf16=False")
+    if getattr(args, "torch_compile", False):
+        refuse("torch_compile=True is not supported (the per-sample gradient hooks need the eager model)")
+    if getattr(args, "neftune_noise_alpha", None) is not None:
+        refuse("neftune_noise_alpha draws embedding noise over the padded batch from the public-seeded generator "
+               "(like dropout, ERRATA E12); unset it")
+    if getattr(args, "gradient_checkpointing", False):
+        refuse("gradient_checkpointing=True is not supported with the per-sample gradient hooks; set it False")
+    if getattr(args, "auto_find_batch_size", False):
+        refuse("auto_find_batch_size=True restarts training after an out-of-memory error; set it False "
+               "(the expected batch size is DPTraining's batch_size)")
+    if getattr(args, "use_liger_kernel", False):
+        refuse("use_liger_kernel=True replaces the model's forward; set it False")
+    if args.world_size > 1 or args.n_gpu > 1 or getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+        refuse("training on several devices (DDP, DataParallel, DeepSpeed, FSDP) is not supported: it would split "
+               "the Poisson sample; train on one device")
+    optim = str(getattr(args.optim, "value", args.optim)).lower()
+    if optim in FUSED_BACKWARD_OPTIMIZERS:
+        refuse(f"optim={optim!r} updates inside the backward pass and would never apply the DP gradient")
+    if not eval_data_is_public and (args.load_best_model_at_end
+                                    or str(getattr(args.save_strategy, "value", args.save_strategy)) == "best"):
+        refuse("selecting a checkpoint on eval metrics (load_best_model_at_end, save_strategy='best') uses the eval "
+               "split, which no accountant covers (ERRATA E15); pass DPTraining(..., eval_data_is_public=True) only "
+               "if the eval data is public")
+    if planned_steps is not None and args.max_steps != planned_steps:
+        refuse(f"max_steps={args.max_steps} but the privacy plan calibrated sigma for exactly {planned_steps} steps; "
+               f"set max_steps=dp.planned_steps ({planned_steps}), or change epochs/max_steps in DPTraining")
+
+
+def _check_trainer_class(trainer: Trainer) -> None:
+    """A Trainer subclass whose training_step or compute_loss carries its own logic would be bypassed."""
+    cls = type(trainer)
+    if cls.training_step is not Trainer.training_step:
+        raise ConfigError(f"{cls.__name__} overrides training_step, which the DP step replaces; use a Trainer without "
+                          "that override")
+    if cls.compute_loss is not Trainer.compute_loss or getattr(trainer, "compute_loss_func", None) is not None:
+        raise ConfigError(f"{cls.__name__} has its own loss (compute_loss or compute_loss_func), which the DP step "
+                          "would not use; pass a per-example loss as DPTraining(..., loss=fn)")
+
+
+# -- data ---------------------------------------------------------------------------------------------
+
+class _Pretokenized:
+    """A tokenizer stand-in for :class:`TokenizedSplit` over sequences that are already token ids."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, sequences, truncation: bool = False):
+        return {"input_ids": sequences}
+
+
+def _sequence(item, index: int) -> list[int]:
+    """The token ids of one tokenised record (``input_ids``, padding removed by ``attention_mask``)."""
+    if not hasattr(item, "keys") or "input_ids" not in item:
+        raise ConfigError(f"train_dataset record {index} has no 'input_ids' (pass texts, or tokenised records)")
+    ids = item["input_ids"]
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    mask = item.get("attention_mask") if hasattr(item, "get") else None
+    if mask is not None:
+        mask = mask.tolist() if hasattr(mask, "tolist") else list(mask)
+        ids = [t for t, m in zip(ids, mask) if m]
+    return [int(t) for t in ids]
+
+
+def training_split(dataset, tokenizer, max_length: int, units=None, text_column: str = "text") -> TokenizedSplit:
+    """The private training records as raydp's :class:`TokenizedSplit`: texts (tokenised here), records
+    with a ``text_column``, or tokenised records (``input_ids``, optional ``attention_mask``)."""
+    n = len(dataset)
+    if n == 0:
+        raise ConfigError("train_dataset is empty")
+    first = dataset[0]
+    if isinstance(first, str) or (hasattr(first, "keys") and "input_ids" not in first and text_column in first):
+        if tokenizer is None:
+            raise ConfigError("train_dataset holds texts: pass the tokenizer")
+        texts = [dataset[i] if isinstance(first, str) else dataset[i][text_column] for i in range(n)]
+        return TokenizedSplit(texts, tokenizer, max_length, units=units)
+    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    if pad is None:
+        raise ConfigError("the tokenizer has no pad_token_id (set tokenizer.pad_token = tokenizer.eos_token)")
+    sequences = [_sequence(dataset[i], i) for i in range(n)]
+    return TokenizedSplit(sequences, _Pretokenized(pad), max_length, units=units)
+
+
+class PoissonBatches:
+    """A torch batch sampler over raydp's :class:`~raydp.runner.sampling.PoissonSampler`: every batch is an
+    independent Poisson sample of privacy units (its records' indices; possibly empty), drawn from the run's
+    secret randomness (ERRATA E5, E11, E12). ``len`` (one epoch) is round(1/q) samples."""
+
+    def __init__(self, sampler, steps_per_epoch: int):
+        self.sampler = sampler
+        self.steps_per_epoch = int(steps_per_epoch)
+
+    def __iter__(self):
+        for _ in range(self.steps_per_epoch):
+            yield self.sampler.next_indices()
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+
+class _Indices(torch.utils.data.Dataset):
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+# -- the integration ------------------------------------------------------------------------------------
+
+class DPTraining:
+    """raydp's DP training of a PEFT model under a ``transformers.Trainer`` (see the module docstring).
+
+    ``config``: a :class:`raydp.config.TrainConfig`, or its fields as keyword arguments (``strategy``,
+    ``epsilon``, ``delta``, ``batch_size`` = the expected number of privacy units per step, ``epochs``,
+    ``max_steps``, ``accountant``, ``clip``, ``settings``, ``rldp``, ``privacy_unit``,
+    ``unsafe_fixed_randomness``, ``seed``, ``max_length``); its model, data, learning-rate and evaluation
+    fields are not used (those are the Trainer's). ``train_dataset``: the private training records (texts,
+    records with ``text_column``, or tokenised records); the Trainer must be given the same object or none.
+    ``units``: the privacy unit of every record (e.g. a patient id; ERRATA E11), or None: every record is
+    its own unit. ``loss(logits, input_ids, attention_mask)``: the per-example loss (default: per-sequence
+    next-token NLL, :func:`raydp.model.loss.per_sequence_nll`). ``controller``: RLDP's policy client.
+    ``public_texts``: public records for a strategy that calibrates on them (default: raydp's public
+    corpus). ``ledger_path``: where the ledger is written (default ``<output_dir>/privacy_ledger.parquet``),
+    with ``privacy_summary.json`` beside it. ``eval_data_is_public``: allow checkpoint selection on the
+    Trainer's eval metrics (only when the eval data is public, ERRATA E15). ``log_epsilon``: log the epsilon
+    spent so far at every logging step (a fresh accountant composition each time: ~0.1-0.4 s on a CPU)."""
+
+    def __init__(self, model: torch.nn.Module, train_dataset, tokenizer=None, config: TrainConfig | None = None, *,
+                 units: Sequence | None = None, text_column: str = "text", loss=None, controller=None,
+                 public_texts: list[str] | None = None, ledger_path: str | Path | None = None,
+                 eval_data_is_public: bool = False, log_epsilon: bool = True, **config_fields: Any):
+        if config is not None and config_fields:
+            raise ConfigError("pass a TrainConfig or its fields as keyword arguments, not both")
+        self.config = config if config is not None else TrainConfig(**config_fields)
+        if not self.config.is_private:
+            raise ConfigError("DPTraining needs a DP strategy (strategy='static', 'static-pairwise', ...)")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.train_dataset = train_dataset
+        self.loss = loss
+        self.public_texts = public_texts
+        self.ledger_path = Path(ledger_path) if ledger_path is not None else None
+        self.eval_data_is_public = bool(eval_data_is_public)
+        self.log_epsilon = bool(log_epsilon)
+        if self.config.strategy == "rldp" and controller is None:
+            raise ConfigError("strategy 'rldp' needs a policy client: DPTraining(..., controller=client)")
+        self.strategy = build_strategy(self.config, controller)
+        if getattr(self.strategy, "mechanism", None) == "local":
+            raise ConfigError(f"strategy {self.config.strategy!r} is a forward-pass local mechanism (its own "
+                              "accounting and classifier): use raydp train")
+        if self.strategy.warm_start() is not None:
+            raise ConfigError(f"strategy {self.config.strategy!r} has a non-private phase 1 before DP training: run it "
+                              "with raydp train, or set its phase1_epochs to 0")
+        max_length = self.config.max_length or min(_max_positions(model), 512)
+        ids = None if units is None else np.asarray(units)
+        if ids is not None and ids.shape != (len(train_dataset),):
+            raise ConfigError(f"units must give one privacy unit per record ({len(train_dataset)}), got shape "
+                              f"{ids.shape}")
+        wanted = self.config.privacy_unit
+        if wanted == "patient" and ids is None:
+            raise ConfigError("privacy_unit 'patient' needs units=<the unit of every record>")
+        if wanted == "record" or ids is None:
+            self.units = PrivacyUnits("record", len(train_dataset))
+            ids = None
+        else:
+            self.units = PrivacyUnits("patient", int(len(np.unique(ids))), ids)
+        self.split = training_split(train_dataset, tokenizer, max_length, units=ids, text_column=text_column)
+        self.max_length = max_length
+        #: the checked request: q, planned steps, sigma_0 (no model needed; one-line errors before training)
+        self.plan = plan_private_run(self.config, self.units.public_count, self.strategy)
+        self.run: PrivateRun | None = None
+        self.trainer: Trainer | None = None
+        self.callback = DPCallback(self)
+        self.batches: PoissonBatches | None = None
+        self.dropout_disabled = 0
+        self.last_metrics: dict = {}
+        self.stopped_early: str | None = None
+        self.step_seconds = 0.0  # aggregate only (per-step times grow with the private batch size, E5)
+        self._expected: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.controller: dict | None = None  # the strategy's finish() summary, after training
+        self._trained = False
+
+    # -- the plan ----------------------------------------------------------------------------------
+    @property
+    def planned_steps(self) -> int:
+        """Steps the budget is calibrated for: set ``TrainingArguments(max_steps=dp.planned_steps)``."""
+        return self.plan.planned_steps
+
+    @property
+    def q(self) -> float:
+        return self.plan.q
+
+    # -- attaching -------------------------------------------------------------------------------------
+    def attach(self, trainer: Trainer) -> DPTraining:
+        """Set up the private run on ``trainer``'s model and device and install the hook (Poisson batches,
+        the DP step as ``training_step``, the loss-free log) on this Trainer instance; adds
+        :attr:`callback` first among its callbacks if it is not there."""
+        if self.trainer is not None:
+            raise ConfigError("this DPTraining is already attached to a Trainer (one DPTraining drives one training)")
+        if trainer.model is not self.model:
+            raise ConfigError("the Trainer's model is not the model given to DPTraining")
+        if trainer.train_dataset is not None and trainer.train_dataset is not self.train_dataset:
+            raise ConfigError("the Trainer's train_dataset is not the one DPTraining samples from: pass the same "
+                              "object (or none)")
+        _check_trainer_class(trainer)
+        check_training_arguments(trainer.args, planned_steps=self.planned_steps,
+                                 eval_data_is_public=self.eval_data_is_public)
+        model = self.model
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+            raise ConfigError("the model has gradient checkpointing enabled, which the per-sample gradient hooks do "
+                              "not support; call model.gradient_checkpointing_disable()")
+        device = next(p for p in model.parameters()).device
+        pairs = discover_adapter_pairs(model)
+        if not pairs:
+            raise ConfigError("the model has no LoRA adapter pairs (wrap it with peft.get_peft_model and a LoraConfig)")
+        self.dropout_disabled = disable_dropout(model)  # dropout masks come from a public-seeded generator (E12)
+        probe = self._public_probe(device) if self.strategy.needs_public_probe else None
+        self.run = setup_private_run(self.config, self.plan, model, pairs, self.units, device, strategy=self.strategy,
+                                     public_batch=probe, loss=self.loss)
+        self.device = device
+        self.batches = PoissonBatches(self.run.sampler, max(1, round(1.0 / self.plan.q)))
+        self.trainer = trainer
+        trainer.get_train_dataloader = self._train_dataloader
+        trainer.training_step = self._training_step
+        original_log = trainer.log
+        trainer.log = lambda logs, start_time=None: original_log(self._released_logs(logs), start_time)
+        handler = trainer.callback_handler
+        handler.callbacks = [self.callback] + [cb for cb in handler.callbacks if cb is not self.callback]
+        return self
+
+    def _public_probe(self, device):
+        """A batch of PUBLIC records for a strategy that calibrates on them (RLDP's histogram bins)."""
+        texts = self.public_texts
+        if texts is None:
+            from raydp.data import public_corpus
+            from raydp.runner.run import PUBLIC_PROBE_SEED
+
+            texts = public_corpus(self.config.rldp.public_probe_records, seed=PUBLIC_PROBE_SEED, progress=False)
+        if self.tokenizer is None:
+            raise ConfigError(f"strategy {self.config.strategy!r} calibrates on public texts: pass the tokenizer")
+        split = TokenizedSplit(list(texts), self.tokenizer, self.max_length)
+        return split.collate(list(range(len(split))), device)
+
+    # -- the hook (bound onto the Trainer instance) ------------------------------------------------
+    def _train_dataloader(self) -> torch.utils.data.DataLoader:
+        """Poisson batches of privacy units from the run's secret sampler, collated on the model's device into
+        one opaque input (no tokens or sizes the Trainer could count or log)."""
+        split, device = self.split, self.device
+        return torch.utils.data.DataLoader(_Indices(len(split)), batch_sampler=self.batches, num_workers=0,
+                                           collate_fn=lambda indices: {BATCH_KEY: split.collate(indices, device)})
+
+    def _training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """The DP step in place of the Trainer's forward/backward; returns a constant 0 (no loss is released)."""
+        trainer = self.trainer
+        zero = torch.zeros((), device=trainer.args.device)
+        if BATCH_KEY not in inputs:
+            raise ConfigError("the Trainer's batch is not a Poisson sample from DPTraining (its dataloader was "
+                              "replaced)")
+        self.model.train()
+        started = time.perf_counter()
+        try:
+            self.last_metrics = self.run.step.compute(self.model, inputs[BATCH_KEY])
+        except BudgetExhausted as stop:  # the guard or the Renyi filter refused the step before any release
+            self.stopped_early = str(stop)
+            self._expected = {}
+            trainer.control.should_training_stop = True
+            return zero
+        finally:
+            self.step_seconds += time.perf_counter() - started
+        self._expected = {id(t): (t.grad, t.grad.detach().clone()) for p in self.run.step.pairs for t in (p.a, p.b)}
+        return zero
+
+    def _released_logs(self, logs: dict) -> dict:
+        """The Trainer's log without its training loss, with post-processed figures of the DP release."""
+        training = "loss" in logs or "train_loss" in logs
+        logs = {k: v for k, v in logs.items() if k not in ("loss", "train_loss")}
+        if training and self.run is not None:
+            if self.last_metrics:
+                logs["dp_sigma_eff"] = float(self.last_metrics["sigma_eff"])
+                logs["dp_noisy_grad_norm"] = float(self.last_metrics["noisy_grad_norm"])
+                logs["dp_clip_mean"] = float(self.last_metrics["clip_mean"])
+            logs["dp_steps_charged"] = len(self.run.ledger)
+            if self.log_epsilon:  # a fresh composition of the ledger at every logging step
+                logs["dp_epsilon_spent"] = self.epsilon_spent()
+        return logs
+
+    # -- what the callback asks -----------------------------------------------------------------------
+    def _check_ready(self, args, state, train_dataloader, optimizer) -> None:
+        if self.run is None or self.trainer is None:
+            raise ConfigError("DPTraining is not attached: call dp.attach(trainer) before trainer.train()")
+        if self._trained:
+            raise ConfigError("this DPTraining has trained once; a new training needs a new DPTraining (and spends "
+                              "budget again on the same people, ERRATA E14)")
+        check_training_arguments(args, planned_steps=self.planned_steps, eval_data_is_public=self.eval_data_is_public)
+        if state.global_step != 0:
+            raise ConfigError("resuming a DP run from a Trainer checkpoint is not supported (its ledger would restart "
+                              "empty and under-report epsilon); train from the start")
+        if train_dataloader is not None and getattr(train_dataloader, "batch_sampler", None) is not self.batches:
+            raise ConfigError("the Trainer's dataloader is not DPTraining's Poisson sampler (was get_train_dataloader "
+                              "replaced after dp.attach?)")
+        if optimizer is None:
+            raise ConfigError("the Trainer has no optimizer at train begin; cannot check the gradients it applies")
+        self._trained = True
+        self._check_optimizer_steps(optimizer)
+
+    def _check_optimizer_steps(self, optimizer) -> None:
+        """Wrap ``optimizer.step`` (the Trainer's optimizer instance): the gradient it is about to apply is
+        checked right at the call, after every callback and hook ran, and the strategy observes the update
+        right after it."""
+        inner = optimizer.step
+
+        @functools.wraps(inner)  # keeps the LR scheduler's mark on the step it wrapped
+        def step(*args, **kwargs):
+            self._check_gradient(optimizer)
+            result = inner(*args, **kwargs)
+            self._after_update()
+            return result
+
+        optimizer.step = step
+
+    def _check_gradient(self, optimizer) -> None:
+        """Before ``optimizer.step()``: every parameter's gradient is the DP step's, unchanged, or None."""
+        expected = self._expected
+        if expected is None:
+            raise ConfigError("optimizer.step() without a DP step before it (training_step was replaced?); refusing "
+                              "to apply a gradient the DP step did not produce")
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for p in params:
+            entry = expected.get(id(p))
+            if entry is None:
+                if p.grad is not None:
+                    raise ConfigError("a parameter outside the DP step's LoRA pairs has a gradient; refusing to apply "
+                                      "it (it was neither clipped nor noised)")
+            elif p.grad is not entry[0] or not torch.equal(p.grad, entry[1]):
+                raise ConfigError("the gradient about to be applied is not the DP step's (something between "
+                                  "training_step and optimizer.step changed it: clipping, accumulation, a hook); "
+                                  "refusing to apply it")
+
+    def _after_update(self) -> None:
+        self._expected = None
+        self.run.step.after_update(self.model)
+
+    def _step_end(self, control) -> None:
+        """After the update: the controller acts, then the guard says whether another step may run."""
+        step = len(self.run.ledger)
+        self.run.step.between_steps(step)
+        reason = self.stopped_early or self.run.step.stop_reason(step)
+        if reason is not None:
+            if step < self.planned_steps and self.stopped_early is None:
+                self.stopped_early = reason
+            control.should_training_stop = True
+
+    # -- results ----------------------------------------------------------------------------------------
+    @property
+    def ledger(self):
+        return None if self.run is None else self.run.ledger
+
+    @property
+    def steps_charged(self) -> int:
+        return 0 if self.run is None else len(self.run.ledger)
+
+    def epsilon_spent(self) -> float:
+        """Epsilon of the ledger so far: the enforcing accountant's fresh composition (fixed schedule), or the
+        Renyi filter's spent curve (adaptive sigma); 0 before the first step."""
+        ledger = self.run.ledger if self.run is not None else None
+        if not ledger:
+            return 0.0
+        if self.plan.adaptive:
+            return float(self.run.guard.spent(ledger))
+        return float(self.run.guard.accountant.epsilon(ledger, self.config.delta))
+
+    def summary(self) -> dict:
+        """:func:`raydp.runner.privacy_summary` of the run (the guarantee, every accountant, unit, labels),
+        with what this integration adds (steps, early stop, the loss note, dropout)."""
+        if self.run is None:
+            raise ConfigError("DPTraining is not attached: nothing trained yet")
+        out = privacy_summary(self.run, self.config)
+        out.update(integration="transformers.Trainer", steps=len(self.run.ledger), stopped_early=self.stopped_early,
+                   controller=self.controller or None, loss_note=LOSS_NOTE,
+                   dropout=f"off: {self.dropout_disabled} dropout rates set to 0 in the model (ERRATA E12)",
+                   dp_step_seconds_total=round(self.step_seconds, 3))
+        return out
+
+    def ledger_file(self) -> Path:
+        """Where the ledger goes: :attr:`ledger_path`, else ``<output_dir>/privacy_ledger.parquet``."""
+        return Path(self.ledger_path or Path(self.trainer.args.output_dir) / LEDGER_FILENAME)
+
+    def finish(self) -> dict | None:
+        """After training, once: the strategy writes what it keeps (RLDP: its clip/noise trace and decisions,
+        and it leaves its policy) beside the ledger; its summary joins :meth:`summary` as ``controller``."""
+        if self.run is None or self.controller is not None:
+            return self.controller
+        directory = self.ledger_file().parent
+        directory.mkdir(parents=True, exist_ok=True)
+        self.controller = self.strategy.finish(directory) or {}
+        return self.controller
+
+    def save(self, path: str | Path | None = None) -> Path:
+        """Write the ledger to ``path`` (default :meth:`ledger_file`) and the privacy summary beside it as
+        ``privacy_summary.json``; returns the ledger's path."""
+        if self.run is None:
+            raise ConfigError("DPTraining is not attached: nothing to save")
+        path = Path(path) if path is not None else self.ledger_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.run.ledger.save(path)
+        (path.parent / SUMMARY_FILENAME).write_text(json.dumps(self.summary(), indent=2, default=_jsonable))
+        return path
+
+
+def _jsonable(value):
+    if isinstance(value, (np.generic,)):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return str(value)
+
+
+def _max_positions(model) -> int:
+    config = getattr(model, "config", None)
+    return int(getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or 512)
+
+
+class DPCallback(TrainerCallback):
+    """The Trainer-side guard of a :class:`DPTraining` (``dp.callback``): refusals before training; it wraps
+    the Trainer's ``optimizer.step`` so that every update first checks that the gradient is the DP step's and
+    then shows the strategy its update; the controller and the budget guard at every step end; the ledger
+    at every checkpoint and at the end."""
+
+    def __init__(self, dp: DPTraining):
+        self.dp = dp
+
+    def on_train_begin(self, args, state, control, train_dataloader=None, optimizer=None, **kwargs):
+        self.dp._check_ready(args, state, train_dataloader, optimizer)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.dp._step_end(control)
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.dp.run is not None and args.should_save:
+            self.dp.save()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.dp.run is not None and args.should_save:
+            self.dp.finish()
+            self.dp.save()

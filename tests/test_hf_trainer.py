@@ -1,0 +1,295 @@
+"""raydp's DP step under an unchanged ``transformers.Trainer`` script (raydp.integrations.transformers, issue 15).
+
+The embedded-tiny PEFT model is trained by ``transformers.Trainer`` with ``DPTraining``: epsilon is
+recomputed from the saved ledger with Google's dp_accounting (independently of raydp's accountants), the
+gradient the Trainer applies is compared with the one raydp's own DP step produces on the same batch and
+the same (test-only, unsafe) randomness, and unsafe ``TrainingArguments`` are refused in one line.
+"""
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from dp_accounting import dp_event
+from dp_accounting.pld import PLDAccountant
+from dp_accounting.rdp import RdpAccountant
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from raydp.control.features import ObservationLayout
+from raydp.data import public_corpus
+from raydp.errors import ConfigError
+from raydp.integrations.transformers import DPTraining
+from raydp.model import load_model
+from raydp.model.batches import TokenizedSplit
+from raydp.privacy.filter import FILTER_NAME
+from raydp.runner.privacy_setup import PrivacyUnits, build_strategy, plan_private_run, setup_private_run
+
+N_RECORDS, MAX_LENGTH, BATCH = 200, 64, 8
+PRIVACY = dict(strategy="static", epsilon=2.0, delta=1e-4, batch_size=BATCH, epochs=1, max_length=MAX_LENGTH)
+
+
+@pytest.fixture(scope="module")
+def texts():
+    return public_corpus(N_RECORDS, seed=21, progress=False)
+
+
+def fresh_model():
+    torch.manual_seed(0)
+    return load_model("embedded-tiny", progress=False)
+
+
+def tokenised(tokenizer, texts):
+    """What a Trainer script feeds its Trainer: tokenised records."""
+    return [dict(tokenizer(t, truncation=True, max_length=MAX_LENGTH)) for t in texts]
+
+
+def training_args(out, max_steps, logging_steps=1000, **extra):
+    return TrainingArguments(str(out), max_steps=max_steps, max_grad_norm=0.0, learning_rate=1e-2,
+                             lr_scheduler_type="constant", logging_steps=logging_steps, save_strategy="no",
+                             report_to=[], disable_tqdm=True, **extra)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, texts):
+    """A user's Trainer script plus the integration: static DP-SGD at epsilon 2."""
+    out = tmp_path_factory.mktemp("hf-trainer")
+    loaded = fresh_model()
+    model, tokenizer = loaded.model, loaded.tokenizer
+    train_dataset = tokenised(tokenizer, texts)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    dp = DPTraining(model, train_dataset, tokenizer, **PRIVACY, max_steps=6,
+                    ledger_path=out / "privacy" / "privacy_ledger.parquet")
+    trainer = Trainer(model=model, args=training_args(out / "run", dp.planned_steps, logging_steps=3),
+                      train_dataset=train_dataset, processing_class=tokenizer, callbacks=[dp.callback])
+    dp.attach(trainer)
+    result = trainer.train()
+    return {"dp": dp, "trainer": trainer, "result": result, "before": before, "model": model, "out": out}
+
+
+def test_trainer_run_epsilon_recomputed_independently_from_its_ledger(trained):
+    dp, trainer, out = trained["dp"], trained["trainer"], trained["out"]
+    summary = json.loads((out / "privacy" / "privacy_summary.json").read_text())
+    rows = pq.read_table(out / "privacy" / "privacy_ledger.parquet", columns=["step", "q", "sigma_eff"]).to_pylist()
+    assert trainer.state.global_step == dp.planned_steps == 6
+    assert [r["step"] for r in rows] == list(range(trainer.state.global_step))  # one row per step run, once
+    assert summary["steps_charged"] == summary["steps"] == len(rows)
+    accountant = PLDAccountant()  # Google's dp_accounting, composed here from the file
+    for row in rows:
+        assert row["q"] == pytest.approx(BATCH / N_RECORDS)
+        accountant.compose(dp_event.PoissonSampledDpEvent(row["q"], dp_event.GaussianDpEvent(row["sigma_eff"])))
+    independent = accountant.get_epsilon(PRIVACY["delta"])
+    assert summary["epsilon"] == pytest.approx(independent, rel=0.02)
+    assert summary["epsilon"] <= PRIVACY["epsilon"] and summary["within_budget"]
+    assert summary["epsilon"] >= 0.9 * PRIVACY["epsilon"]  # calibrated for these 6 steps, not wasted
+    assert summary["neighbouring_relation"] == "add_remove_one" and summary["privacy_unit"] == "record"
+    assert summary["randomness"] == "os-entropy" and not summary["epsilon_void"] and summary["labels"] == []
+    assert summary["stopped_early"] is None and dp.summary()["epsilon"] == summary["epsilon"]
+
+
+def test_trainer_run_changed_the_lora_weights_with_dropout_off(trained):
+    model, before = trained["model"], trained["before"]
+    after = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    assert set(after) == set(before) and all("lora_" in n for n in after)
+    assert any(not torch.equal(before[n], after[n]) for n in after)
+    assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+
+
+def test_trainer_logs_no_training_loss_and_no_private_counts(trained):
+    trainer, result = trained["trainer"], trained["result"]
+    history = trainer.state.log_history
+    assert history and not any("loss" in entry or "train_loss" in entry for entry in history)
+    steps = [entry for entry in history if "dp_sigma_eff" in entry]
+    assert [entry["step"] for entry in steps] == [3, 6, 6]  # every logging step, and the final metrics
+    assert all(0 < entry["dp_epsilon_spent"] <= PRIVACY["epsilon"] for entry in steps)
+    assert result.training_loss == 0.0  # a constant: the DP step computes no reportable loss
+    assert trainer.state.total_flos == 0  # flops would count the Poisson sample's (private) tokens
+
+
+class Capture(TrainerCallback):
+    """Records the gradient the Trainer is about to apply (after every other callback has run)."""
+
+    def __init__(self):
+        self.grads = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_trainer_applies_exactly_the_gradient_of_raydps_own_dp_step(tmp_path, texts):
+    privacy = {**PRIVACY, "max_steps": 1, "unsafe_fixed_randomness": True, "seed": 5}
+    # the Trainer path
+    loaded = fresh_model()
+    train_dataset = tokenised(loaded.tokenizer, texts)
+    dp = DPTraining(loaded.model, train_dataset, loaded.tokenizer, **privacy)
+    capture = Capture()
+    trainer = Trainer(model=loaded.model, args=training_args(tmp_path, dp.planned_steps), train_dataset=train_dataset,
+                      callbacks=[dp.callback, capture])
+    dp.attach(trainer)
+    trainer.train()
+    # raydp's own DP step, wired as raydp train wires it, on a second copy of the same model
+    own = fresh_model()
+    split = TokenizedSplit(texts, own.tokenizer, MAX_LENGTH)
+    assert split.sequences == dp.split.sequences  # the same records, tokenised by the user or by raydp
+    strategy = build_strategy(dp.config)
+    plan = plan_private_run(dp.config, N_RECORDS, strategy)
+    from raydp.model import disable_dropout
+
+    disable_dropout(own.model)
+    run = setup_private_run(dp.config, plan, own.model, own.pairs, PrivacyUnits("record", N_RECORDS), own.device,
+                            strategy=strategy)
+    batch = split.collate(run.sampler.next_indices(), own.device)
+    assert batch.size > 0
+    run.step.compute(own.model, batch)
+    expected = {n: p.grad for n, p in own.model.named_parameters() if p.grad is not None}
+    assert capture.grads is not None and set(capture.grads) == set(expected) and len(expected) == 4
+    for name, grad in expected.items():
+        torch.testing.assert_close(capture.grads[name], grad, rtol=0, atol=1e-7)
+        assert grad.abs().sum() > 0
+    assert dp.ledger.sigma_eff.tolist() == run.ledger.sigma_eff.tolist() and len(dp.ledger) == 1
+    summary = dp.summary()
+    assert summary["epsilon_void"] and any("void" in label for label in summary["labels"])
+
+
+@pytest.fixture(scope="module")
+def unattached(texts):
+    loaded = fresh_model()
+    dp = DPTraining(loaded.model, texts, loaded.tokenizer, **PRIVACY, max_steps=4)
+    return loaded, dp
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"max_grad_norm": 1.0}, "max_grad_norm=1 would rescale"),
+        ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=2"),
+        ({"fp16": True}, "fp16/bf16 mixed precision"),
+        ({"bf16": True}, "fp16/bf16 mixed precision"),
+        ({"max_steps": 5}, "calibrated sigma for exactly 4 steps"),
+        ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha"),
+        ({"torch_compile": True}, "torch_compile"),
+        ({"gradient_checkpointing": True}, "gradient_checkpointing"),
+        ({"load_best_model_at_end": True, "metric_for_best_model": "eval_loss"}, "ERRATA E15"),
+    ],
+)
+def test_unsafe_training_arguments_are_refused_in_one_line(unattached, tmp_path, change, message):
+    loaded, dp = unattached
+    args = training_args(tmp_path, dp.planned_steps)
+    for key, value in change.items():  # set after construction: some are refused by TrainingArguments on a CPU
+        setattr(args, key, value)
+    trainer = Trainer(model=loaded.model, args=args, train_dataset=dp.train_dataset, callbacks=[dp.callback])
+    with pytest.raises(ConfigError) as refused:
+        dp.attach(trainer)
+    assert message in str(refused.value) and "\n" not in str(refused.value)
+    assert dp.run is None and dp.trainer is None  # nothing set up, nothing spent
+
+
+def test_trainers_that_would_bypass_the_dp_step_are_refused(unattached, tmp_path):
+    loaded, dp = unattached
+
+    class OwnLoss(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    args = training_args(tmp_path, dp.planned_steps)
+    with pytest.raises(ConfigError, match="has its own loss"):
+        dp.attach(OwnLoss(model=loaded.model, args=args, train_dataset=dp.train_dataset))
+    with pytest.raises(ConfigError, match="not the one DPTraining samples from"):
+        dp.attach(Trainer(model=loaded.model, args=args, train_dataset=list(dp.train_dataset)))
+    with pytest.raises(ConfigError, match="not attached"):  # the callback alone refuses to train
+        Trainer(model=loaded.model, args=args, train_dataset=dp.train_dataset, callbacks=[dp.callback]).train()
+    with pytest.raises(ConfigError, match="no DP strategy|needs a DP strategy"):
+        DPTraining(loaded.model, dp.train_dataset, loaded.tokenizer, strategy="nonprivate")
+
+
+class Halve(TrainerCallback):
+    """A user callback that rescales the gradient before the update (as gradient clipping would)."""
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(0.5)
+
+
+def test_a_gradient_changed_before_the_update_is_never_applied(tmp_path, texts):
+    loaded = fresh_model()
+    dp = DPTraining(loaded.model, texts, loaded.tokenizer, **PRIVACY, max_steps=2)
+    trainer = Trainer(model=loaded.model, args=training_args(tmp_path, dp.planned_steps), train_dataset=texts,
+                      callbacks=[dp.callback, Halve()])
+    dp.attach(trainer)
+    before = {n: p.detach().clone() for n, p in loaded.model.named_parameters() if p.requires_grad}
+    with pytest.raises(ConfigError, match="not the DP step's"):
+        trainer.train()
+    assert len(dp.ledger) == 1  # the release happened and is charged; the changed gradient was not applied
+    assert all(torch.equal(before[n], p) for n, p in loaded.model.named_parameters() if p.requires_grad)
+
+
+class FakePolicy:
+    """RLDP's policy client interface without Ray: a fixed action (zeros: reference clips, sigma_0)."""
+
+    def __init__(self):
+        self.layout = ObservationLayout("shared", 4)
+        self.calls, self.latencies, self.weights_seen, self.service = [], [], [], None
+
+    def decide(self, obs, reward):
+        self.calls.append(reward)
+        return np.zeros(5)
+
+    def end(self):
+        pass
+
+
+@pytest.mark.parametrize("strategy", ["dc-sgd-p", "rldp"])  # declared releases; adaptive sigma, pairwise clips
+def test_other_strategies_under_the_trainer(tmp_path, texts, strategy):
+    loaded = fresh_model()
+    extra = {"rldp": {"t_warm": 1, "t_rl": 2}} if strategy == "rldp" else {"units": np.arange(N_RECORDS) // 2}
+    client = FakePolicy() if strategy == "rldp" else None
+    dp = DPTraining(loaded.model, texts, loaded.tokenizer, **{**PRIVACY, "strategy": strategy}, max_steps=3,
+                    controller=client, **extra)
+    trainer = Trainer(model=loaded.model, args=training_args(tmp_path, dp.planned_steps), train_dataset=texts,
+                      callbacks=[dp.callback])
+    dp.attach(trainer)
+    trainer.train()
+    summary = dp.summary()
+    assert len(dp.ledger) == trainer.state.global_step == 3 and summary["within_budget"]
+    assert summary["epsilon"] <= PRIVACY["epsilon"]
+    rdp = RdpAccountant()  # the realized ledger, composed independently
+    for q, sigma in zip(dp.ledger.q, dp.ledger.sigma_eff):
+        rdp.compose(dp_event.PoissonSampledDpEvent(float(q), dp_event.GaussianDpEvent(float(sigma))))
+    if strategy == "rldp":  # adaptive sigma: the Renyi filter's guarantee, fixed before training (E13)
+        assert summary["guarantee"] == FILTER_NAME and len(client.calls) >= 1
+        assert rdp.get_epsilon(PRIVACY["delta"]) <= summary["epsilon"] * 1.01
+    else:
+        assert summary["guarantee"] == "fixed-schedule"
+        assert summary["epsilon"] <= rdp.get_epsilon(PRIVACY["delta"]) * 1.01  # PLD is tighter than RDP
+    if strategy == "dc-sgd-p":  # its histogram release is charged with the gradient (ERRATA E3)
+        assert summary["releases_per_step"][1:] and summary["sigma_eff_0"] < summary["sigma_0"]
+        # two records per unit (a patient, ERRATA E11): units are sampled, q = B / N_units
+        assert summary["privacy_unit"] == "patient" and summary["q"] == pytest.approx(BATCH / (N_RECORDS // 2))
+    else:
+        assert summary["controller"]["decisions"] >= 1 and (tmp_path / "privacy_ledger.parquet").exists()
+
+
+class Draws:
+    def __init__(self, samples):
+        self.samples = list(samples)
+
+    def next_indices(self):
+        return self.samples.pop(0)
+
+
+def test_the_trainers_batches_are_opaque_poisson_samples_empty_ones_included(trained):
+    dp, trainer = trained["dp"], trained["trainer"]
+    sampler = dp.batches.sampler
+    dp.batches.sampler = Draws([[], [3, 5, 8]])
+    try:
+        loader = trainer.get_train_dataloader()
+        assert loader.batch_sampler is dp.batches and len(loader) == round(N_RECORDS / BATCH)
+        first, second = next(iter(loader)), None
+        assert list(first) == ["raydp_poisson_batch"] and first["raydp_poisson_batch"].size == 0
+        dp.batches.sampler = Draws([[3, 5, 8]])
+        second = next(iter(loader))["raydp_poisson_batch"]
+        assert second.indices == [3, 5, 8] and second.input_ids.shape[0] == 3
+    finally:
+        dp.batches.sampler = sampler
