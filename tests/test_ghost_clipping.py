@@ -141,3 +141,11 @@ def test_ghost_clipping_refuses_pairwise_clipping_and_zeroes_a_non_finite_unit()
     ref_a, ref_b = ref.clipped_sums(torch.ones(4, 1), "flat")
     for g, w in zip(sums_a + sums_b, ref_a + ref_b):
         assert torch.allclose(g, w, atol=1e-6)
+
+
+def test_ghost_clipping_refuses_a_model_that_is_not_float32():
+    """Its norm margin covers float32 rounding; a bf16 model's second pass is off by more (E1)."""
+    model, pairs = tiny_lora_model(seed=1)
+    model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="float32"):
+        GhostClippingComputer(model, pairs)

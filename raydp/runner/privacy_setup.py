@@ -250,7 +250,10 @@ def setup_private_run(
         if strategy.clip_mode != "flat":
             raise ConfigError(f"strategy {strategy.name!r}: ghost clipping clips flat (one radius over all LoRA "
                               f"gradients), not {strategy.clip_mode}")
-        gradients = GhostClippingComputer(model, pairs, **({"loss": loss} if loss is not None else {}))
+        try:
+            gradients = GhostClippingComputer(model, pairs, **({"loss": loss} if loss is not None else {}))
+        except ValueError as error:  # e.g. a bf16 model on a GPU
+            raise ConfigError(f"strategy {strategy.name!r}: {error} (settings.clipping=per_sample)") from None
     elif strategy.gradient_source == "per_sample":
         gradients = PerSampleGradientComputer(model, pairs, loss=loss) if loss is not None else None
     else:
