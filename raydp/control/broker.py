@@ -129,6 +129,17 @@ class Broker:
 PolicyBroker = ray.remote(num_cpus=0, max_concurrency=1)(Broker)
 
 
+def log_sampled(metrics, n: int) -> None:
+    """RLlib's sampling counters for ``n`` one-step transitions (no episode ends): what its algorithms
+    read from an env runner's metrics."""
+    metrics.log_value(NUM_ENV_STEPS_SAMPLED, n, reduce="sum")
+    metrics.log_value((NUM_AGENT_STEPS_SAMPLED, DEFAULT_AGENT_ID), n, reduce="sum")
+    metrics.log_value(NUM_EPISODES, 0, reduce="sum")
+    metrics.log_value(NUM_ENV_STEPS_SAMPLED_LIFETIME, n, reduce="lifetime_sum")
+    metrics.log_value((NUM_AGENT_STEPS_SAMPLED_LIFETIME, DEFAULT_AGENT_ID), n, reduce="lifetime_sum")
+    metrics.log_value(NUM_EPISODES_LIFETIME, 0, reduce="lifetime_sum")
+
+
 class BrokerEnvRunner(EnvRunner, Checkpointable):
     """RLlib EnvRunner whose 'environment' is the broker: each sample() is one run's transition."""
 
@@ -157,13 +168,7 @@ class BrokerEnvRunner(EnvRunner, Checkpointable):
                                action_space=self.config.action_space, len_lookback_buffer=0).to_numpy()
             for (o, a, r, o2) in transitions
         ]
-        n, m = len(episodes), self.metrics
-        m.log_value(NUM_ENV_STEPS_SAMPLED, n, reduce="sum")
-        m.log_value((NUM_AGENT_STEPS_SAMPLED, DEFAULT_AGENT_ID), n, reduce="sum")
-        m.log_value(NUM_EPISODES, 0, reduce="sum")
-        m.log_value(NUM_ENV_STEPS_SAMPLED_LIFETIME, n, reduce="lifetime_sum")
-        m.log_value((NUM_AGENT_STEPS_SAMPLED_LIFETIME, DEFAULT_AGENT_ID), n, reduce="lifetime_sum")
-        m.log_value(NUM_EPISODES_LIFETIME, 0, reduce="lifetime_sum")
+        log_sampled(self.metrics, len(episodes))
         return episodes
 
     def get_metrics(self):

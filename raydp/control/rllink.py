@@ -59,21 +59,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from ray.rllib.core import COMPONENT_RL_MODULE, DEFAULT_AGENT_ID
+from ray.rllib.core import COMPONENT_RL_MODULE
 from ray.rllib.env.external import RLlink, get_rllink_message, send_rllink_message
 from ray.rllib.env.external.env_runner_server_for_external_inference import EnvRunnerServerForExternalInference
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
-from ray.rllib.utils.metrics import (
-    NUM_AGENT_STEPS_SAMPLED,
-    NUM_AGENT_STEPS_SAMPLED_LIFETIME,
-    NUM_ENV_STEPS_SAMPLED,
-    NUM_ENV_STEPS_SAMPLED_LIFETIME,
-    NUM_EPISODES,
-    NUM_EPISODES_LIFETIME,
-    WEIGHTS_SEQ_NO,
-)
+from ray.rllib.utils.metrics import NUM_ENV_STEPS_SAMPLED_LIFETIME, WEIGHTS_SEQ_NO
 
 from raydp.control.address import LOOPBACK, RLlinkAddress, Secret, is_loopback, plaintext_warning
+from raydp.control.broker import log_sampled
 from raydp.control.features import ObservationLayout
 from raydp.control.sac import SACSettings, sac_config
 from raydp.errors import ConfigError
@@ -314,13 +307,7 @@ class AuthenticatedRLlinkServer(EnvRunnerServerForExternalInference):
                 break
             time.sleep(0.01)
         episodes = _one_step_episodes(batch, self.config) if batch else []
-        n, m = len(episodes), self.metrics
-        m.log_value(NUM_ENV_STEPS_SAMPLED, n, reduce="sum")
-        m.log_value((NUM_AGENT_STEPS_SAMPLED, DEFAULT_AGENT_ID), n, reduce="sum")
-        m.log_value(NUM_EPISODES, 0, reduce="sum")
-        m.log_value(NUM_ENV_STEPS_SAMPLED_LIFETIME, n, reduce="lifetime_sum")
-        m.log_value((NUM_AGENT_STEPS_SAMPLED_LIFETIME, DEFAULT_AGENT_ID), n, reduce="lifetime_sum")
-        m.log_value(NUM_EPISODES_LIFETIME, 0, reduce="lifetime_sum")
+        log_sampled(self.metrics, len(episodes))
         return episodes
 
     # weights: RLlib's sync (training thread) and GET_STATE (listener thread) never interleave ----------
