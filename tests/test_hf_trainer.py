@@ -171,6 +171,7 @@ def unattached(texts):
         ({"torch_compile": True}, "torch_compile"),
         ({"gradient_checkpointing": True}, "gradient_checkpointing"),
         ({"load_best_model_at_end": True, "metric_for_best_model": "eval_loss"}, "ERRATA E15"),
+        ({"metric_for_best_model": "eval_loss"}, "ERRATA E15"),  # best_model_checkpoint picked on private data
     ],
 )
 def test_unsafe_training_arguments_are_refused_in_one_line(unattached, tmp_path, change, message):
@@ -293,3 +294,33 @@ def test_the_trainers_batches_are_opaque_poisson_samples_empty_ones_included(tra
         assert second.indices == [3, 5, 8] and second.input_ids.shape[0] == 3
     finally:
         dp.batches.sampler = sampler
+
+
+@pytest.mark.parametrize("public", [False, True])
+def test_the_trainers_eval_metrics_are_labelled_unprotected_unless_declared_public(tmp_path, texts, public, capsys):
+    """ERRATA E15: the Trainer's eval set is covered by no accountant; its metrics reach every log renamed."""
+    from transformers import DataCollatorForLanguageModeling
+
+    loaded = fresh_model()
+    train_dataset = tokenised(loaded.tokenizer, texts)
+    eval_dataset = tokenised(loaded.tokenizer, public_corpus(16, seed=22, progress=False))
+    dp = DPTraining(loaded.model, train_dataset, loaded.tokenizer, **PRIVACY, max_steps=2, eval_data_is_public=public,
+                    ledger_path=tmp_path / "privacy" / "privacy_ledger.parquet")
+    args = training_args(tmp_path / "run", dp.planned_steps, logging_steps=1, eval_strategy="steps", eval_steps=1,
+                         per_device_eval_batch_size=8)
+    trainer = Trainer(model=loaded.model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                      data_collator=DataCollatorForLanguageModeling(loaded.tokenizer, mlm=False),
+                      callbacks=[dp.callback])
+    dp.attach(trainer)
+    trainer.train()
+    keys = {k for entry in trainer.state.log_history for k in entry}
+    evaluated = {k for k in keys if "eval_loss" in k}
+    note = capsys.readouterr().err
+    if public:
+        assert evaluated == {"eval_loss"} and "unprotected" not in note
+        assert "declared public" in dp.summary()["eval_note"]
+    else:
+        assert evaluated == {"unprotected_eval_loss"} and not any(k.startswith("eval_") for k in keys)
+        assert "ERRATA E15" in note and "ERRATA E15" in dp.summary()["eval_note"]
+    runs = [e for e in trainer.state.log_history if "eval_loss" in "".join(e)]
+    assert len(runs) == 2 and all(np.isfinite(e.get("eval_loss", e.get("unprotected_eval_loss"))) for e in runs)

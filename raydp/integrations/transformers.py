@@ -32,7 +32,10 @@ wired by :func:`raydp.runner.privacy_setup.setup_private_run`, the same object r
     a constant 0;
   - ``log``: the Trainer's ``loss``/``train_loss`` entries (a training loss on private data would be a
     release no accountant counts, E3) are removed; post-processed figures of the release are logged
-    instead (``dp_sigma_eff``, ``dp_noisy_grad_norm``, ``dp_epsilon_spent``, ``dp_steps_charged``).
+    instead (``dp_sigma_eff``, ``dp_noisy_grad_norm``, ``dp_epsilon_spent``, ``dp_steps_charged``); the
+    Trainer's ``eval_*`` metrics are logged as ``unprotected_eval_*`` unless
+    ``DPTraining(..., eval_data_is_public=True)``: an eval set of private records is covered by no
+    accountant (E15), and selecting a checkpoint on it is refused.
 
 * :class:`DPCallback` (``dp.callback``) keeps the guarantee around the Trainer's own steps: at train
   begin it refuses unsafe ``TrainingArguments`` (:func:`check_training_arguments`) and a Trainer that is
@@ -58,6 +61,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -82,7 +86,7 @@ from raydp.runner.privacy_setup import (
     setup_private_run,
 )
 
-__all__ = ["BATCH_KEY", "DPCallback", "DPTraining", "PoissonBatches", "check_training_arguments"]
+__all__ = ["BATCH_KEY", "DPCallback", "DPTraining", "PoissonBatches", "check_training_arguments", "unprotected_name"]
 
 #: the one key of the inputs the Trainer receives: an opaque :class:`raydp.model.batches.Batch`
 BATCH_KEY = "raydp_poisson_batch"
@@ -91,6 +95,11 @@ SUMMARY_FILENAME = "privacy_summary.json"
 LOSS_NOTE = ("the Trainer's loss is not computed under DP: training_step returns a constant 0 and the "
              "'loss'/'train_loss' log entries are removed (a training loss on private data is a release no "
              "accountant counts, ERRATA E3); the logged dp_* figures are post-processing of the DP release")
+#: the prefix of the Trainer's eval metrics in every log unless the eval data is declared public (ERRATA E15)
+UNPROTECTED_PREFIX = "unprotected_"
+EVAL_NOTE = ("the Trainer's eval_* metrics are computed on its eval dataset, which no accountant covers (ERRATA E15): "
+             "they are logged as unprotected_eval_*; pass DPTraining(..., eval_data_is_public=True) only if that "
+             "data is public")
 #: optimizers that update inside the backward pass (they would never apply the DP step's gradient)
 FUSED_BACKWARD_OPTIMIZERS = ("lomo", "adalomo")
 
@@ -130,11 +139,11 @@ def check_training_arguments(args, *, planned_steps: int | None = None, eval_dat
     optim = str(getattr(args.optim, "value", args.optim)).lower()
     if optim in FUSED_BACKWARD_OPTIMIZERS:
         refuse(f"optim={optim!r} updates inside the backward pass and would never apply the DP gradient")
-    if not eval_data_is_public and (args.load_best_model_at_end
+    if not eval_data_is_public and (args.load_best_model_at_end or args.metric_for_best_model is not None
                                     or str(getattr(args.save_strategy, "value", args.save_strategy)) == "best"):
-        refuse("selecting a checkpoint on eval metrics (load_best_model_at_end, save_strategy='best') uses the eval "
-               "split, which no accountant covers (ERRATA E15); pass DPTraining(..., eval_data_is_public=True) only "
-               "if the eval data is public")
+        refuse("selecting a checkpoint on eval metrics (load_best_model_at_end, metric_for_best_model, "
+               "save_strategy='best') uses the eval split, which no accountant covers (ERRATA E15); pass "
+               "DPTraining(..., eval_data_is_public=True) only if the eval data is public")
     if planned_steps is not None and args.max_steps != planned_steps:
         refuse(f"max_steps={args.max_steps} but the privacy plan calibrated sigma for exactly {planned_steps} steps; "
                f"set max_steps=dp.planned_steps ({planned_steps}), or change epochs/max_steps in DPTraining")
@@ -152,6 +161,11 @@ def _check_trainer_class(trainer: Trainer) -> None:
 
 
 # -- data ---------------------------------------------------------------------------------------------
+
+def unprotected_name(key: str) -> str:
+    """``eval_loss`` -> ``unprotected_eval_loss`` (a metric of the Trainer's eval dataset; E15); other keys unchanged."""
+    return UNPROTECTED_PREFIX + key if key.startswith("eval_") else key
+
 
 class _Pretokenized:
     """A tokenizer stand-in for :class:`TokenizedSplit` over sequences that are already token ids."""
@@ -344,6 +358,8 @@ class DPTraining:
         trainer.log = lambda logs, start_time=None: original_log(self._released_logs(logs), start_time)
         handler = trainer.callback_handler
         handler.callbacks = [self.callback] + [cb for cb in handler.callbacks if cb is not self.callback]
+        if trainer.eval_dataset is not None and not self.eval_data_is_public:
+            print(f"raydp: note: {EVAL_NOTE}", file=sys.stderr)
         return self
 
     def _public_probe(self, device):
@@ -389,9 +405,12 @@ class DPTraining:
         return zero
 
     def _released_logs(self, logs: dict) -> dict:
-        """The Trainer's log without its training loss, with post-processed figures of the DP release."""
+        """The Trainer's log without its training loss, with post-processed figures of the DP release; the
+        Trainer's eval metrics renamed ``unprotected_eval_*`` unless the eval data is public (ERRATA E15)."""
         training = "loss" in logs or "train_loss" in logs
         logs = {k: v for k, v in logs.items() if k not in ("loss", "train_loss")}
+        if not self.eval_data_is_public:
+            logs = {unprotected_name(k): v for k, v in logs.items()}
         if training and self.run is not None:
             if self.last_metrics:
                 logs["dp_sigma_eff"] = float(self.last_metrics["sigma_eff"])
@@ -495,6 +514,8 @@ class DPTraining:
         out = privacy_summary(self.run, self.config)
         out.update(integration="transformers.Trainer", steps=len(self.run.ledger), stopped_early=self.stopped_early,
                    controller=self.controller or None, loss_note=LOSS_NOTE,
+                   eval_note=("the Trainer's eval data is declared public (eval_data_is_public=True)"
+                              if self.eval_data_is_public else EVAL_NOTE),
                    dropout=f"off: {self.dropout_disabled} dropout rates set to 0 in the model (ERRATA E12)",
                    dp_step_seconds_total=round(self.step_seconds, 3))
         return out
