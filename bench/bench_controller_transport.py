@@ -51,7 +51,7 @@ class BenchRun:
     def decide_loop(self, kind: str, connection: dict, n: int, gap_s: float, n_pairs: int, seed: int,
                     weights_every: int) -> dict:
         if kind == "broker":
-            from raydp.control.service import client_from_connection
+            from raydp.control.connection import client_from_connection
 
             client = client_from_connection(connection, "bench-broker")
         else:
@@ -70,6 +70,7 @@ class BenchRun:
         out = {"latencies": list(client.latencies), "weights_seen": list(client.weights_seen)}
         if kind == "rllink":
             out["timings"] = {k: list(v) for k, v in client.timings.items()}
+            client.close()  # end() leaves the socket open for save_policy's provenance entry
         return out
 
 
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("RAYDP_RLLINK_SECRET", os.urandom(24).hex())  # this bench's own secret
     from raydp.config import TrainConfig
     from raydp.control.address import RLlinkAddress
-    from raydp.control.policies import policy_layout_for, sac_settings
+    from raydp.control.policies import policy_layout_for, sac_settings, trained_on
     from raydp.control.rllink import RLlinkPolicyServer, resolve_secret, rllink_connection
     from raydp.control.service import PolicySession
 
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = RLlinkPolicyServer(layout, settings, port=port).start()
+    server = RLlinkPolicyServer(layout, settings, port=port, trained_on=trained_on(config)).start()
     try:
         connection = rllink_connection(RLlinkAddress("127.0.0.1", port), resolve_secret()[0])
         out = ray.get(run.decide_loop.remote("rllink", connection, args.decisions, args.gap, args.pairs, 0,

@@ -104,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--overwrite-policy", action="store_true", help="replace an existing --save-policy")
     rl.add_argument("--controller", metavar="URL",
                     help="'broker' (default: a policy service started for the run) or rllink://HOST:PORT, a policy "
-                         "server over RLlib's RLlink (python -m raydp.control.policy_server; secret in "
-                         "RAYDP_RLLINK_SECRET or Ray's auth token; HOST defaults to 127.0.0.1)")
+                         "server over RLlib's RLlink (raydp policy-server; secret in RAYDP_RLLINK_SECRET or Ray's "
+                         "auth token; HOST: loopback only, default 127.0.0.1; a remote server through an SSH "
+                         "tunnel, e.g. ssh -L 5555:127.0.0.1:5555 server)")
 
     study = commands.add_parser("study", help="run a study file on Ray Tune (e.g. trials/quickstart.yaml)")
     study.add_argument("path", help="study file (YAML)")

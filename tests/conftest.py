@@ -36,8 +36,9 @@ SLOW = {
     # test_dualtune.py's CLI tests, a study with a non-DP-SGD strategy attacked and reported is
     # test_forward_ldp.py::test_a_classification_study_runs_a_local_strategy_beside_dp_sgd_on_ray
     "tests/test_dualtune.py::test_a_study_runs_both_dualtune_variants_beside_static_dp_sgd_on_ray",
-    # ~70 s: an RLDP run driven over RLlink (issue 15, open); the handshake and refusals are the other
-    # tests of test_rllink.py, an RLDP run through the broker test_rldp.py
+    # ~70 s: an RLDP run driven over RLlink (issue 15); the handshake and refusals, the loopback-only rule,
+    # the one run actor's client factory, the shared training loop and the server's restore/freeze/save with
+    # the runs' provenance are the other tests of test_rllink.py, an RLDP run through the broker test_rldp.py
     "tests/test_rllink.py::test_an_rldp_run_driven_over_rllink",
     # ~30 s: other strategies under transformers.Trainer; static under it is the rest of test_hf_trainer.py
     "tests/test_hf_trainer.py::test_other_strategies_under_the_trainer[dc-sgd-p]",

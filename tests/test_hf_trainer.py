@@ -229,23 +229,28 @@ def test_a_gradient_changed_before_the_update_is_never_applied(tmp_path, texts):
 class FakePolicy:
     """RLDP's policy client interface without Ray: a fixed action (zeros: reference clips, sigma_0)."""
 
-    def __init__(self):
+    def __init__(self, service=None):
         self.layout = ObservationLayout("shared", 4)
-        self.calls, self.latencies, self.weights_seen, self.service = [], [], [], None
+        self.calls, self.latencies, self.weights_seen, self.service = [], [], [], service
+        self.saved, self.ended = [], False
 
     def decide(self, obs, reward):
         self.calls.append(reward)
         return np.zeros(5)
 
     def end(self):
-        pass
+        self.ended = True
+
+    def save_policy(self, path, trained_on, results, provenance=None):
+        assert self.ended  # as raydp's runner: the run has left the decision loop first
+        self.saved.append({"trained_on": trained_on, "results": results, "provenance": provenance})
 
 
 @pytest.mark.parametrize("strategy", ["dc-sgd-p", "rldp"])  # declared releases; adaptive sigma, pairwise clips
 def test_other_strategies_under_the_trainer(tmp_path, texts, strategy):
     loaded = fresh_model()
     extra = {"rldp": {"t_warm": 1, "t_rl": 2}} if strategy == "rldp" else {"units": np.arange(N_RECORDS) // 2}
-    client = FakePolicy() if strategy == "rldp" else None
+    client = FakePolicy(service="a policy that learns") if strategy == "rldp" else None
     dp = DPTraining(loaded.model, texts, loaded.tokenizer, **{**PRIVACY, "strategy": strategy}, max_steps=3,
                     controller=client, **extra)
     trainer = Trainer(model=loaded.model, args=training_args(tmp_path, dp.planned_steps), train_dataset=texts,
@@ -270,6 +275,15 @@ def test_other_strategies_under_the_trainer(tmp_path, texts, strategy):
         assert summary["privacy_unit"] == "patient" and summary["q"] == pytest.approx(BATCH / (N_RECORDS // 2))
     else:
         assert summary["controller"]["decisions"] >= 1 and (tmp_path / "privacy_ledger.parquet").exists()
+        # the policy it trained is told which run trained it (ERRATA E14), in the shape a policy stores
+        from raydp.control.store import provenance_entry
+
+        assert len(client.saved) == 1
+        entry = provenance_entry(client.saved[0]["provenance"])
+        assert entry["privacy_mode"] == "strict" and entry["public_data"] is False
+        assert entry["epsilon"] == summary["epsilon"] and entry["guarantee"] == FILTER_NAME
+        assert len(entry["dataset_sha256"]) == 64 and len(entry["rdp_curve"]) == len(entry["rdp_orders"]) > 0
+        assert client.saved[0]["trained_on"]["steps"] == 3
 
 
 class Draws:
@@ -324,3 +338,19 @@ def test_the_trainers_eval_metrics_are_labelled_unprotected_unless_declared_publ
         assert "ERRATA E15" in note and "ERRATA E15" in dp.summary()["eval_note"]
     runs = [e for e in trainer.state.log_history if "eval_loss" in "".join(e)]
     assert len(runs) == 2 and all(np.isfinite(e.get("eval_loss", e.get("unprotected_eval_loss"))) for e in runs)
+
+
+def test_a_policy_server_whose_policy_may_not_drive_the_run_is_refused(texts):
+    """A paper-mode policy saw unprivatized statistics: it may not drive a strict run (ERRATA E3/E14)."""
+    from types import SimpleNamespace
+
+    loaded = fresh_model()
+    served = SimpleNamespace(env_config={"policy": {"privacy_mode": "paper", "action_decoding": "relative"}})
+    client = FakePolicy(service="rllink://127.0.0.1:5555")
+    client.config = served
+    with pytest.raises(ConfigError, match="strict run may only use a strict one") as refused:
+        DPTraining(loaded.model, texts, loaded.tokenizer, **{**PRIVACY, "strategy": "rldp"}, max_steps=3,
+                   controller=client)
+    assert "\n" not in str(refused.value)
+    served.env_config["policy"]["privacy_mode"] = "strict"  # the same server with a strict policy is accepted
+    DPTraining(loaded.model, texts, loaded.tokenizer, **{**PRIVACY, "strategy": "rldp"}, max_steps=3, controller=client)

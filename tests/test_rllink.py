@@ -1,20 +1,25 @@
-"""RLDP over RLlib's RLlink protocol: a run driven end to end by a policy server, and the server's (and the
-client's) refusal of an unauthenticated peer before anything is unpickled."""
+"""RLDP over RLlib's RLlink protocol: a run driven end to end by a policy server; the server's (and the
+client's) refusal of an unauthenticated peer before anything is unpickled, and of any non-loopback host; one
+run actor and one SAC training loop for both transports; a policy server that restores, freezes and saves
+its policy with the provenance of the runs that trained it (ERRATA E14); studies that refuse a controller."""
 
 import json
 import os
 import pickle
 import socket
 import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from ray.rllib.env.external import get_rllink_message, send_rllink_message
 
 from raydp.config import TrainConfig, validate_config
 from raydp.control.address import RLlinkAddress, parse_controller
-from raydp.control.policies import policy_layout_for, sac_settings
+from raydp.control.policies import policy_layout_for, sac_settings, trained_on
 from raydp.control.rllink import (
     MAGIC,
     SECRET_ENV,
@@ -58,7 +63,8 @@ def server(local_ray):
     previous = os.environ.get(SECRET_ENV)
     os.environ[SECRET_ENV] = SECRET
     config = tiny_config()
-    srv = RLlinkPolicyServer(policy_layout_for(config), sac_settings(config), port=free_port()).start()
+    srv = RLlinkPolicyServer(policy_layout_for(config), sac_settings(config), port=free_port(),
+                             trained_on=trained_on(config)).start()
     yield srv
     srv.stop()
     if previous is None:
@@ -88,6 +94,11 @@ def test_an_rldp_run_driven_over_rllink(server, tmp_path):
     assert counters["transitions_received"] == 4 and counters["transitions_trained"] == 4
     assert counters["env_steps_sampled"] == 4  # RLlib's own NUM_ENV_STEPS_SAMPLED_LIFETIME
     assert counters["module_steps_trained"] == 4 * 2 * 4 and counters["replay_size"] == 4
+    # the run's provenance entry (ERRATA E14) reached the server with its final upload: nothing unattributed
+    assert counters["provenance_received"] == 1 and counters["unattributed_transitions"] == 0
+    entry = server.runner.provenance[0]
+    assert entry["dataset_sha256"] == summary["dataset_sha256"] and entry["privacy_mode"] == "strict"
+    assert entry["epsilon"] == pytest.approx(summary["privacy"]["epsilon"])
     # the privacy guarantee is the broker path's: same ledger, the Renyi filter (E13), within budget
     privacy = summary["privacy"]
     assert privacy["within_budget"] and privacy["epsilon"] <= 2.0
@@ -174,7 +185,8 @@ def test_the_server_refuses_to_start_without_a_secret(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token either
     config = tiny_config()
     with pytest.raises(ConfigError, match="no RLlink secret"):
-        RLlinkPolicyServer(policy_layout_for(config), sac_settings(config), port=free_port())
+        RLlinkPolicyServer(policy_layout_for(config), sac_settings(config), port=free_port(),
+                           trained_on=trained_on(config))
 
 
 def test_secret_sources_follow_rays_order(tmp_path):
@@ -199,8 +211,7 @@ def test_secret_sources_follow_rays_order(tmp_path):
 def test_controller_urls_and_their_one_line_errors(capsys):
     assert parse_controller("broker") is None
     assert parse_controller("rllink://:5555") == RLlinkAddress("127.0.0.1", 5555)
-    assert parse_controller("rllink://localhost:7000").loopback
-    assert not parse_controller("rllink://10.1.2.3:7000").loopback
+    assert parse_controller("rllink://localhost:7000") == RLlinkAddress("localhost", 7000)
     for bad, message in (("http://127.0.0.1:1", "rllink://HOST:PORT"), ("rllink://127.0.0.1", "port"),
                          ("rllink://127.0.0.1:99999", "port"), ("rllink://user:pw@127.0.0.1:1", "secret"),
                          ("rllink://127.0.0.1:1/x", "nothing after")):
@@ -216,3 +227,389 @@ def test_controller_urls_and_their_one_line_errors(capsys):
                  "--controller", "rllink://nowhere"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "controller" in err[0]
+
+
+# -- loopback only (plaintext after the handshake) -------------------------------------------------
+def test_non_loopback_rllink_is_refused_everywhere_with_an_ssh_tunnel_hint(monkeypatch, tmp_path, capsys):
+    """RLlink carries no per-message MAC: across machines an on-path attacker could inject pickles. The
+    config, the run's client, the launcher's probe and the server all refuse a non-loopback host."""
+    import raydp.control.address as address
+    from raydp.cli import main
+    from raydp.control.connection import client_from_connection
+    from raydp.control.rllink import rllink_connection
+
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    hint = r"ssh -L 5555:127\.0\.0\.1:5555 server"
+    for host in ("10.1.2.3", "0.0.0.0", "192.168.1.7", "policy.example.org"):
+        with pytest.raises(ConfigError, match=rf"invalid config: controller: RLlink will not connect to {host}.*{hint}"):
+            tiny_config(controller=f"rllink://{host}:5555")
+    for host in ("127.0.0.1", "127.0.0.2", "localhost"):  # all of loopback stays accepted
+        assert tiny_config(controller=f"rllink://{host}:5555").controller == f"rllink://{host}:5555"
+    assert not hasattr(address, "plaintext_warning")  # no warning path left: a refusal
+
+    config = tiny_config()
+    port = free_port()
+    with pytest.raises(ConfigError, match=rf"will not listen on 0\.0\.0\.0.*{hint}"):
+        RLlinkPolicyServer(policy_layout_for(config), sac_settings(config), host="0.0.0.0", port=port,
+                           trained_on=trained_on(config))
+    with pytest.raises(ConnectionRefusedError):  # it never bound, on any interface
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+    attempts = []
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: attempts.append(a))
+    remote = RLlinkAddress("10.1.2.3", 5555)
+    with pytest.raises(ConfigError, match=hint):
+        RLlinkPolicyClient("10.1.2.3", 5555, "run", secret=SECRET.encode())
+    with pytest.raises(ConfigError, match=hint):
+        client_from_connection(rllink_connection(remote, SECRET.encode()), "run")
+    with pytest.raises(ConfigError, match=hint):
+        check_policy_server(remote, SECRET.encode())
+    assert attempts == []  # refused before a single packet
+
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("model: embedded-tiny\nepsilon: 2.0\n")
+    from raydp.control.policy_server import main as server_main
+
+    for run in (lambda: main(["policy-server", "--config", str(config_file), "--host", "0.0.0.0"]),
+                lambda: server_main(["--config", str(config_file), "--host", "10.0.0.5"])):
+        assert run() == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "ssh -L 5555:127.0.0.1:5555" in err[0]
+
+
+# -- one run actor for both transports ------------------------------------------------------------
+def test_one_run_actor_serves_both_transports(server, monkeypatch, tmp_path):
+    import importlib.util
+
+    import ray
+
+    from raydp.control.broker import PolicyBroker
+    from raydp.control.connection import client_from_connection
+    from raydp.control.rllink import rllink_connection
+    from raydp.control.service import PolicyClient
+    from raydp.runner import actor
+    from raydp.runner.launch import RAY_NAMESPACE
+
+    assert importlib.util.find_spec("raydp.runner.rllink_actor") is None  # no twin of FineTuningRun
+    config = tiny_config()
+    layout, settings = policy_layout_for(config), sac_settings(config)
+    broker = PolicyBroker.options(name="factory-test-broker", namespace=RAY_NAMESPACE).remote(
+        layout.as_dict(), settings.as_dict())
+    try:
+        client = client_from_connection({"kind": "broker", "broker_name": "factory-test-broker",
+                                         "namespace": RAY_NAMESPACE, "explore": True, "service": None}, "run-1")
+        assert type(client) is PolicyClient and client.layout == layout
+    finally:
+        ray.kill(broker)
+    expect = {"privacy_mode": "strict", "action_decoding": config.rldp.action_decoding}
+    client = client_from_connection(rllink_connection(server.address, SECRET.encode(), expect), "run-2")
+    try:
+        assert type(client) is RLlinkPolicyClient and client.layout == layout and client.service == server.url
+    finally:
+        client.close()
+    with pytest.raises(ValueError, match="unknown policy connection kind"):
+        client_from_connection({"kind": "pigeon"}, "run-3")
+
+    # the actor's body closes whatever client it built, however the run ends
+    closed = []
+
+    class Client:
+        service = None
+
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setattr("raydp.control.connection.client_from_connection", lambda connection, run_id: Client())
+
+    def failing_run(*args, **kwargs):
+        raise RuntimeError("the run failed")
+
+    monkeypatch.setattr("raydp.runner.run.run_training", failing_run)
+    values = config.model_dump(mode="json")
+    with pytest.raises(RuntimeError, match="the run failed"):
+        actor.run_with_connection(values, str(tmp_path / "a"), False, {"kind": "rllink"}, "run-4", False)
+    assert closed == [True]
+    monkeypatch.setattr("raydp.runner.run.run_training", lambda *a, **k: {"steps": 1})
+    assert actor.run_with_connection(values, str(tmp_path / "b"), False, {"kind": "rllink"}, "run-5", False) == {
+        "steps": 1}
+    assert closed == [True, True]
+
+
+# -- one SAC training loop for both transports -----------------------------------------------------
+def test_the_training_loop_trains_once_per_pending_transition_and_survives_an_error():
+    from collections import deque
+
+    from ray.rllib.utils.metrics import (
+        ENV_RUNNER_RESULTS,
+        LEARNER_RESULTS,
+        NUM_ENV_STEPS_SAMPLED_LIFETIME,
+        NUM_MODULE_STEPS_TRAINED,
+    )
+
+    from raydp.control import rllink, service
+    from raydp.control.training import TrainingLoop
+
+    pending = deque(range(7))
+
+    class Algo:
+        """train() takes one pending transition (as the runners' sample() does); its 3rd call fails first."""
+
+        calls = consumed = 0
+
+        def train(self):
+            self.calls += 1
+            if self.calls == 3:
+                raise RuntimeError("learner hiccup")
+            pending.popleft()
+            self.consumed += 1
+            return {LEARNER_RESULTS: {"default_policy": {NUM_MODULE_STEPS_TRAINED: 8}},
+                    ENV_RUNNER_RESULTS: {NUM_ENV_STEPS_SAMPLED_LIFETIME: self.consumed}}
+
+    algo = Algo()
+    loop = TrainingLoop(algo, lambda: len(pending), poll_s=(0.001, 0.01), error_pause_s=0.01).start()
+    try:
+        assert loop.wait_idle(10)
+        time.sleep(0.1)  # idle: no train() without a pending transition
+        assert algo.calls == 8 and algo.consumed == 7 and not pending
+        pending.extend(range(3))  # more arrive later: the idle loop picks them up
+        assert loop.wait_idle(10)
+        time.sleep(0.05)
+    finally:
+        loop.stop(5)
+    assert not loop.thread.is_alive()
+    assert algo.calls == 11 and algo.consumed == 10
+    assert loop.counters() == {"train_calls": 10, "transitions_trained": 10, "module_steps_trained": 80,
+                               "env_steps_sampled": 10, "errors": ["RuntimeError('learner hiccup')"]}
+    # both transports train through it: neither keeps a loop of its own
+    assert not hasattr(rllink.RLlinkPolicyServer, "_loop")
+    assert not hasattr(service.PolicyService.__ray_metadata__.modified_class, "_loop")
+
+
+# -- a policy server restores, freezes and saves its policy -------------------------------------------
+def provenance(tag: str) -> dict:
+    """A run's provenance entry, as ``raydp.runner.run.policy_provenance`` builds it (ERRATA E14)."""
+    return {"dataset_sha256": "ab" * 32, "public_data": False, "privacy_mode": "strict", "privacy_unit": "record",
+            "epsilon": 1.5, "delta": 1e-5, "guarantee": "renyi-filter", "labels": [], "rdp_orders": [2.0, 8.0],
+            "rdp_curve": [0.05, 0.4], "entry_id": f"test-{tag}"}
+
+
+def drive(client, decisions: int, seed: int) -> list[float]:
+    """``decisions`` decisions on random observations; returns the rewards of the closed transitions."""
+    rng = np.random.default_rng(seed)
+    layout, rewards, reward = client.layout, [], None
+    for _ in range(decisions):
+        obs = layout.pack(rng.normal(size=(2, layout.f_adapter)), rng.normal(size=layout.g_global))
+        client.decide(obs, reward)
+        if reward is not None:
+            rewards.append(reward)
+        reward = float(rng.normal())
+    return rewards
+
+
+def wait_for(predicate, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def policy_server(config, **kwargs) -> RLlinkPolicyServer:
+    return RLlinkPolicyServer(policy_layout_for(config), sac_settings(config), port=free_port(),
+                              trained_on=trained_on(config), **kwargs).start()
+
+
+def connect(srv, run_id: str, **kwargs) -> RLlinkPolicyClient:
+    return RLlinkPolicyClient(srv.address.host, srv.address.port, run_id, secret=SECRET.encode(), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def saved_policy(local_ray, tmp_path_factory):
+    """A fresh policy server trained by run A (4 transitions, then its provenance entry) and run B (2
+    transitions, then it dies: no entry), saved when it stops."""
+    previous = os.environ.get(SECRET_ENV)
+    os.environ[SECRET_ENV] = SECRET
+    path = tmp_path_factory.mktemp("rllink-policies") / "first"
+    srv = policy_server(tiny_config())
+    try:
+        run_a = connect(srv, "run-a")
+        rewards = drive(run_a, 5, seed=1)
+        run_a.end()
+        assert run_a.save_policy(Path("ignored"), {}, {}, provenance=provenance("run-a")) is None
+        run_a.close()
+        run_b = connect(srv, "run-b")
+        rewards += drive(run_b, 3, seed=2)
+        assert wait_for(lambda: srv.counters()["transitions_received"] == 6)
+        run_b.close()  # no end(), no save_policy: a run that died
+        assert srv.wait_idle(60)
+        counters = srv.counters()
+    finally:
+        manifest = srv.stop(save_to=path)
+        if previous is None:
+            os.environ.pop(SECRET_ENV, None)
+        else:
+            os.environ[SECRET_ENV] = previous
+    return {"path": path, "manifest": manifest, "rewards": rewards, "counters": counters}
+
+
+@pytest.fixture
+def secret(monkeypatch):
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+
+
+def test_a_policy_server_saves_its_policy_with_the_provenance_of_the_runs_that_trained_it(saved_policy):
+    from ray.rllib.core.columns import Columns
+    from ray.rllib.core.rl_module.rl_module import RLModule
+
+    from raydp.control.store import load_manifest, policy_privacy_mode
+
+    path, counters = saved_policy["path"], saved_policy["counters"]
+    manifest = load_manifest(path)
+    assert manifest == saved_policy["manifest"]
+    assert counters["errors"] == [] and counters["transitions_trained"] == counters["train_calls"] == 6
+    assert manifest["transitions"] == 6 and manifest["sac_updates"] == 6 * 2
+    config = tiny_config()
+    assert manifest["trained_on"]["privacy_mode"] == "strict" and manifest["layout"] == policy_layout_for(config).as_dict()
+    assert manifest["trained_on"]["action_decoding"] == config.rldp.action_decoding and manifest["trained_on"]["runs"] == 1
+    # run A's entry as it sent it; run B's 2 transitions are not hidden: an entry of unknown dataset and spend
+    first, unknown = manifest["provenance"]
+    expected = provenance("run-a")
+    assert first["entry_id"] == "test-run-a" and {k: first[k] for k in expected} == expected
+    assert unknown["unattributed_transitions"] == 2 and unknown["dataset_sha256"] is None
+    assert unknown["rdp_curve"] is None and unknown["privacy_mode"] == "strict"
+    assert policy_privacy_mode(manifest) == "strict"
+    # the replay buffer holds exactly the rewards the runs sent; the module loads with RLlib's own loader
+    with np.load(path / "replay.npz") as replay:
+        assert sorted(replay["reward"]) == pytest.approx(sorted(saved_policy["rewards"]))
+    module = RLModule.from_checkpoint(str(path / "module"))
+    obs = torch.zeros((1, policy_layout_for(config).obs_dim))
+    assert torch.isfinite(module.forward_inference({Columns.OBS: obs})[Columns.ACTION_DIST_INPUTS]).all()
+
+
+def test_a_policy_server_restores_a_saved_policy_and_continues_its_provenance(saved_policy, secret, tmp_path):
+    from ray.rllib.core.rl_module.rl_module import RLModule
+
+    path = saved_policy["path"]
+    saved = RLModule.from_checkpoint(str(path / "module")).get_state(inference_only=True)
+    srv = policy_server(tiny_config(), restore=path)
+    manifest = None
+    try:
+        assert srv.counters()["replay_size"] == 6  # the saved replay buffer came back
+        with pytest.raises(ConfigError, match="serves a strict-mode policy; a paper-mode run"):
+            connect(srv, "paper-run", expect={"privacy_mode": "paper", "action_decoding": "relative"})
+        with pytest.raises(ConfigError, match="acts in 'relative' clip decoding; this run decodes 'paper'"):
+            connect(srv, "paper-decoding", expect={"privacy_mode": "strict", "action_decoding": "paper"})
+        client = connect(srv, "run-c", expect={"privacy_mode": "strict", "action_decoding": "relative"})
+        state = client.module.get_state()
+        assert state and set(state) <= set(saved)
+        for key, value in state.items():  # the client acts with the saved weights, not a fresh policy's
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(saved[key])), key
+        drive(client, 3, seed=3)
+        client.end()
+        client.save_policy(Path("ignored"), {}, {}, provenance=provenance("run-c"))
+        client.close()
+        assert srv.wait_idle(60)
+        assert srv.counters()["transitions_trained"] == 2 and srv.counters()["errors"] == []
+    finally:
+        manifest = srv.stop(save_to=tmp_path / "continued")
+    inherited = saved_policy["manifest"]["provenance"]
+    assert [e["entry_id"] for e in manifest["provenance"]] == [e["entry_id"] for e in inherited] + ["test-run-c"]
+    assert manifest["transitions"] == 2 and manifest["trained_on"]["continued_from"] == path.name
+    with np.load(tmp_path / "continued" / "replay.npz") as replay:
+        assert len(replay["reward"]) == 6 + 2
+
+
+def test_a_frozen_policy_server_serves_the_saved_weights_greedily_and_learns_nothing(saved_policy, secret, tmp_path):
+    from ray.rllib.core.columns import Columns
+    from ray.rllib.core.rl_module.rl_module import RLModule
+
+    path = saved_policy["path"]
+    with pytest.raises(ConfigError, match="needs a saved policy"):
+        policy_server(tiny_config(), frozen=True)
+    srv = policy_server(tiny_config(), restore=path, frozen=True)
+    try:
+        assert srv.training.thread is None  # no training thread at all
+        client = connect(srv, "run-f")
+        assert client.config.env_config["frozen"] is True and client.frozen
+        assert not client.explore and client.service is None  # greedy; the run saves nothing
+        obs = client.layout.pack(np.full((2, client.layout.f_adapter), 0.3), np.full(client.layout.g_global, -0.2))
+        actions = [client.decide(obs, reward) for reward in (None, 0.5, -1.0, 2.0)]
+        saved = RLModule.from_checkpoint(str(path / "module"))
+        with torch.no_grad():
+            logits = saved.forward_inference({Columns.OBS: torch.as_tensor(obs[None])})[Columns.ACTION_DIST_INPUTS]
+        mean = logits.chunk(3, dim=-1)[0][0].numpy()  # the Gaussian's mean: the saved policy's greedy action
+        for action in actions:
+            np.testing.assert_allclose(action, mean, rtol=1e-5, atol=1e-6)
+        client.end()
+        assert client.save_policy(Path("ignored"), {}, {}, provenance=provenance("run-f")) is None
+        client.close()
+        time.sleep(0.3)
+        counters = srv.counters()
+        assert client.uploaded == 0 and counters["transitions_received"] == 0 and counters["pending"] == 0
+        assert counters["train_calls"] == 0 and counters["provenance_received"] == 0
+        assert counters["replay_size"] == 6
+        with pytest.raises(ConfigError, match="frozen policy is not trained"):
+            srv.save(tmp_path / "copy")
+    finally:
+        srv.stop()
+    assert not (tmp_path / "copy").exists()
+
+
+def test_policy_server_flags_are_checked_before_anything_starts(tmp_path, capsys):
+    """--frozen needs --policy; --save refuses an existing path (and --frozen); a saved policy must suit the
+    config: a paper-mode policy may not serve a strict config, and its clip decoding must match (E3/E14)."""
+    from raydp.control.policy_server import main as server_main
+    from raydp.control.store import write_manifest
+
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("model: embedded-tiny\nepsilon: 2.0\nrldp: {n_max: 8, hidden: 32}\n")
+    layout = policy_layout_for(tiny_config())
+
+    def policy(name: str, mode: str, decoding: str) -> Path:
+        (tmp_path / name).mkdir()
+        write_manifest(tmp_path / name, layout=layout, sac={}, trained_on={"privacy_mode": mode,
+                       "action_decoding": decoding}, results={}, transitions=1, updates=2,
+                       provenance=[{**provenance(name), "privacy_mode": mode}])
+        return tmp_path / name
+
+    (tmp_path / "taken").mkdir()
+    base = ["--config", str(config_file), "--port", str(free_port())]
+    cases = [(["--frozen"], "--frozen serves a saved policy"),
+             (["--policy", str(policy("ok", "strict", "relative")), "--frozen", "--save", str(tmp_path / "new")],
+              "--frozen serves --policy untrained"),
+             (["--save", str(tmp_path / "taken")], "already exists"),
+             (["--policy", str(policy("paper", "paper", "relative"))], "trained in paper mode"),
+             (["--policy", str(policy("eq10", "strict", "paper"))], "acts in 'paper' clip decoding"),
+             (["--policy", str(tmp_path / "missing")], "no saved policy")]
+    for extra, message in cases:
+        assert server_main(base + extra) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], (extra, err)
+    assert not (tmp_path / "new").exists()
+
+
+# -- studies start their own policies --------------------------------------------------------------
+def test_a_study_refuses_a_controller_other_than_the_broker(tmp_path, capsys):
+    import yaml
+
+    from raydp.cli import main
+    from raydp.study.config import load_study
+
+    study = {"name": "s", "epsilons": [2.0], "strategies": ["static", "rldp"], "models": ["embedded-tiny"],
+             "base": {"max_steps": 4}}
+    cases = [({"base": {"max_steps": 4, "controller": "rllink://127.0.0.1:5555"}}, "base.controller"),
+             ({"settings_grid": {"rldp": {"controller": ["rllink://127.0.0.1:5555"]}}},
+              "settings_grid.rldp.controller"),
+             ({"strategy_settings": {"static": {"controller": "rllink://:5555"}}}, "strategy_settings.static.controller")]
+    for i, (override, where) in enumerate(cases):
+        path = tmp_path / f"study{i}.yaml"
+        path.write_text(yaml.safe_dump({**study, **override}))
+        with pytest.raises(ConfigError, match=rf"{where}: a study starts its own RLDP policies"):
+            load_study(path)
+        assert main(["study", str(path), "--check"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and where in err[0] and "controller: broker" in err[0]
+    path = tmp_path / "broker.yaml"
+    path.write_text(yaml.safe_dump({**study, "base": {"max_steps": 4, "controller": "broker"}}))
+    assert load_study(path).base["controller"] == "broker"  # the default, written out, is fine

@@ -2,10 +2,12 @@
 
 Kept free of Ray imports so that configuration validation (:mod:`raydp.config`) can parse the address
 before anything starts. ``rllink://HOST:PORT`` names a policy server (:mod:`raydp.control.rllink`);
-``rllink://:PORT`` is the loopback interface. A non-loopback host is accepted only when written out, and
-:func:`plaintext_warning` says why it deserves a warning: RLlink traffic (observations, actions, policy
-weights, the pickled algorithm config) is not encrypted; the shared-secret handshake authenticates
-the opening of each connection, not each message.
+``rllink://:PORT`` is the loopback interface. Only loopback hosts (``localhost``, 127.0.0.0/8)
+are accepted, by the config, the run and the server alike (:func:`require_loopback`): RLlink traffic
+(observations, actions, policy weights, the pickled algorithm config) is not encrypted and its messages
+carry no MAC (the shared-secret handshake authenticates the opening of each connection only), so an
+on-path attacker between two machines could read the weights and inject pickled messages, i.e. run code.
+Across machines, an SSH tunnel makes both ends loopback (:data:`TUNNEL_HINT`).
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import ipaddress
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from raydp.errors import ConfigError
+
 BROKER = "broker"
 SCHEME = "rllink"
 LOOPBACK = "127.0.0.1"
+TUNNEL_HINT = "use an SSH tunnel so that both ends are loopback, e.g. `ssh -L 5555:127.0.0.1:5555 server`"
 
 
 @dataclass(frozen=True)
@@ -27,10 +32,6 @@ class RLlinkAddress:
     @property
     def url(self) -> str:
         return f"{SCHEME}://{self.host}:{self.port}"
-
-    @property
-    def loopback(self) -> bool:
-        return is_loopback(self.host)
 
 
 def is_loopback(host: str) -> bool:
@@ -62,13 +63,21 @@ def parse_controller(value: str) -> RLlinkAddress | None:
     host = parts.hostname or LOOPBACK
     if ":" in host:
         raise ValueError("IPv6 addresses are not supported by the RLlink server (IPv4 or a host name)")
+    if not is_loopback(host):  # a ValueError: the config names the field
+        raise ValueError(loopback_refusal(host, "connect to"))
     return RLlinkAddress(host, port)
 
 
-def plaintext_warning(host: str) -> str:
-    return (f"warning: RLlink traffic to {host} is plaintext (observations, actions, weights and the pickled "
-            "algorithm config); the secret authenticates each connection's opening only. Prefer loopback, "
-            "e.g. through an SSH tunnel")
+def loopback_refusal(host: str, verb: str) -> str:
+    """The one-line refusal of a non-loopback RLlink host (see the module docstring)."""
+    return (f"RLlink will not {verb} {host}: only loopback hosts (127.0.0.1, localhost) are allowed, because "
+            f"RLlink messages are plaintext and unauthenticated after the handshake; {TUNNEL_HINT}")
+
+
+def require_loopback(host: str, verb: str = "connect to") -> None:
+    """ConfigError (one line, with the SSH tunnel to use instead) unless ``host`` is loopback."""
+    if not is_loopback(host):
+        raise ConfigError(loopback_refusal(host, verb))
 
 
 class Secret(bytes):

@@ -27,17 +27,37 @@ whole config is pickled to every client. With neither, the server refuses to sta
 :class:`~raydp.errors.ConfigError`). After the handshake the peer is trusted exactly as Ray trusts a
 token holder: its messages are decoded with RLlib's decoder, pickle included.
 
-The server binds 127.0.0.1 by default (Ray's class hard-codes "localhost"; here the host comes from
-``env_config["host"]``), serves one client at a time (its listening socket is closed while a client is
-connected, so a second run is refused rather than left hanging) and re-listens 0.2 s after a client
-leaves (Ray waits 5 s). Traffic is not encrypted: see :func:`raydp.control.address.plaintext_warning`.
+Loopback only. After the handshake, messages are plaintext and carry no MAC: across machines an on-path
+attacker could read the weights and inject pickled messages (code execution). The server therefore
+refuses to listen on, and the client to connect to, anything but a loopback host (one-line
+:class:`~raydp.errors.ConfigError`, :func:`raydp.control.address.require_loopback`); a remote server is
+reached through an SSH tunnel, e.g. ``ssh -L 5555:127.0.0.1:5555 server``, so that both ends are
+loopback. The server binds 127.0.0.1 by default (Ray's class hard-codes "localhost"; here the host comes
+from ``env_config["host"]``), serves one client at a time (its listening socket is closed while a client
+is connected, so a second run is refused rather than left hanging) and re-listens 0.2 s after a client
+leaves (Ray waits 5 s).
 
 Training semantics are the broker path's (:mod:`raydp.control.service`): the algorithm is
 :func:`raydp.control.sac.sac_config` with this server as its EnvRunner, each transition is stored as
-its own 1-step episode and ``algo.train()`` runs once per transition (K updates of B_SAC). The client
-uploads each transition with EPISODES right after acting and fetches the weights with GET_STATE before
-its next decision (never EPISODES_AND_GET_STATE, which blocks until learning starts), so a decision
-sees weights trained on every earlier transition, as through the broker.
+its own 1-step episode and ``algo.train()`` runs once per transition (K updates of B_SAC), by the same
+:class:`raydp.control.training.TrainingLoop` as the broker's service. The client uploads each transition
+with EPISODES right after acting and fetches the weights with GET_STATE before its next decision (never
+EPISODES_AND_GET_STATE, which blocks until learning starts), so a decision sees weights trained on every
+earlier transition, as through the broker.
+
+The policy (:class:`RLlinkPolicyServer`): a new one, or a saved policy directory restored before the
+server listens (``restore``: module, replay buffer and provenance, :func:`raydp.control.training.
+restore_policy`); ``frozen`` serves the restored weights untrained: ``env_config["frozen"]`` tells the
+clients, which then act greedily and upload nothing, and the training thread is not started.
+``env_config["policy"]`` declares the policy's privacy mode and clip decoding; a client given the run's
+(``expect``) refuses a server whose policy may not drive its run (ERRATA E3/E14: a paper-mode policy may
+not drive a strict run, and a paper-mode run may not train a strict policy). :meth:`RLlinkPolicyServer.stop`
+can save the policy (:mod:`raydp.control.store`'s format). Provenance (ERRATA E14): a run's client sends
+its provenance entry (the one a broker run passes to ``save_policy``) as the ``provenance`` key of its
+final EPISODES message body; the server validates it (:func:`raydp.control.store.provenance_entry`) and
+appends it to the restored policy's inherited list. Transitions from a connection that ended without an
+entry (a run that died) are recorded at save as one entry of unknown dataset and spend
+(``unattributed_transitions``), so the manifest never hides that the policy learned from them.
 """
 
 from __future__ import annotations
@@ -63,12 +83,14 @@ from ray.rllib.core import COMPONENT_RL_MODULE
 from ray.rllib.env.external import RLlink, get_rllink_message, send_rllink_message
 from ray.rllib.env.external.env_runner_server_for_external_inference import EnvRunnerServerForExternalInference
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
-from ray.rllib.utils.metrics import NUM_ENV_STEPS_SAMPLED_LIFETIME, WEIGHTS_SEQ_NO
+from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
-from raydp.control.address import LOOPBACK, RLlinkAddress, Secret, is_loopback, plaintext_warning
+from raydp.control.address import LOOPBACK, RLlinkAddress, Secret, is_loopback, loopback_refusal, require_loopback
 from raydp.control.broker import log_sampled
 from raydp.control.features import ObservationLayout
 from raydp.control.sac import SACSettings, sac_config
+from raydp.control.store import append_provenance, load_manifest, policy_layout, provenance_entry
+from raydp.control.training import TrainingLoop, one_step_episodes, restore_policy, write_policy
 from raydp.errors import ConfigError
 
 logger = logging.getLogger("raydp.rllink")
@@ -80,7 +102,6 @@ NONCE_BYTES = 32
 MAC_BYTES = 32
 HANDSHAKE_TIMEOUT_S = 5.0
 RELISTEN_S = 0.2
-POLL_MIN_S, POLL_MAX_S = 0.02, 0.5
 
 
 # -- the shared secret ------------------------------------------------------------------------------
@@ -181,45 +202,72 @@ class _Stopped(Exception):
 
 
 def _one_step_episodes(transitions, config) -> list:
-    from raydp.control.service import _episodes
-
-    return _episodes({"obs": [t[0] for t in transitions], "action": [t[1] for t in transitions],
-                      "reward": [t[2] for t in transitions], "next_obs": [t[3] for t in transitions]}, config)
+    return one_step_episodes({"obs": [t[0] for t in transitions], "action": [t[1] for t in transitions],
+                              "reward": [t[2] for t in transitions], "next_obs": [t[3] for t in transitions]},
+                             config)
 
 
 class AuthenticatedRLlinkServer(EnvRunnerServerForExternalInference):
     """RLlib's RLlink EnvRunner with the handshake in front and the broker's training semantics:
     uploaded episodes are split into transitions, and ``sample()`` hands out one per call (as
     :class:`raydp.control.broker.BrokerEnvRunner` does), so each ``train()`` is K updates per transition.
-    ``env_config``: ``host`` (default 127.0.0.1), ``port``, ``layout`` and ``sac`` (for the clients)."""
+    ``env_config``: ``host`` (default 127.0.0.1; only a loopback host is bound), ``port``, ``frozen`` (drop
+    uploads), and for the clients ``layout``, ``sac`` and ``policy``. It listens once :meth:`serve` is
+    called (after the policy is restored), so no client sees weights that are not the policy's.
+    Clients' provenance entries collect in ``provenance``; ``unattributed`` counts transitions of
+    connections that ended without one."""
 
     def __init__(self, *, config, **kwargs):
         secret, self.secret_source = resolve_secret()  # before the listener thread exists: no secret, no server
         self._key = _key(secret)
         self._stopping = False
+        self._serving = threading.Event()
         self._bound = threading.Event()
-        self.bind_error: OSError | None = None
+        self.bind_error: str | None = None
+        self.frozen = bool(config.env_config.get("frozen", False))
         self._pending: deque = deque()
         self._pending_lock = threading.Lock()
         self._state_lock = threading.RLock()
-        self.accepted = self.refused = self.transitions_received = self.malformed = 0
+        self.accepted = self.refused = self.transitions_received = self.malformed = self.dropped_frozen = 0
+        self.provenance: list[dict] = []  # entries the clients sent (validated), in arrival order
+        self.unattributed = 0  # transitions of ended connections that sent no provenance entry
+        self._connection_transitions = 0  # the current connection's, not yet attributed
         super().__init__(config=config, **kwargs)
 
     # connection handling ------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Start listening (the listener thread waits for this)."""
+        self._serving.set()
+
+    def unattributed_transitions(self) -> int:
+        """Transitions received without a provenance entry: ended connections' and the current one's."""
+        with self._pending_lock:
+            return self.unattributed + self._connection_transitions
+
     def _recycle_sockets(self, sleep: float = 0.0):
         self._close_sockets_if_necessary()
         self.client_socket = None
+        with self._pending_lock:  # the connection ended: what it sent without an entry stays unattributed
+            self.unattributed += self._connection_transitions
+            self._connection_transitions = 0
+        while not self._serving.wait(0.5):
+            if self._stopping:
+                raise _Stopped
         if self._stopping:
             raise _Stopped
         time.sleep(min(sleep, RELISTEN_S))
         self.host = str(self.config.env_config.get("host", LOOPBACK))
+        if not is_loopback(self.host):  # plaintext after the handshake: never on a network interface
+            self.bind_error = loopback_refusal(self.host, "listen on")
+            self._bound.set()
+            raise _Stopped
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             listener.bind((self.host, self.port))
         except OSError as exc:
             listener.close()
-            self.bind_error = exc
+            self.bind_error = f"cannot listen on {self.host}:{self.port}: {exc.strerror}"
             self._bound.set()
             raise _Stopped from None
         listener.listen(1)
@@ -256,6 +304,7 @@ class AuthenticatedRLlinkServer(EnvRunnerServerForExternalInference):
 
     def stop(self):
         self._stopping = True
+        self._serving.set()  # a listener still waiting to serve wakes up and ends
         for sock in (self.client_socket, self.server_socket):
             if sock is not None:
                 try:
@@ -268,10 +317,15 @@ class AuthenticatedRLlinkServer(EnvRunnerServerForExternalInference):
         if not self._bound.wait(timeout_s):
             raise ConfigError("the RLlink server did not start listening")
         if self.bind_error is not None:
-            raise ConfigError(f"cannot listen on {self.host}:{self.port}: {self.bind_error.strerror}")
+            raise ConfigError(self.bind_error)
 
     # experience --------------------------------------------------------------------------------
     def _process_episodes_message(self, msg_type, msg_body):
+        if self.frozen:  # a frozen policy learns nothing: uploads are dropped, provenance too (no run trains it)
+            self.dropped_frozen += 1
+            if msg_type == RLlink.EPISODES_AND_GET_STATE:
+                self._send_set_state_message()  # no training step will ever send it
+            return
         if msg_type == RLlink.EPISODES_AND_GET_STATE:
             self._blocked_on_state = True  # as Ray's server: the answer is the next weights
         obs_dim, act_dim = self.config.observation_space.shape[0], self.config.action_space.shape[0]
@@ -290,9 +344,19 @@ class AuthenticatedRLlinkServer(EnvRunnerServerForExternalInference):
                 self.malformed += 1
                 continue
             transitions += [(obs[i], act[i], float(rew[i]), obs[i + 1]) for i in range(n)]
+        entry = None
+        if msg_body.get("provenance") is not None:  # the run's entry (ERRATA E14), with its final upload
+            try:
+                entry = provenance_entry(msg_body["provenance"])
+            except (ValueError, TypeError):
+                self.malformed += 1  # the connection's transitions stay unattributed
         with self._pending_lock:
             self._pending.extend(transitions)
             self.transitions_received += len(transitions)
+            self._connection_transitions += len(transitions)
+            if entry is not None:
+                append_provenance(self.provenance, entry)
+                self._connection_transitions = 0  # this run's transitions are accounted for
 
     def num_pending(self) -> int:
         return len(self._pending)
@@ -322,87 +386,104 @@ class AuthenticatedRLlinkServer(EnvRunnerServerForExternalInference):
 
 class RLlinkPolicyServer:
     """The policy service over RLlink: RLlib's SAC algorithm (:func:`raydp.control.sac.sac_config`, the
-    broker path's) with :class:`AuthenticatedRLlinkServer` as its EnvRunner, and a thread that calls
-    ``algo.train()`` once per transition a client uploads (as :class:`raydp.control.service.PolicyService`).
-    Saves nothing: the replay buffer (the runs' controller observations) stays in memory."""
+    broker path's) with :class:`AuthenticatedRLlinkServer` as its EnvRunner, trained once per transition a
+    client uploads by :class:`raydp.control.training.TrainingLoop` (as :class:`raydp.control.service.
+    PolicyService`).
 
-    def __init__(self, layout: ObservationLayout, settings: SACSettings, host: str = LOOPBACK, port: int = 5555):
-        resolve_secret()  # the one-line refusal before anything is built
-        if not is_loopback(host):
-            print(f"raydp: {plaintext_warning(host)}", file=sys.stderr)
-        self.layout, self.settings = layout, settings
+    ``trained_on``: what the policy's manifest says about its training (:func:`raydp.control.policies.
+    trained_on` of the server's config): its ``privacy_mode`` and ``action_decoding`` are declared to the
+    clients. ``restore``: a saved policy directory to start from (its layout wins; the caller checks that
+    it may drive this config, :func:`raydp.control.policies.check_policy_privacy`). ``frozen``: serve the
+    restored weights without training them. :meth:`stop` can save the policy (see the module docstring)."""
+
+    def __init__(self, layout: ObservationLayout, settings: SACSettings, host: str = LOOPBACK, port: int = 5555,
+                 *, trained_on: dict, restore: Path | None = None, frozen: bool = False):
+        resolve_secret()  # the one-line refusals before anything is built
+        require_loopback(host, "listen on")
+        if frozen and restore is None:
+            raise ConfigError("a frozen policy server needs a saved policy to serve (--policy)")
+        restored = load_manifest(restore) if restore is not None else None
+        if restored is not None:
+            layout = policy_layout(restored)
+        self.layout, self.settings, self.frozen = layout, settings, bool(frozen)
+        self.trained_on = dict(trained_on)
+        self.continued_from = restored["name"] if restored is not None else None
         self.address = RLlinkAddress(host, int(port))
-        env_config = {"host": host, "port": int(port), "layout": layout.as_dict(), "sac": settings.as_dict()}
+        policy = {"privacy_mode": self.trained_on.get("privacy_mode"),
+                  "action_decoding": self.trained_on.get("action_decoding")}
+        env_config = {"host": host, "port": int(port), "layout": layout.as_dict(), "sac": settings.as_dict(),
+                      "frozen": self.frozen, "policy": policy}
         self.algo = sac_config(layout, settings, AuthenticatedRLlinkServer, env_config).build_algo()
         self.runner: AuthenticatedRLlinkServer = self.algo.env_runner
-        try:
+        try:  # the policy is in place before the first client can connect
+            self.inherited: list[dict] = restore_policy(self.algo, Path(restore)) if restore is not None else []
+            self.runner.serve()
             self.runner.wait_bound()
-        except ConfigError:
+        except BaseException:
             self._stop_algo()
             raise
-        self.lock = threading.Lock()
-        self.train_calls = self.transitions_trained = self.module_steps_trained = self.env_steps_sampled = 0
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._busy = False
-        self.thread: threading.Thread | None = None
+        self.training = TrainingLoop(self.algo, self.runner.num_pending, name="rllink-sac-train")
 
     @property
     def url(self) -> str:
         return self.address.url
 
     def start(self) -> "RLlinkPolicyServer":
-        self.thread = threading.Thread(target=self._loop, name="rllink-sac-train", daemon=True)
-        self.thread.start()
+        if not self.frozen:  # a frozen policy is served as restored: no training thread
+            self.training.start()
         return self
 
-    def _loop(self) -> None:
-        from raydp.control.service import _module_steps
-        from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS
-
-        idle = POLL_MIN_S
-        while not self._stop.is_set():
-            if self.runner.num_pending() == 0:
-                self._stop.wait(idle)
-                idle = min(2 * idle, POLL_MAX_S)
-                continue
-            idle = POLL_MIN_S
-            try:
-                with self.lock:
-                    self._busy = True
-                    result = self.algo.train()
-                    self.train_calls += 1
-                    self.transitions_trained += 1
-                    self.module_steps_trained += _module_steps(result)
-                    lifetime = result.get(ENV_RUNNER_RESULTS, {}).get(NUM_ENV_STEPS_SAMPLED_LIFETIME)
-                    if lifetime is not None:  # RLlib's own count of the env steps its runner sampled
-                        self.env_steps_sampled = int(getattr(lifetime, "peek", lambda: lifetime)())
-            except Exception as exc:  # keep serving; counters() reports it
-                self.errors.append(repr(exc))
-                time.sleep(0.5)
-            finally:
-                self._busy = False
+    def provenance(self) -> list[dict]:
+        """The runs that trained this policy (ERRATA E14): the restored policy's, then each client's entry
+        (once per ``entry_id``), then, if some transitions came without an entry, one entry that says so."""
+        entries = [dict(e) for e in self.inherited]
+        with self.runner._pending_lock:
+            received = list(self.runner.provenance)
+        for entry in received:
+            append_provenance(entries, entry)
+        unattributed = self.runner.unattributed_transitions()
+        if unattributed:
+            entries.append(provenance_entry({
+                "privacy_mode": self.trained_on.get("privacy_mode"), "unattributed_transitions": unattributed,
+                "note": "transitions from RLlink connections that sent no provenance entry (a run that died or "
+                        "was still running): dataset and privacy spend unknown"}))
+        return entries
 
     def counters(self) -> dict:
         learner = self.algo.learner_group._learner
-        return {"train_calls": self.train_calls, "transitions_trained": self.transitions_trained,
-                "module_steps_trained": self.module_steps_trained, "env_steps_sampled": self.env_steps_sampled,
+        return {**self.training.counters(),
                 "transitions_received": self.runner.transitions_received, "pending": self.runner.num_pending(),
-                "malformed_chunks": self.runner.malformed,
+                "malformed_chunks": self.runner.malformed, "dropped_frozen": self.runner.dropped_frozen,
+                "provenance_received": len(self.runner.provenance),
+                "unattributed_transitions": self.runner.unattributed_transitions(),
                 "replay_size": self.algo.local_replay_buffer.get_num_timesteps(),
                 "alpha": float(learner.curr_log_alpha["default_policy"].detach().exp()),
                 "listening": self.runner.thread.is_alive(),  # False: the listener died (e.g. the port was taken)
                 "clients_accepted": self.runner.accepted, "clients_refused": self.runner.refused,
-                "weights_seq_no": self.runner._weights_seq_no, "errors": list(self.errors)}
+                "weights_seq_no": self.runner._weights_seq_no, "frozen": self.frozen}
 
     def wait_idle(self, timeout_s: float = 60.0) -> bool:
         """Wait until every received transition has been trained on."""
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            if self.runner.num_pending() == 0 and not self._busy:
-                return True
-            time.sleep(0.02)
-        return False
+        return self.training.wait_idle(timeout_s)
+
+    def save(self, path: Path, name: str | None = None) -> dict:
+        """Write the policy to ``path`` (a fresh directory; :mod:`raydp.control.store`'s format) once every
+        received transition is trained on; its manifest's provenance is :meth:`provenance`. A policy with
+        nothing trained this session is saved too (``transitions`` 0). Refused for a frozen policy (it is
+        the restored one, unchanged)."""
+        if self.frozen:
+            raise ConfigError("a frozen policy is not trained; nothing new to save")
+        if not self.training.wait_idle():
+            raise ConfigError("the policy server did not finish training on the received transitions")
+        with self.training.lock:
+            provenance = self.provenance()
+            runs = sum(1 for e in provenance[len(self.inherited):] if not e.get("unattributed_transitions"))
+            return write_policy(self.algo, Path(path), layout=self.layout, settings=self.settings,
+                                trained_on={**self.trained_on, "transport": "rllink", "runs": runs,
+                                            "continued_from": self.continued_from},
+                                results={}, transitions=self.training.transitions_trained,
+                                updates=self.training.train_calls * self.settings.k, name=name,
+                                provenance=provenance)
 
     def _stop_algo(self) -> None:
         runner = self.algo.env_runner
@@ -410,12 +491,21 @@ class RLlinkPolicyServer:
         if runner is not None and runner.thread.is_alive():
             runner.thread.join(timeout=5)  # algo.stop() does not join it
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self.thread is not None:
-            self.thread.join(timeout=60)
-        with self.lock:
-            self._stop_algo()
+    def stop(self, save_to: Path | None = None) -> dict | None:
+        """Stop serving. With ``save_to``, first stop listening (no more clients or messages), train on what
+        was received and save the policy there (:meth:`save`); returns its manifest."""
+        manifest = None
+        try:
+            if save_to is not None:
+                self.runner.stop()
+                if self.runner.thread.is_alive():
+                    self.runner.thread.join(timeout=5)
+                manifest = self.save(save_to)
+        finally:
+            self.training.stop()
+            with self.training.lock:
+                self._stop_algo()
+        return manifest
 
     def __enter__(self):
         return self.start()
@@ -427,26 +517,36 @@ class RLlinkPolicyServer:
 # -- the run's side ---------------------------------------------------------------------------------
 class RLlinkPolicyClient:
     """A run's controller connection over RLlink, with :class:`raydp.control.service.PolicyClient`'s
-    interface (``decide``, ``end``, ``save_policy``, ``latencies``, ``weights_seen``, ``layout``).
+    interface (``decide``, ``end``, ``save_policy``, ``latencies``, ``weights_seen``, ``layout``,
+    ``service``), plus ``close``.
+
+    Only a loopback ``host`` is reached (else a one-line ConfigError: tunnel a remote server over SSH).
+    ``expect``: the run's ``{"privacy_mode", "action_decoding"}``; the client refuses a server whose policy
+    declares others (:func:`check_served_policy`). A server's frozen policy (``env_config["frozen"]``) makes
+    the client act greedily and upload nothing.
 
     ``decide(obs, reward)``: ``reward`` is the reward of the previous action (None at the first decision),
     as through the broker. It closes the open (obs, action) into a transition, refreshes the weights
     (GET_STATE, every ``weights_every`` decisions), acts locally (a Gaussian sample from its own torch
     generator: the run's global RNG is not touched) and uploads pending transitions (EPISODES, every
-    ``upload_every``). ``latencies`` time the whole call. ``save_policy`` returns None: the policy server
-    owns the policy (``service`` is None, so a run does not try to snapshot it)."""
-
-    service = None
+    ``upload_every``). ``latencies`` time the whole call. ``end()`` leaves the decision loop (final upload,
+    answered PING); the socket stays open until ``close()`` so that ``save_policy`` can still send the run's
+    provenance entry. ``save_policy`` returns None: the policy server owns and saves the policy; it records
+    the run's entry (ERRATA E14), sent with the final upload (now, if the run has ended). ``service`` is the
+    server's URL (None for a frozen policy, which no run trains): a run calls ``save_policy`` only when it
+    is set."""
 
     def __init__(self, host: str, port: int, run_id: str, *, secret: bytes | None = None, explore: bool = True,
                  seed: int | None = None, weights_every: int = 1, upload_every: int = 1,
-                 connect_timeout_s: float = 30.0):
+                 connect_timeout_s: float = 30.0, expect: dict | None = None):
         from ray.rllib.core.columns import Columns
 
+        require_loopback(host, "connect to")  # before a byte is sent
         self._columns = Columns
-        self.run_id, self.explore = run_id, explore
+        self.run_id = run_id
         self.weights_every, self.upload_every = max(1, int(weights_every)), max(1, int(upload_every))
         key = _key(secret if secret is not None else resolve_secret()[0])
+        url = RLlinkAddress(host, int(port)).url
         self.sock = self._connect(host, int(port), connect_timeout_s)
         try:
             client_handshake(self.sock, key)  # before anything is decoded: the config is a pickle
@@ -458,6 +558,10 @@ class RLlinkPolicyClient:
                 raise ConnectionError(f"expected SET_CONFIG, got {kind}")
             self.config = pickle.loads(body["config"])  # the server proved the secret
             env_config = self.config.env_config
+            check_served_policy(env_config.get("policy") or {}, expect, url)
+            self.frozen = bool(env_config.get("frozen", False))
+            self.explore = explore and not self.frozen  # a frozen policy acts greedily, as through the broker
+            self.service = None if self.frozen else url
             self.layout = ObservationLayout(**env_config["layout"])
             self.server_settings = dict(env_config.get("sac") or {})
             self.module = self.config.get_rl_module_spec(inference_only=True).build()
@@ -478,7 +582,8 @@ class RLlinkPolicyClient:
         self._episode_id = uuid.uuid4().hex
         self._t = 0  # env steps of the current episode already uploaded or pending
         self._decisions = 0
-        self._closed = False
+        self._provenance: dict | None = None  # this run's entry, to send with the final upload
+        self._ended = self._closed = False
 
     @staticmethod
     def _connect(host: str, port: int, timeout_s: float) -> socket.socket:
@@ -527,10 +632,13 @@ class RLlinkPolicyClient:
                                   rewards=[t[2] for t in self._pending], t_started=self._t - len(self._pending),
                                   len_lookback_buffer=0)
 
-    def _upload(self) -> None:
-        if not self._pending:
+    def _upload(self, provenance: dict | None = None) -> None:
+        if not self._pending and provenance is None:
             return
-        send_rllink_message(self.sock, {"type": RLlink.EPISODES.name, "episodes": [self._chunk().get_state()]})
+        body = {"type": RLlink.EPISODES.name, "episodes": [self._chunk().get_state()] if self._pending else []}
+        if provenance is not None:  # our key in the body; Ray's wire format
+            body["provenance"] = provenance
+        send_rllink_message(self.sock, body)
         self.uploaded += len(self._pending)
         self._pending = []
 
@@ -544,7 +652,7 @@ class RLlinkPolicyClient:
             self._upload()
             self._episode_id, self._t = uuid.uuid4().hex, 0
         t0 = time.perf_counter()
-        if self._decisions > 0 and self._decisions % self.weights_every == 0:
+        if self._decisions > 0 and self._decisions % self.weights_every == 0 and not self.frozen:
             self._refresh_weights()  # trained on every transition uploaded so far (if training kept up)
         t1 = time.perf_counter()
         action = self._act(obs)
@@ -562,19 +670,23 @@ class RLlinkPolicyClient:
         return action
 
     def end(self) -> None:
-        """Upload what is pending (the open decision has no reward and is dropped, as by the broker), wait
-        for the server to have read it (a PING answered in order) and close."""
-        if self._closed:
+        """Leave the decision loop: upload what is pending (the open decision has no reward and is dropped, as
+        by the broker) with the provenance entry if one is recorded, and wait for the server to have read it
+        (a PING answered in order). The connection stays open for :meth:`save_policy`; :meth:`close` ends it."""
+        if self._ended or self._closed:
             return
-        try:
-            self._upload()
-            kind, _ = self._rpc(RLlink.PING)
-            if kind != RLlink.PONG:
-                raise ConnectionError(f"expected PONG, got {kind}")
-        finally:
-            self.close()
+        self._ended, self._open = True, None
+        self._final_upload()
+
+    def _final_upload(self) -> None:
+        provenance, self._provenance = self._provenance, None
+        self._upload(provenance)
+        kind, _ = self._rpc(RLlink.PING)
+        if kind != RLlink.PONG:
+            raise ConnectionError(f"expected PONG, got {kind}")
 
     def close(self) -> None:
+        """Release the connection (the server serves one run at a time: it takes the next one after this)."""
         if not self._closed:
             self._closed = True
             self._open = None
@@ -583,14 +695,54 @@ class RLlinkPolicyClient:
             except OSError:
                 pass
 
+    def __enter__(self) -> "RLlinkPolicyClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def save_policy(self, path, trained_on: dict, results: dict, provenance: dict | None = None) -> None:
-        """None: the policy lives in the policy server, which saves nothing (see the module docstring)."""
+        """None: the policy lives in the policy server, which saves it (``raydp policy-server --save``).
+        ``provenance``: this run's entry (ERRATA E14; the shape :func:`raydp.control.store.provenance_entry`
+        validates), sent to the server with the run's final upload (at :meth:`end`, or now if the run has
+        ended) so that the policy's manifest lists this run. Nothing for a frozen policy (not trained)."""
+        if provenance is None or self.frozen:
+            return None
+        entry = provenance_entry(provenance)  # a bad entry fails here, in the run, not in the server
+        if self._closed:
+            raise ConnectionError("the RLlink connection is closed: call save_policy before close()")
+        self._provenance = entry
+        if self._ended:
+            self._final_upload()
         return None
 
 
-def check_policy_server(address: RLlinkAddress, secret: bytes, timeout_s: float = 10.0) -> None:
-    """Before a run starts: the server answers, proves the secret and accepts ours (PING/PONG), else a
-    one-line ConfigError. The server re-listens 0.2 s after this probe leaves; the run then connects."""
+def check_served_policy(policy: dict, expect: dict | None, url: str) -> None:
+    """ConfigError (one line) unless the server's policy (``env_config["policy"]``) may drive a run with
+    ``expect``'s privacy mode and clip decoding (nothing is checked without ``expect``): a paper-mode policy
+    saw unprivatized statistics and may not drive a strict run; a paper-mode run would feed unprivatized
+    statistics to a strict policy (ERRATA E3/E14); a policy acts in one clip decoding."""
+    if not expect:
+        return
+    served, mode = policy.get("privacy_mode"), expect.get("privacy_mode")
+    if served != mode:
+        if mode == "strict":
+            raise ConfigError(f"policy server {url} serves a {served or 'undeclared'}-mode policy; a strict run "
+                              "may only use a strict one (ERRATA E3/E14): start the server with a strict config")
+        raise ConfigError(f"policy server {url} serves a {served or 'undeclared'}-mode policy; a {mode}-mode run "
+                          f"would train it on statistics it may not see (ERRATA E14): use a {mode}-mode server")
+    decoding = policy.get("action_decoding")
+    if decoding != expect.get("action_decoding"):
+        raise ConfigError(f"policy server {url} acts in {decoding!r} clip decoding; this run decodes "
+                          f"{expect.get('action_decoding')!r} (set rldp.action_decoding: {decoding})")
+
+
+def check_policy_server(address: RLlinkAddress, secret: bytes, expect: dict | None = None,
+                        timeout_s: float = 10.0) -> None:
+    """Before a run starts: the server is loopback, answers, proves the secret and accepts ours (PING/PONG),
+    and its policy may drive the run (``expect``, :func:`check_served_policy`), else a one-line ConfigError.
+    The server re-listens 0.2 s after this probe leaves; the run then connects."""
+    require_loopback(address.host, "connect to")
     key = _key(secret)
     try:
         sock = RLlinkPolicyClient._connect(address.host, address.port, timeout_s)
@@ -602,20 +754,23 @@ def check_policy_server(address: RLlinkAddress, secret: bytes, timeout_s: float 
         kind, _ = get_rllink_message(sock)
         if kind != RLlink.PONG:
             raise ConnectionError(f"expected PONG, got {kind}")
+        if expect:
+            send_rllink_message(sock, {"type": RLlink.GET_CONFIG.name})
+            kind, body = get_rllink_message(sock)
+            if kind != RLlink.SET_CONFIG:
+                raise ConnectionError(f"expected SET_CONFIG, got {kind}")
+            policy = pickle.loads(body["config"]).env_config.get("policy") or {}  # the server proved the secret
+            check_served_policy(policy, expect, address.url)
     except (ConnectionError, OSError) as exc:
         raise ConfigError(f"policy server {address.url}: {str(exc).splitlines()[0][:200]}") from None
     finally:
         sock.close()
 
 
-def client_from_rllink_connection(connection: dict, run_id: str) -> RLlinkPolicyClient:
-    """The run actor's client from what the launcher passed (see :func:`rllink_connection`)."""
-    return RLlinkPolicyClient(connection["host"], connection["port"], run_id, secret=connection.get("secret"),
-                              explore=connection.get("explore", True))
-
-
-def rllink_connection(address: RLlinkAddress, secret: bytes) -> dict:
+def rllink_connection(address: RLlinkAddress, secret: bytes, expect: dict | None = None) -> dict:
     """What a run actor needs to reach the policy server (the secret travels inside Ray, which already
-    runs arbitrary code in that actor; it prints as ``Secret(<hidden>)``)."""
+    runs arbitrary code in that actor; it prints as ``Secret(<hidden>)``); ``expect``: the run's privacy
+    mode and clip decoding (:func:`check_served_policy`). :func:`raydp.control.connection.
+    client_from_connection` builds the client."""
     return {"kind": "rllink", "host": address.host, "port": address.port, "secret": Secret(secret),
-            "explore": True}
+            "expect": dict(expect) if expect else None}

@@ -1,6 +1,7 @@
 """The policy service: one RLlib SAC algorithm shared by any number of runs (Alg. 1 lines 31-36).
 
-:class:`PolicyService` is a Ray actor that owns the algorithm; a background thread calls
+:class:`PolicyService` is a Ray actor that owns the algorithm; a background thread
+(:class:`raydp.control.training.TrainingLoop`, shared with the RLlink policy server) calls
 ``algo.train()`` once for every transition the runs report through the broker (K updates of B_SAC
 each, :mod:`raydp.control.sac`) and RLlib's weight sync pushes the new weights to the broker. It never
 waits on a run: with no transition pending it sleeps. :class:`PolicySession` is the driver-side handle:
@@ -17,7 +18,6 @@ learned from runs still going, whose entries come when they save.
 from __future__ import annotations
 
 import shutil
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -29,20 +29,8 @@ import torch
 from raydp.control.broker import BrokerEnvRunner, PolicyBroker
 from raydp.control.features import ObservationLayout
 from raydp.control.sac import SACSettings, sac_config
-from raydp.control.store import (
-    MODULE_DIR,
-    REPLAY_FILE,
-    load_manifest,
-    policy_layout,
-    provenance_entry,
-    provenance_of,
-    read_replay,
-    write_manifest,
-    write_replay,
-)
-
-LEARNER_MODULE = "learner_group/learner/rl_module/default_policy"
-POLL_MIN_S, POLL_MAX_S = 0.02, 0.5
+from raydp.control.store import MODULE_DIR, append_provenance, load_manifest, policy_layout, provenance_entry
+from raydp.control.training import TrainingLoop, restore_policy, write_policy
 
 
 @ray.remote(num_cpus=0, max_concurrency=4)
@@ -57,65 +45,20 @@ class PolicyService:
         self.broker = ray.get_actor(broker_name, namespace=namespace)
         self.algo = sac_config(self.layout, self.settings, BrokerEnvRunner,
                                {"broker_name": broker_name, "namespace": namespace}).build_algo()
-        self.lock = threading.Lock()
-        self.train_calls = 0
-        self.module_steps_trained = 0
-        self.transitions_trained = 0
-        self.errors: list[str] = []
-        self.provenance: list[dict] = []  # runs that trained this policy (ERRATA E14), inherited first
-        if restore:
-            self._restore(Path(restore))
-        self._stop = threading.Event()
-        self._busy = False
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def _restore(self, path: Path) -> None:
-        self.provenance = provenance_of(load_manifest(path))  # a continued policy inherits its runs (E14)
-        self.algo.restore_from_path(str(path / MODULE_DIR), component=LEARNER_MODULE)  # also syncs the broker
-        replay = read_replay(path / REPLAY_FILE)
-        if replay and len(replay["reward"]):
-            self.algo.local_replay_buffer.add(_episodes(replay, self.algo.config))
-
-    def _loop(self) -> None:
-        """Train once per pending transition. Idle polling backs off from 20 ms to 0.5 s: decisions are
-        T_RL steps (seconds) apart, and a tight poll would take CPU from the runs on a small machine."""
-        idle = POLL_MIN_S
-        while not self._stop.is_set():
-            try:
-                if ray.get(self.broker.num_pending.remote()) == 0:
-                    self._stop.wait(idle)
-                    idle = min(2 * idle, POLL_MAX_S)
-                    continue
-                idle = POLL_MIN_S
-                with self.lock:
-                    self._busy = True
-                    result = self.algo.train()
-                    self.train_calls += 1
-                    self.transitions_trained += 1
-                    self.module_steps_trained += _module_steps(result)
-                    self._busy = False
-            except Exception as exc:  # keep serving; the error is reported by counters()
-                self._busy = False
-                self.errors.append(repr(exc))
-                time.sleep(0.5)
+        # runs that trained this policy (ERRATA E14), inherited first; restoring also syncs the broker
+        self.provenance: list[dict] = restore_policy(self.algo, Path(restore)) if restore else []
+        self.training = TrainingLoop(self.algo, lambda: ray.get(self.broker.num_pending.remote()),
+                                     name="broker-sac-train").start()
 
     def counters(self) -> dict:
         learner = self.algo.learner_group._learner
-        return {"train_calls": self.train_calls, "transitions_trained": self.transitions_trained,
-                "module_steps_trained": self.module_steps_trained,
+        return {**self.training.counters(),
                 "replay_size": self.algo.local_replay_buffer.get_num_timesteps(),
-                "alpha": float(learner.curr_log_alpha["default_policy"].exp()),  # the learner's live temperature
-                "errors": list(self.errors)}
+                "alpha": float(learner.curr_log_alpha["default_policy"].exp())}  # the learner's live temperature
 
     def wait_idle(self, timeout_s: float = 120.0) -> bool:
         """Wait until every reported transition has been trained on."""
-        deadline = time.time() + timeout_s
-        while time.time() < deadline:
-            if ray.get(self.broker.num_pending.remote()) == 0 and not self._busy:
-                return True
-            time.sleep(0.02)
-        return False
+        return self.training.wait_idle(timeout_s)
 
     def save(self, path: str, trained_on: dict, results: dict, name: str | None = None,
              provenance: dict | None = None) -> dict:
@@ -125,52 +68,19 @@ class PolicyService:
         appended to the policy's provenance list, which the manifest records (ERRATA E14)."""
         entry = provenance_entry(provenance) if provenance is not None else None  # validate before writing
         self.wait_idle()
-        with self.lock:
-            if entry is not None and entry["entry_id"] not in {e.get("entry_id") for e in self.provenance}:
-                self.provenance.append(entry)
-            out = Path(path)
-            out.mkdir(parents=True, exist_ok=False)
-            module = self.algo.learner_group._learner.module["default_policy"]
-            module.save_to_path(str(out / MODULE_DIR))
-            write_replay(out / REPLAY_FILE, _transitions(self.algo.local_replay_buffer))
-            return write_manifest(out, layout=self.layout, sac=self.settings.as_dict(), trained_on=trained_on,
-                                  results=results, transitions=self.transitions_trained,
-                                  updates=self.train_calls * self.settings.k, name=name,
-                                  provenance=self.provenance)
+        with self.training.lock:
+            if entry is not None:
+                append_provenance(self.provenance, entry)
+            return write_policy(self.algo, Path(path), layout=self.layout, settings=self.settings,
+                                trained_on=trained_on, results=results,
+                                transitions=self.training.transitions_trained,
+                                updates=self.training.train_calls * self.settings.k, name=name,
+                                provenance=self.provenance)
 
     def stop(self) -> None:
-        self._stop.set()
-        self.thread.join(timeout=30)
-        with self.lock:
+        self.training.stop(timeout_s=30)
+        with self.training.lock:
             self.algo.stop()
-
-
-def _module_steps(result: dict) -> int:
-    """Transitions consumed by SAC updates in one train() (RLlib's own learner metric)."""
-    from ray.rllib.utils.metrics import LEARNER_RESULTS, NUM_MODULE_STEPS_TRAINED
-
-    learner = result.get(LEARNER_RESULTS, {}).get("default_policy", {})
-    value = learner.get(NUM_MODULE_STEPS_TRAINED, 0)
-    return int(getattr(value, "peek", lambda: value)())
-
-
-def _transitions(buffer) -> dict[str, np.ndarray]:
-    episodes = list(buffer.episodes)
-    if not episodes:
-        return {"obs": np.zeros((0,)), "action": np.zeros((0,)), "reward": np.zeros((0,)), "next_obs": np.zeros((0,))}
-    return {"obs": np.stack([e.get_observations(0) for e in episodes]),
-            "action": np.stack([e.get_actions(0) for e in episodes]),
-            "reward": np.array([e.get_rewards(0) for e in episodes], dtype=np.float64),
-            "next_obs": np.stack([e.get_observations(1) for e in episodes])}
-
-
-def _episodes(replay: dict, config) -> list:
-    from ray.rllib.env.single_agent_episode import SingleAgentEpisode
-
-    return [SingleAgentEpisode(observations=[o, o2], actions=[a], rewards=[float(r)],
-                               observation_space=config.observation_space, action_space=config.action_space,
-                               len_lookback_buffer=0).to_numpy()
-            for o, a, r, o2 in zip(replay["obs"], replay["action"], replay["reward"], replay["next_obs"])]
 
 
 class PolicyClient:
@@ -239,9 +149,10 @@ class PolicySession:
         return PolicyClient(self.broker, run_id, explore=not self.frozen, service=self.service)
 
     def connection(self) -> dict:
-        """What a run actor needs to build its client (picklable)."""
-        return {"broker_name": self.name, "namespace": self.namespace, "explore": not self.frozen,
-                "service": self.service}
+        """What a run actor needs to build its client (picklable; :func:`raydp.control.connection.
+        client_from_connection` builds it)."""
+        return {"kind": "broker", "broker_name": self.name, "namespace": self.namespace,
+                "explore": not self.frozen, "service": self.service}
 
     def counters(self) -> dict:
         return ray.get(self.service.counters.remote()) if self.service is not None else {}
@@ -278,7 +189,3 @@ class PolicySession:
     def __exit__(self, *exc):
         self.close()
 
-
-def client_from_connection(connection: dict, run_id: str) -> PolicyClient:
-    broker = ray.get_actor(connection["broker_name"], namespace=connection["namespace"])
-    return PolicyClient(broker, run_id, explore=connection["explore"], service=connection.get("service"))

@@ -132,6 +132,15 @@ def provenance_entry(entry: dict) -> dict:
     return out
 
 
+def append_provenance(provenance: list[dict], entry: dict) -> bool:
+    """Append a validated entry (:func:`provenance_entry`) to a policy's list unless its ``entry_id`` is
+    already there (one run is composed once). True if it was appended."""
+    if entry["entry_id"] in {e.get("entry_id") for e in provenance}:
+        return False
+    provenance.append(entry)
+    return True
+
+
 def provenance_of(manifest: dict) -> list[dict]:
     """The runs that trained a policy (ERRATA E14): ``manifest["provenance"]``; a manifest written before
     provenance existed gives one legacy entry from its ``trained_on`` (dataset and RDP curve unknown)."""

@@ -59,6 +59,7 @@ What stays the user's responsibility (the integration cannot see it) is listed i
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import sys
@@ -276,6 +277,9 @@ class DPTraining:
         self.log_epsilon = bool(log_epsilon)
         if self.config.strategy == "rldp" and controller is None:
             raise ConfigError("strategy 'rldp' needs a policy client: DPTraining(..., controller=client)")
+        if controller is not None:
+            _check_served_policy(controller, self.config)
+        self.client = controller
         self.strategy = build_strategy(self.config, controller)
         if getattr(self.strategy, "mechanism", None) == "local":
             raise ConfigError(f"strategy {self.config.strategy!r} is a forward-pass local mechanism (its own "
@@ -532,7 +536,27 @@ class DPTraining:
         directory = self.ledger_file().parent
         directory.mkdir(parents=True, exist_ok=True)
         self.controller = self.strategy.finish(directory) or {}
+        if self.client is not None and getattr(self.client, "service", None) is not None:
+            self._send_provenance(directory)
         return self.controller
+
+    def _send_provenance(self, directory: Path) -> None:
+        """A policy this run trained must remember it (ERRATA E14): the run's provenance entry (dataset
+        content hash, privacy mode and unit, epsilon, RDP curve), as :func:`raydp.runner.run.run_training`
+        gives it, goes to the policy's owner through ``save_policy`` (the RLlink server records it)."""
+        from raydp.control.policies import trained_on
+        from raydp.runner.run import policy_provenance
+
+        privacy = privacy_summary(self.run, self.config)
+        digest = hashlib.sha256(json.dumps(self.split.sequences).encode()).hexdigest()
+        manifest = {"content_sha256": digest, "public": False}  # the Trainer's records: private
+        self.client.save_policy(
+            directory / "policy", trained_on=trained_on(self.config, n_adapter_pairs=len(self.run.step.pairs),
+                                                        epsilon=self.config.epsilon, steps=len(self.run.ledger),
+                                                        privacy_mode=self.run.strategy.privacy_mode,
+                                                        decisions=self.controller.get("decisions")),
+            results={"epsilon": privacy["epsilon"], "labels": privacy["labels"]},
+            provenance=policy_provenance(self.run, self.config, manifest, privacy))
 
     def save(self, path: str | Path | None = None) -> Path:
         """Write the ledger to ``path`` (default :meth:`ledger_file`) and the privacy summary beside it as
@@ -544,6 +568,20 @@ class DPTraining:
         self.run.ledger.save(path)
         (path.parent / SUMMARY_FILENAME).write_text(json.dumps(self.summary(), indent=2, default=_jsonable))
         return path
+
+
+def _check_served_policy(client, config: TrainConfig) -> None:
+    """An RLlink policy server's policy must be one that may drive this run (same privacy mode and clip
+    decoding, ERRATA E3/E14); a one-line ConfigError otherwise (the broker's client is checked by raydp's
+    launcher, which starts its policy)."""
+    served = getattr(getattr(client, "config", None), "env_config", None)
+    if not isinstance(served, dict) or "policy" not in served:
+        return
+    from raydp.control.rllink import check_served_policy
+
+    check_served_policy(served["policy"] or {}, {"privacy_mode": config.rldp.privacy_mode,
+                                                 "action_decoding": config.rldp.action_decoding},
+                        getattr(client, "service", None) or "(RLlink)")
 
 
 def _jsonable(value):

@@ -1,10 +1,29 @@
-"""A fine-tuning run as a Ray actor: it owns its training loop and talks to the policy via the broker."""
+"""A fine-tuning run as a Ray actor: it owns its training loop and reaches the policy through the broker or,
+over RLlink, a policy server (the client comes from :func:`raydp.control.connection.client_from_connection`)."""
 
 from __future__ import annotations
 
 import os
 
 import ray
+
+
+def run_with_connection(config: dict, output: str, overwrite: bool, connection: dict | None, run_id: str,
+                        progress: bool = True) -> dict:
+    """One run whose policy client is built from ``connection`` (None: no controller) and closed (if it
+    has ``close``: an RLlink client's socket) however the run ends."""
+    from raydp.config import TrainConfig, validate_config
+    from raydp.control.connection import client_from_connection
+    from raydp.runner.run import run_training
+
+    cfg = validate_config(TrainConfig, config)
+    client = client_from_connection(connection, run_id) if connection else None
+    try:
+        return run_training(cfg, output, overwrite=overwrite, progress=progress, client=client)
+    finally:
+        close = getattr(client, "close", None)
+        if close is not None:
+            close()
 
 
 @ray.remote
@@ -20,13 +39,7 @@ class FineTuningRun:
 
     def run(self, config: dict, output: str, overwrite: bool, connection: dict | None, run_id: str,
             progress: bool = True) -> dict:
-        from raydp.config import TrainConfig, validate_config
-        from raydp.control.service import client_from_connection
-        from raydp.runner.run import run_training
-
-        cfg = validate_config(TrainConfig, config)
-        client = client_from_connection(connection, run_id) if connection else None
-        return run_training(cfg, output, overwrite=overwrite, progress=progress, client=client)
+        return run_with_connection(config, output, overwrite, connection, run_id, progress)
 
     def pid(self) -> int:
         return os.getpid()

@@ -3,9 +3,10 @@
 For an RLDP run this starts (or joins) Ray, starts the policy (broker, and the SAC service unless the
 policy is frozen), runs the fine-tuning as a :class:`~raydp.runner.actor.FineTuningRun` actor, saves
 the policy under ``policy_dir/NAME`` if asked, and shuts the policy down. With ``controller:
-rllink://HOST:PORT`` the policy is a running policy server (:mod:`raydp.control.policy_server`) and the
-run, a :class:`~raydp.runner.rllink_actor.RLlinkFineTuningRun`, reaches it over RLlink
-(:mod:`raydp.control.rllink`): nothing is started or saved on the policy's side.
+rllink://HOST:PORT`` (a loopback host: a remote server is reached through an SSH tunnel) the policy is a
+running policy server (:mod:`raydp.control.policy_server`) and the same run actor reaches it over RLlink
+(:mod:`raydp.control.rllink`): nothing is started on the policy's side, and the run's provenance entry goes
+to the server, which saves the policy if it was started with ``--save``.
 """
 
 from __future__ import annotations
@@ -68,11 +69,8 @@ def train(config: TrainConfig, output: str | Path, overwrite: bool = False, prog
         return run_training(config, output, overwrite=overwrite, progress=progress)
     if config.controller != "broker":
         return _train_over_rllink(config, output, overwrite=overwrite, progress=progress)
-    import ray
-
     from raydp.control.store import copy_policy
     from raydp.model.loading import check_model_name
-    from raydp.runner.actor import FineTuningRun
 
     check_model_name(config.model)
     check_policy_privacy(config)  # before Ray starts: a paper-mode policy may not drive a strict run (E14)
@@ -80,14 +78,10 @@ def train(config: TrainConfig, output: str | Path, overwrite: bool = False, prog
     named = Path(s.policy_dir).expanduser() / s.save_policy if s.save_policy else None
     if named is not None and named.exists() and not overwrite_policy:
         raise ConfigError(f"policy {named} already exists (pass --overwrite-policy to replace it)")
-    threads = config.cpus or os.cpu_count() or 1
     ensure_ray()
     session = start_policy(config)
     try:
-        run = FineTuningRun.options(num_cpus=min(threads, int(ray.available_resources().get("CPU", 1)) or 1)).remote(
-            threads)
-        summary = ray.get(run.run.remote(config.model_dump(mode="json"), str(Path(output).resolve()), overwrite,
-                                         session.connection(), f"run-{uuid.uuid4().hex[:8]}", progress))
+        summary = _run_actor(config, output, overwrite, session.connection(), progress)
         summary["policy_service"] = session.counters()
         if named is not None:
             copy_policy(Path(output) / "policy", named, overwrite=overwrite_policy)
@@ -98,32 +92,37 @@ def train(config: TrainConfig, output: str | Path, overwrite: bool = False, prog
         session.close()
 
 
+def _run_actor(config: TrainConfig, output: str | Path, overwrite: bool, connection: dict, progress: bool) -> dict:
+    """The run as a :class:`~raydp.runner.actor.FineTuningRun` actor (either transport) with its client
+    built from ``connection``; returns its summary."""
+    import ray
+
+    from raydp.runner.actor import FineTuningRun
+
+    threads = config.cpus or os.cpu_count() or 1
+    run = FineTuningRun.options(num_cpus=min(threads, int(ray.available_resources().get("CPU", 1)) or 1)).remote(
+        threads)
+    return ray.get(run.run.remote(config.model_dump(mode="json"), str(Path(output).resolve()), overwrite,
+                                  connection, f"run-{uuid.uuid4().hex[:8]}", progress))
+
+
 def _train_over_rllink(config: TrainConfig, output: str | Path, overwrite: bool = False,
                        progress: bool = True) -> dict:
     """An RLDP run driven by the policy server at ``config.controller`` (see the module docstring). The
     secret is resolved here, before Ray starts (:func:`raydp.control.rllink.resolve_secret`), and handed to
-    the run actor; a non-loopback server gets the plaintext warning."""
-    import sys
-
-    import ray
-
-    from raydp.control.address import parse_controller, plaintext_warning
+    the run actor; the server must be loopback, answer, and serve a policy of the run's privacy mode and
+    clip decoding (one-line ConfigErrors, before Ray starts)."""
+    from raydp.control.address import parse_controller
     from raydp.control.rllink import check_policy_server, resolve_secret, rllink_connection
     from raydp.model.loading import check_model_name
-    from raydp.runner.rllink_actor import RLlinkFineTuningRun
 
     address = parse_controller(config.controller)
     check_model_name(config.model)
     secret, _ = resolve_secret()
-    if not address.loopback:
-        print(f"raydp: {plaintext_warning(address.host)}", file=sys.stderr)
-    check_policy_server(address, secret)  # a one-line error now rather than a failed run actor later
-    threads = config.cpus or os.cpu_count() or 1
+    expect = {"privacy_mode": config.rldp.privacy_mode, "action_decoding": config.rldp.action_decoding}
+    check_policy_server(address, secret, expect)  # a one-line error now rather than a failed run actor later
     ensure_ray()
-    run = RLlinkFineTuningRun.options(num_cpus=min(threads, int(ray.available_resources().get("CPU", 1)) or 1)).remote(
-        threads)
-    summary = ray.get(run.run.remote(config.model_dump(mode="json"), str(Path(output).resolve()), overwrite,
-                                     rllink_connection(address, secret), f"run-{uuid.uuid4().hex[:8]}", progress))
+    summary = _run_actor(config, output, overwrite, rllink_connection(address, secret, expect), progress)
     summary["controller_transport"] = {"kind": "rllink", "address": address.url}
     _rewrite_json(Path(output) / "summary.json", summary)
     return summary

@@ -112,8 +112,10 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
                  resume: dict | None = None, population_admit=None) -> dict:
     """Run one fine-tuning and write everything it produces under ``output``; returns the summary.
 
-    ``client``: the policy connection of an RLDP run (:class:`raydp.control.service.PolicyClient`);
-    RLDP runs are started by :func:`raydp.runner.launch.train`, which runs them as Ray actors.
+    ``client``: the policy connection of an RLDP run (:class:`raydp.control.service.PolicyClient`, or over
+    RLlink :class:`raydp.control.rllink.RLlinkPolicyClient`); RLDP runs are started by
+    :func:`raydp.runner.launch.train`, which runs them as Ray actors. A client whose ``service`` is set
+    gets ``save_policy`` with the run's provenance entry (ERRATA E14) when the run ends.
     ``on_checkpoint(state)`` receives the resumable state at evaluations, every ``checkpoint_every``
     steps and before every controller decision; ``resume`` is such a state: the run continues from it
     with exactly its ledger (no step lost or charged twice). ``population_admit``: a PBT member's admission by

@@ -176,6 +176,7 @@ class StudyConfig(StrictModel):
         for key in ("strategy", "epsilon", "seed", "model"):
             if key in self.base:
                 raise ValueError(f"base.{key} is set by the study's grid ({key}s); remove it from base")
+        self._check_controller()
         if self.evaluate is not None and self.evaluate.audit and not (self.base.get("data") or {}).get("n_audit"):
             raise ValueError("evaluate.audit needs audit canaries in the data: set base.data.n_audit (e.g. 100) "
                              "or evaluate: {audit: false}")
@@ -224,6 +225,18 @@ class StudyConfig(StrictModel):
                 raise ValueError("a shared policy has one B_SAC and one K (they are the policy service's "
                                  "settings): give single sac_grid.b_sac and sac_grid.k values and search: grid")
         return self
+
+    def _check_controller(self) -> None:
+        """A study starts its own policies (per trial, or one shared service) and reaches them through the
+        broker: a ``controller`` other than ``broker`` (e.g. an RLlink policy server) in ``base`` or in any
+        arm's settings would be ignored or fail mid-study, so it is refused here."""
+        places = [("base", self.base)] + [(f"{name}.{strategy}", values) for name, arms in
+                                          (("strategy_settings", self.strategy_settings),
+                                           ("settings_grid", self.settings_grid)) for strategy, values in arms.items()]
+        for where, values in places:
+            if "controller" in values and values["controller"] != "broker":
+                raise ValueError(f"{where}.controller: a study starts its own RLDP policies (controller: broker); "
+                                 f"{values['controller']!r} is for one `raydp train` run: remove it")
 
     def _check_pbt(self) -> None:
         if self.search != "pbt":

@@ -220,7 +220,7 @@ def run_trial(params: dict) -> None:
     from ray.tune import Checkpoint
 
     from raydp.control.policies import trained_on
-    from raydp.control.service import client_from_connection
+    from raydp.control.connection import client_from_connection
     from raydp.runner.launch import start_policy
     from raydp.runner.run import run_training
 

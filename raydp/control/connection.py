@@ -1,0 +1,31 @@
+"""A run's policy client from the connection dict its launcher passed: one factory for both transports.
+
+``connection["kind"]`` says which: ``"broker"`` (:meth:`raydp.control.service.PolicySession.connection`:
+a :class:`raydp.control.service.PolicyClient` on the named broker actor) or ``"rllink"``
+(:func:`raydp.control.rllink.rllink_connection`: a :class:`raydp.control.rllink.RLlinkPolicyClient`
+on a policy server). A dict without ``kind`` is a broker's (connections made before the key existed).
+Both clients have the same interface (``layout``, ``decide``, ``end``, ``save_policy``, ``latencies``,
+``weights_seen``, ``service``); the RLlink one also holds a socket, released by ``close()``.
+"""
+
+from __future__ import annotations
+
+KINDS = ("broker", "rllink")
+
+
+def client_from_connection(connection: dict, run_id: str):
+    """The policy client of run ``run_id`` for ``connection`` (ValueError for an unknown kind)."""
+    kind = connection.get("kind", "broker")
+    if kind == "broker":
+        import ray
+
+        from raydp.control.service import PolicyClient
+
+        broker = ray.get_actor(connection["broker_name"], namespace=connection["namespace"])
+        return PolicyClient(broker, run_id, explore=connection["explore"], service=connection.get("service"))
+    if kind == "rllink":
+        from raydp.control.rllink import RLlinkPolicyClient
+
+        return RLlinkPolicyClient(connection["host"], connection["port"], run_id, secret=connection.get("secret"),
+                                  expect=connection.get("expect"))
+    raise ValueError(f"unknown policy connection kind {kind!r} (expected one of {', '.join(KINDS)})")
