@@ -249,7 +249,8 @@ class FakePolicy:
 @pytest.mark.parametrize("strategy", ["dc-sgd-p", "rldp"])  # declared releases; adaptive sigma, pairwise clips
 def test_other_strategies_under_the_trainer(tmp_path, texts, strategy):
     loaded = fresh_model()
-    extra = {"rldp": {"t_warm": 1, "t_rl": 2}} if strategy == "rldp" else {"units": np.arange(N_RECORDS) // 2}
+    extra = ({"rldp": {"t_warm": 1, "t_rl": 2}, "dataset_sha256": "d" * 64} if strategy == "rldp"
+             else {"units": np.arange(N_RECORDS) // 2})
     client = FakePolicy(service="a policy that learns") if strategy == "rldp" else None
     dp = DPTraining(loaded.model, texts, loaded.tokenizer, **{**PRIVACY, "strategy": strategy}, max_steps=3,
                     controller=client, **extra)
@@ -282,7 +283,8 @@ def test_other_strategies_under_the_trainer(tmp_path, texts, strategy):
         entry = provenance_entry(client.saved[0]["provenance"])
         assert entry["privacy_mode"] == "strict" and entry["public_data"] is False
         assert entry["epsilon"] == summary["epsilon"] and entry["guarantee"] == FILTER_NAME
-        assert len(entry["dataset_sha256"]) == 64 and len(entry["rdp_curve"]) == len(entry["rdp_orders"]) > 0
+        assert entry["dataset_sha256"] == "d" * 64  # the raydp dataset's identity, as the user gave it
+        assert len(entry["rdp_curve"]) == len(entry["rdp_orders"]) > 0
         assert client.saved[0]["trained_on"]["steps"] == 3
 
 
@@ -325,19 +327,34 @@ def test_the_trainers_eval_metrics_are_labelled_unprotected_unless_declared_publ
     trainer = Trainer(model=loaded.model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                       data_collator=DataCollatorForLanguageModeling(loaded.tokenizer, mlm=False),
                       callbacks=[dp.callback])
+    seen = SeenByCallbacks()
+    trainer.add_callback(seen)  # a user's callback, after DPCallback
     dp.attach(trainer)
     trainer.train()
+    returned = trainer.evaluate(eval_dataset, metric_key_prefix="test")  # the same data under another prefix
     keys = {k for entry in trainer.state.log_history for k in entry}
-    evaluated = {k for k in keys if "eval_loss" in k}
+    evaluated = {k for k in keys if k.endswith("_loss")}
     note = capsys.readouterr().err
     if public:
-        assert evaluated == {"eval_loss"} and "unprotected" not in note
-        assert "declared public" in dp.summary()["eval_note"]
+        assert evaluated == {"eval_loss", "test_loss"} and "unprotected" not in note
+        assert "test_loss" in returned and "declared public" in dp.summary()["eval_note"]
     else:
-        assert evaluated == {"unprotected_eval_loss"} and not any(k.startswith("eval_") for k in keys)
+        assert evaluated == {"unprotected_eval_loss", "unprotected_test_loss"}
+        assert not any(k.startswith(("eval_", "test_")) for k in keys)
+        assert set(returned) >= {"unprotected_test_loss", "unprotected_test_runtime"} and "test_loss" not in returned
+        assert all(k.startswith("unprotected_") for metrics in seen.metrics for k in metrics)
         assert "ERRATA E15" in note and "ERRATA E15" in dp.summary()["eval_note"]
-    runs = [e for e in trainer.state.log_history if "eval_loss" in "".join(e)]
-    assert len(runs) == 2 and all(np.isfinite(e.get("eval_loss", e.get("unprotected_eval_loss"))) for e in runs)
+    runs = [e for e in trainer.state.log_history if any(k.endswith("_loss") for k in e)]
+    assert len(runs) == 3 and len(seen.metrics) == 3
+    assert all(np.isfinite(v) for e in runs for k, v in e.items() if k.endswith("_loss"))
+
+
+class SeenByCallbacks(TrainerCallback):
+    def __init__(self):
+        self.metrics = []
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.metrics.append(dict(metrics))
 
 
 def test_a_policy_server_whose_policy_may_not_drive_the_run_is_refused(texts):

@@ -225,8 +225,9 @@ def test_a_saved_policys_training_runs_on_the_same_data_compose(tmp_path, monkey
             "delta": DELTA, "guarantee": "ledger", "rdp_orders": ORDERS,
             "rdp_curve": ledger_rdp_curve(trained).tolist()}
     elsewhere = {**same, "dataset_sha256": "e" * 64}
+    public = {**same, "dataset_sha256": "f" * 64, "public_data": True}
     write_manifest(pol, layout=ObservationLayout("shared", 8), sac={}, trained_on={"model": "embedded"}, results={},
-                   transitions=1, updates=1, provenance=[same, elsewhere])
+                   transitions=1, updates=1, provenance=[same, elsewhere, public])
     study = make_study(strategies=["rldp"], base={"delta": DELTA, "rldp": {"policy": "prior",
                                                                           "policy_dir": str(policies)}})
     d = study_dir_with_dataset(tmp_path)
@@ -240,6 +241,9 @@ def test_a_saved_policys_training_runs_on_the_same_data_compose(tmp_path, monkey
     kinds = [c["kind"] for c in fig["composed"]]
     assert kinds.count("policy_training_run") == 1  # used by two trials, composed once; other dataset: not
     assert fig["trials"] == 2 and fig["runs"] == 3
+    # another private dataset is not composed, but said (it may hold the same people); public data is not
+    others = [w for w in fig["warnings"] if "another private dataset" in w]
+    assert len(others) == 1 and "eeeeeeeeeeee" in others[0] and not any("ffffffffffff" in w for w in fig["warnings"])
     expected, _ = dp_rdp.compute_epsilon(ORDERS, independent_rdp([own_a, own_b, trained]), DELTA)
     assert fig["tuning_aware_epsilon"] == pytest.approx(expected, rel=1e-6)
 

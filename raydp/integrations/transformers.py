@@ -33,9 +33,10 @@ wired by :func:`raydp.runner.privacy_setup.setup_private_run`, the same object r
   - ``log``: the Trainer's ``loss``/``train_loss`` entries (a training loss on private data would be a
     release no accountant counts, E3) are removed; post-processed figures of the release are logged
     instead (``dp_sigma_eff``, ``dp_noisy_grad_norm``, ``dp_epsilon_spent``, ``dp_steps_charged``); the
-    Trainer's ``eval_*`` metrics are logged as ``unprotected_eval_*`` unless
-    ``DPTraining(..., eval_data_is_public=True)``: an eval set of private records is covered by no
-    accountant (E15), and selecting a checkpoint on it is refused.
+    Trainer's evaluation metrics (any ``metric_key_prefix``) are logged as ``unprotected_*`` (e.g.
+    ``unprotected_eval_loss``) unless ``DPTraining(..., eval_data_is_public=True)``: an eval set of
+    private records is covered by no accountant (E15), and selecting a checkpoint on it is refused. The
+    callback relabels the same metrics for later callbacks and for ``evaluate()``'s caller.
 
 * :class:`DPCallback` (``dp.callback``) keeps the guarantee around the Trainer's own steps: at train
   begin it refuses unsafe ``TrainingArguments`` (:func:`check_training_arguments`) and a Trainer that is
@@ -87,7 +88,8 @@ from raydp.runner.privacy_setup import (
     setup_private_run,
 )
 
-__all__ = ["BATCH_KEY", "DPCallback", "DPTraining", "PoissonBatches", "check_training_arguments", "unprotected_name"]
+__all__ = ["BATCH_KEY", "DPCallback", "DPTraining", "PoissonBatches", "check_training_arguments", "relabel_unprotected",
+           "unprotected_name"]
 
 #: the one key of the inputs the Trainer receives: an opaque :class:`raydp.model.batches.Batch`
 BATCH_KEY = "raydp_poisson_batch"
@@ -96,11 +98,15 @@ SUMMARY_FILENAME = "privacy_summary.json"
 LOSS_NOTE = ("the Trainer's loss is not computed under DP: training_step returns a constant 0 and the "
              "'loss'/'train_loss' log entries are removed (a training loss on private data is a release no "
              "accountant counts, ERRATA E3); the logged dp_* figures are post-processing of the DP release")
-#: the prefix of the Trainer's eval metrics in every log unless the eval data is declared public (ERRATA E15)
+#: the prefix of every metric the Trainer computes on data (its evaluations, under any metric_key_prefix) in
+#: every log, in what evaluate() returns and in what callbacks see, unless the eval data is declared public (E15)
 UNPROTECTED_PREFIX = "unprotected_"
-EVAL_NOTE = ("the Trainer's eval_* metrics are computed on its eval dataset, which no accountant covers (ERRATA E15): "
-             "they are logged as unprotected_eval_*; pass DPTraining(..., eval_data_is_public=True) only if that "
-             "data is public")
+#: what a training log may carry unlabelled: public counters, the schedule, and post-processing of the DP release
+TRAINING_LOG_KEYS = frozenset({"epoch", "step", "learning_rate", "total_flos", "train_runtime",
+                               "train_samples_per_second", "train_steps_per_second"})
+EVAL_NOTE = ("the Trainer's evaluation metrics are computed on its eval data, which no accountant covers (ERRATA E15): "
+             "they reach logs, callbacks and evaluate()'s result as unprotected_* (e.g. unprotected_eval_loss); pass "
+             "DPTraining(..., eval_data_is_public=True) only if that data is public")
 #: optimizers that update inside the backward pass (they would never apply the DP step's gradient)
 FUSED_BACKWARD_OPTIMIZERS = ("lomo", "adalomo")
 
@@ -164,8 +170,20 @@ def _check_trainer_class(trainer: Trainer) -> None:
 # -- data ---------------------------------------------------------------------------------------------
 
 def unprotected_name(key: str) -> str:
-    """``eval_loss`` -> ``unprotected_eval_loss`` (a metric of the Trainer's eval dataset; E15); other keys unchanged."""
-    return UNPROTECTED_PREFIX + key if key.startswith("eval_") else key
+    """``eval_loss`` -> ``unprotected_eval_loss`` (E15): every key but a training log's public ones
+    (:data:`TRAINING_LOG_KEYS`) and the DP release's ``dp_*``, whatever its prefix (``test_loss`` too)."""
+    if key in TRAINING_LOG_KEYS or key.startswith(("dp_", UNPROTECTED_PREFIX)):
+        return key
+    return UNPROTECTED_PREFIX + key
+
+
+def relabel_unprotected(metrics: dict) -> None:
+    """Rename, in place, every metric :func:`unprotected_name` labels (the dict the Trainer's ``evaluate``
+    passes to its callbacks and returns)."""
+    for key in list(metrics):
+        label = unprotected_name(key)
+        if label != key:
+            metrics[label] = metrics.pop(key)
 
 
 class _Pretokenized:
@@ -256,12 +274,16 @@ class DPTraining:
     corpus). ``ledger_path``: where the ledger is written (default ``<output_dir>/privacy_ledger.parquet``),
     with ``privacy_summary.json`` beside it. ``eval_data_is_public``: allow checkpoint selection on the
     Trainer's eval metrics (only when the eval data is public, ERRATA E15). ``log_epsilon``: log the epsilon
-    spent so far at every logging step (a fresh accountant composition each time: ~0.1-0.4 s on a CPU)."""
+    spent so far at every logging step (a fresh accountant composition each time: ~0.1-0.4 s on a CPU).
+    ``dataset_sha256``: the identity of the private dataset in a policy's provenance (ERRATA E14): give the
+    ``content_sha256`` of the raydp dataset the records come from, so that studies on it compose this run's
+    spend; default: a hash of the tokenised training records, which matches no raydp dataset."""
 
     def __init__(self, model: torch.nn.Module, train_dataset, tokenizer=None, config: TrainConfig | None = None, *,
                  units: Sequence | None = None, text_column: str = "text", loss=None, controller=None,
                  public_texts: list[str] | None = None, ledger_path: str | Path | None = None,
-                 eval_data_is_public: bool = False, log_epsilon: bool = True, **config_fields: Any):
+                 eval_data_is_public: bool = False, log_epsilon: bool = True, dataset_sha256: str | None = None,
+                 **config_fields: Any):
         if config is not None and config_fields:
             raise ConfigError("pass a TrainConfig or its fields as keyword arguments, not both")
         self.config = config if config is not None else TrainConfig(**config_fields)
@@ -274,6 +296,7 @@ class DPTraining:
         self.public_texts = public_texts
         self.ledger_path = Path(ledger_path) if ledger_path is not None else None
         self.eval_data_is_public = bool(eval_data_is_public)
+        self.dataset_sha256 = dataset_sha256
         self.log_epsilon = bool(log_epsilon)
         if self.config.strategy == "rldp" and controller is None:
             raise ConfigError("strategy 'rldp' needs a policy client: DPTraining(..., controller=client)")
@@ -410,7 +433,7 @@ class DPTraining:
 
     def _released_logs(self, logs: dict) -> dict:
         """The Trainer's log without its training loss, with post-processed figures of the DP release; the
-        Trainer's eval metrics renamed ``unprotected_eval_*`` unless the eval data is public (ERRATA E15)."""
+        Trainer's other metrics (its evaluations') renamed ``unprotected_*`` unless the eval data is public (E15)."""
         training = "loss" in logs or "train_loss" in logs
         logs = {k: v for k, v in logs.items() if k not in ("loss", "train_loss")}
         if not self.eval_data_is_public:
@@ -548,7 +571,7 @@ class DPTraining:
         from raydp.runner.run import policy_provenance
 
         privacy = privacy_summary(self.run, self.config)
-        digest = hashlib.sha256(json.dumps(self.split.sequences).encode()).hexdigest()
+        digest = self.dataset_sha256 or hashlib.sha256(json.dumps(self.split.sequences).encode()).hexdigest()
         manifest = {"content_sha256": digest, "public": False}  # the Trainer's records: private
         self.client.save_policy(
             directory / "policy", trained_on=trained_on(self.config, n_adapter_pairs=len(self.run.step.pairs),
@@ -614,6 +637,12 @@ class DPCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.dp._step_end(control)
         return control
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        """First among the callbacks: the evaluation's metrics are relabelled in place (E15), so later
+        callbacks and ``evaluate()``'s caller get ``unprotected_*`` unless the eval data is public."""
+        if metrics is not None and not self.dp.eval_data_is_public:
+            relabel_unprotected(metrics)
 
     def on_save(self, args, state, control, **kwargs):
         if self.dp.run is not None and args.should_save:

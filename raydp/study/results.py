@@ -481,6 +481,10 @@ def _policy_runs(study, trial: dict, study_dir: Path, sha: str | None,
                             "if it trained on this dataset, its spend is not in the figure")
             continue
         if entry["dataset_sha256"] != sha:
+            if not entry.get("public_data"):  # another private dataset: not composed, but said (E14)
+                warnings.append(f"policy {name} was also trained on another private dataset "
+                                f"({str(entry['dataset_sha256'])[:12]}): not composed here; if it holds the same "
+                                "people (e.g. the same records identified another way), their spend adds")
             continue
         key = entry.get("entry_id") or json.dumps(entry, sort_keys=True)
         if key in seen:
