@@ -58,7 +58,8 @@ class BenchRun:
             from raydp.control.rllink import RLlinkPolicyClient
 
             client = RLlinkPolicyClient(connection["host"], connection["port"], "bench-rllink",
-                                        secret=connection["secret"], weights_every=weights_every)
+                                        secret=connection["secret"], weights_every=weights_every,
+                                        expect=connection["expect"])
         layout, rng = client.layout, np.random.default_rng(seed)
         reward = None
         for _ in range(n):
@@ -131,7 +132,9 @@ def main(argv=None) -> int:
         port = s.getsockname()[1]
     server = RLlinkPolicyServer(layout, settings, port=port, trained_on=trained_on(config)).start()
     try:
-        connection = rllink_connection(RLlinkAddress("127.0.0.1", port), resolve_secret()[0])
+        connection = rllink_connection(RLlinkAddress("127.0.0.1", port), resolve_secret()[0],
+                                       {"privacy_mode": config.rldp.privacy_mode,
+                                        "action_decoding": config.rldp.action_decoding})
         out = ray.get(run.decide_loop.remote("rllink", connection, args.decisions, args.gap, args.pairs, 0,
                                              args.weights_every))
         server.wait_idle(60)

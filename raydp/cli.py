@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     rl.add_argument("--controller", metavar="URL",
                     help="'broker' (default: a policy service started for the run) or rllink://HOST:PORT, a policy "
                          "server over RLlib's RLlink (raydp policy-server; secret in RAYDP_RLLINK_SECRET or Ray's "
-                         "auth token; HOST: loopback only, default 127.0.0.1; a remote server through an SSH "
+                         "auth token; HOST: IPv4 loopback only, default 127.0.0.1; a remote server through an SSH "
                          "tunnel, e.g. ssh -L 5555:127.0.0.1:5555 server)")
 
     study = commands.add_parser("study", help="run a study file on Ray Tune (e.g. trials/quickstart.yaml)")

@@ -147,8 +147,8 @@ class TrainConfig(StrictModel):
     cpus: int | None = Field(None, gt=0, description="CPU threads of the run (default: all of this machine's)")
     controller: str = Field("broker", description="where an RLDP run's policy is: 'broker' (a policy service "
                             "started for the run) or 'rllink://HOST:PORT', a policy server reached over RLlib's "
-                            "RLlink protocol (raydp.control.rllink; HOST is loopback only and defaults to "
-                            "127.0.0.1: reach a remote server through an SSH tunnel)")
+                            "RLlink protocol (raydp.control.rllink; HOST is IPv4 loopback only, localhost meaning "
+                            "127.0.0.1, and defaults to 127.0.0.1: reach a remote server through an SSH tunnel)")
 
     @field_validator("controller")
     @classmethod

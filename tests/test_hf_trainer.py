@@ -371,3 +371,8 @@ def test_a_policy_server_whose_policy_may_not_drive_the_run_is_refused(texts):
     assert "\n" not in str(refused.value)
     served.env_config["policy"]["privacy_mode"] = "strict"  # the same server with a strict policy is accepted
     DPTraining(loaded.model, texts, loaded.tokenizer, **{**PRIVACY, "strategy": "rldp"}, max_steps=3, controller=client)
+    # ... unless the client declares another run: the server admits and labels its uploads by that declaration
+    client.declared = {"privacy_mode": "paper", "action_decoding": "relative"}
+    with pytest.raises(ConfigError, match="client declares"):
+        DPTraining(loaded.model, texts, loaded.tokenizer, **{**PRIVACY, "strategy": "rldp"}, max_steps=3,
+                   controller=client)

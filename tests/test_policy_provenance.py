@@ -208,3 +208,60 @@ def test_policy_service_inherits_and_appends_provenance(tmp_path, raydp_cache):
     finally:
         if started:
             ray.shutdown()
+
+
+def test_an_entry_must_be_json_and_a_failed_save_leaves_nothing_behind(tmp_path):
+    """A manifest is JSON: an entry with bytes (or NaN, or a non-string key) is refused when validated, not
+    when the manifest is written; and a policy save that fails midway leaves no directory behind."""
+    from types import SimpleNamespace
+
+    from raydp.control.sac import SACSettings
+    from raydp.control.training import write_policy
+
+    for bad in ({"note": b"\x00"}, {"epsilon": float("nan")}, {"extra": {1: "x"}}, {"labels": {"a"}}):
+        with pytest.raises(ValueError, match="not a JSON value") as refused:
+            provenance_entry({**entry(), **bad})
+        assert "\n" not in str(refused.value)
+    assert json.loads(json.dumps(provenance_entry({**entry(), "extra": {"k": np.float32(0.5)}})))
+
+    class Module:
+        def save_to_path(self, path):
+            os.makedirs(path)
+            with open(os.path.join(path, "weights"), "w") as f:
+                f.write("w")
+
+    algo = SimpleNamespace(learner_group=SimpleNamespace(_learner=SimpleNamespace(module={"default_policy": Module()})),
+                           local_replay_buffer=SimpleNamespace(episodes=[]))
+
+    def save(path, provenance):
+        return write_policy(algo, path, layout=LAYOUT, settings=SACSettings(b_sac=4, k=2), trained_on={"model": "m"},
+                            results={}, transitions=0, updates=0, name=None, provenance=provenance)
+
+    root = tmp_path / "policies"
+    with pytest.raises(ValueError):
+        save(root / "broken", [{**entry(), "note": b"\x00"}])
+    assert not (root / "broken").exists() and os.listdir(root) == []  # no half-written policy, no temporary
+    manifest = save(root / "good", [entry()])
+    assert sorted(os.listdir(root)) == ["good"] and manifest["name"] == "good"
+    assert load_manifest(root / "good") == manifest and (root / "good" / "module" / "weights").is_file()
+    with pytest.raises(FileExistsError):
+        save(root / "good", [entry()])
+
+
+def test_a_manifest_that_declares_no_privacy_mode_counts_as_paper(tmp_path):
+    """Unknown is not strict: a policy whose manifest says nothing about the mode of (some of) the runs that
+    trained it may have seen unprivatized statistics, so a strict run refuses it, saying why."""
+    no_mode = {"model": "embedded-tiny", "action_decoding": "relative"}
+    nothing = load_manifest(fake_policy(tmp_path, "nothing", provenance=[], trained_on=no_mode))
+    legacy = load_manifest(fake_policy(tmp_path, "legacy", trained_on=no_mode, legacy=True))
+    for manifest in (nothing, legacy):
+        assert policy_privacy_mode(manifest) == "paper"
+        with pytest.raises(ConfigError, match="declares no privacy mode") as refused:
+            check_policy_privacy_mode(manifest, "strict", "p")
+        assert "\n" not in str(refused.value)
+        check_policy_privacy_mode(manifest, "paper", "p")  # a paper-mode run may use it
+    # the run entries decide when trained_on is silent; trained_on alone decides when there are none
+    assert policy_privacy_mode(load_manifest(fake_policy(tmp_path, "entries", provenance=[entry()],
+                                                         trained_on=no_mode))) == "strict"
+    assert policy_privacy_mode(load_manifest(fake_policy(tmp_path, "declared", provenance=[],
+                                                         trained_on={**no_mode, "privacy_mode": "strict"}))) == "strict"

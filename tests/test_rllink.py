@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from ray.rllib.env.external import get_rllink_message, send_rllink_message
+from ray.rllib.env.external import RLlink, get_rllink_message, send_rllink_message
 
 from raydp.config import TrainConfig, validate_config
 from raydp.control.address import RLlinkAddress, parse_controller
@@ -32,6 +32,7 @@ from raydp.errors import ConfigError
 from raydp.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 
 SECRET = "rllink-test-secret-0123456789"
+STRICT = {"privacy_mode": "strict", "action_decoding": "relative"}  # what a run of tiny_config() declares
 
 
 def tiny_config(**overrides):
@@ -90,7 +91,7 @@ def test_an_rldp_run_driven_over_rllink(server, tmp_path):
     # the server's RLlib algorithm got the run's 4 transitions and trained K x B_SAC on each
     assert server.wait_idle(60)
     counters = server.counters()
-    assert counters["errors"] == [] and counters["malformed_chunks"] == 0
+    assert counters["errors"] == [] and counters["malformed_messages"] == 0 and counters["refused_uploads"] == 0
     assert counters["transitions_received"] == 4 and counters["transitions_trained"] == 4
     assert counters["env_steps_sampled"] == 4  # RLlib's own NUM_ENV_STEPS_SAMPLED_LIFETIME
     assert counters["module_steps_trained"] == 4 * 2 * 4 and counters["replay_size"] == 4
@@ -211,7 +212,7 @@ def test_secret_sources_follow_rays_order(tmp_path):
 def test_controller_urls_and_their_one_line_errors(capsys):
     assert parse_controller("broker") is None
     assert parse_controller("rllink://:5555") == RLlinkAddress("127.0.0.1", 5555)
-    assert parse_controller("rllink://localhost:7000") == RLlinkAddress("localhost", 7000)
+    assert parse_controller("rllink://localhost:7000") == RLlinkAddress("127.0.0.1", 7000)  # never resolved
     for bad, message in (("http://127.0.0.1:1", "rllink://HOST:PORT"), ("rllink://127.0.0.1", "port"),
                          ("rllink://127.0.0.1:99999", "port"), ("rllink://user:pw@127.0.0.1:1", "secret"),
                          ("rllink://127.0.0.1:1/x", "nothing after")):
@@ -257,11 +258,15 @@ def test_non_loopback_rllink_is_refused_everywhere_with_an_ssh_tunnel_hint(monke
 
     attempts = []
     monkeypatch.setattr(socket, "create_connection", lambda *a, **k: attempts.append(a))
+    monkeypatch.setattr(socket.socket, "connect", lambda self, *a: attempts.append(a))
     remote = RLlinkAddress("10.1.2.3", 5555)
     with pytest.raises(ConfigError, match=hint):
-        RLlinkPolicyClient("10.1.2.3", 5555, "run", secret=SECRET.encode())
+        RLlinkPolicyClient("10.1.2.3", 5555, "run", secret=SECRET.encode(), expect=STRICT)
     with pytest.raises(ConfigError, match=hint):
-        client_from_connection(rllink_connection(remote, SECRET.encode()), "run")
+        rllink_connection(remote, SECRET.encode(), STRICT)
+    with pytest.raises(ConfigError, match=hint):
+        client_from_connection({"kind": "rllink", "host": "10.1.2.3", "port": 5555, "secret": SECRET.encode(),
+                                "expect": STRICT}, "run")
     with pytest.raises(ConfigError, match=hint):
         check_policy_server(remote, SECRET.encode())
     assert attempts == []  # refused before a single packet
@@ -421,6 +426,8 @@ def policy_server(config, **kwargs) -> RLlinkPolicyServer:
 
 
 def connect(srv, run_id: str, **kwargs) -> RLlinkPolicyClient:
+    """A run's client; it declares a strict run in tiny_config()'s clip decoding unless ``expect`` is given."""
+    kwargs.setdefault("expect", STRICT)
     return RLlinkPolicyClient(srv.address.host, srv.address.port, run_id, secret=SECRET.encode(), **kwargs)
 
 
@@ -472,10 +479,11 @@ def test_a_policy_server_saves_its_policy_with_the_provenance_of_the_runs_that_t
     config = tiny_config()
     assert manifest["trained_on"]["privacy_mode"] == "strict" and manifest["layout"] == policy_layout_for(config).as_dict()
     assert manifest["trained_on"]["action_decoding"] == config.rldp.action_decoding and manifest["trained_on"]["runs"] == 1
-    # run A's entry as it sent it; run B's 2 transitions are not hidden: an entry of unknown dataset and spend
+    # run A's entry as it sent it, but for its id (the server's); run B's 2 transitions are not hidden: an
+    # entry of unknown dataset and spend
     first, unknown = manifest["provenance"]
-    expected = provenance("run-a")
-    assert first["entry_id"] == "test-run-a" and {k: first[k] for k in expected} == expected
+    expected = {k: v for k, v in provenance("run-a").items() if k != "entry_id"}
+    assert first["entry_id"] != "test-run-a" and {k: first[k] for k in expected} == expected
     assert unknown["unattributed_transitions"] == 2 and unknown["dataset_sha256"] is None
     assert unknown["rdp_curve"] is None and unknown["privacy_mode"] == "strict"
     assert policy_privacy_mode(manifest) == "strict"
@@ -514,7 +522,9 @@ def test_a_policy_server_restores_a_saved_policy_and_continues_its_provenance(sa
     finally:
         manifest = srv.stop(save_to=tmp_path / "continued")
     inherited = saved_policy["manifest"]["provenance"]
-    assert [e["entry_id"] for e in manifest["provenance"]] == [e["entry_id"] for e in inherited] + ["test-run-c"]
+    assert [e["entry_id"] for e in manifest["provenance"][:-1]] == [e["entry_id"] for e in inherited]
+    assert manifest["provenance"][-1]["epsilon"] == 1.5 and manifest["provenance"][-1]["entry_id"] not in {
+        e["entry_id"] for e in inherited}
     assert manifest["transitions"] == 2 and manifest["trained_on"]["continued_from"] == path.name
     with np.load(tmp_path / "continued" / "replay.npz") as replay:
         assert len(replay["reward"]) == 6 + 2
@@ -613,3 +623,175 @@ def test_a_study_refuses_a_controller_other_than_the_broker(tmp_path, capsys):
     path = tmp_path / "broker.yaml"
     path.write_text(yaml.safe_dump({**study, "base": {"max_steps": 4, "controller": "broker"}}))
     assert load_study(path).base["controller"] == "broker"  # the default, written out, is fine
+
+
+# -- review fixes: IPv4 loopback only, a port held for the server's life (F1) ---------------------------
+
+
+def test_only_ipv4_loopback_is_accepted_and_localhost_is_never_resolved(server, monkeypatch):
+    """The server binds IPv4 127.0.0.1: a client that reached [::1] (``localhost`` resolved through
+    /etc/hosts, as Debian's ``::1 localhost`` does) would talk to whoever holds [::1]:P, a relay that
+    passes the handshake through and then owns the plaintext session. ::1 is refused everywhere and
+    ``localhost`` is the literal 127.0.0.1, never resolved."""
+    from raydp.control.address import is_loopback, require_loopback
+
+    assert tiny_config().rldp.action_decoding == STRICT["action_decoding"]
+    for host in ("::1", "0:0:0:0:0:0:0:1", "::ffff:127.0.0.1", "[::1]"):
+        assert not is_loopback(host), host
+        with pytest.raises(ConfigError, match="IPv4 loopback"):
+            require_loopback(host)
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "localhost"))
+    assert parse_controller("rllink://localhost:7000") == RLlinkAddress("127.0.0.1", 7000)
+    with pytest.raises(ConfigError, match="controller: .*IPv4 loopback"):
+        tiny_config(controller="rllink://[::1]:7000")
+    port = server.address.port
+    with pytest.raises(ConfigError, match="IPv4 loopback"):
+        RLlinkPolicyClient("::1", port, "run", secret=SECRET.encode(), expect=STRICT)
+    with pytest.raises(ConfigError, match="IPv4 loopback"):
+        check_policy_server(RLlinkAddress("::1", port), SECRET.encode())
+    config = tiny_config()
+    with pytest.raises(ConfigError, match="IPv4 loopback"):
+        RLlinkPolicyServer(policy_layout_for(config), sac_settings(config), host="::1", port=free_port(),
+                           trained_on=trained_on(config))
+
+    # an attacker's relay on [::1]:P, and a resolver that puts ::1 first for localhost
+    relay = socket.socket(socket.AF_INET6)
+    try:
+        relay.bind(("::1", port))
+    except OSError:
+        relay.close()
+        pytest.skip("no IPv6 loopback here")
+    relay.listen(4)
+    relay.setblocking(False)
+    real = socket.getaddrinfo
+
+    def debian(host, *args, **kwargs):
+        found = real(host, *args, **kwargs)
+        if host == "localhost":
+            return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0))] + found
+        return found
+
+    monkeypatch.setattr(socket, "getaddrinfo", debian)
+    try:
+        client = RLlinkPolicyClient("localhost", port, "run", secret=SECRET.encode(), expect=STRICT,
+                                    connect_timeout_s=5)
+        client.close()
+        assert client.service == f"rllink://127.0.0.1:{port}"
+        check_policy_server(RLlinkAddress("localhost", port), SECRET.encode(), STRICT, timeout_s=5)
+        with pytest.raises(BlockingIOError):  # nothing ever reached the relay
+            relay.accept()
+    finally:
+        relay.close()
+
+
+def test_the_port_stays_bound_while_a_run_is_served_and_a_second_run_is_refused_as_busy(server):
+    """Closing the listening socket during a run would let any local user bind 127.0.0.1:P for the next
+    run; the server holds it for its whole life and a second run waits in its backlog until the handshake
+    times out (busy)."""
+    host, port = server.address.host, server.address.port
+    first = connect(server, "run-a")
+    try:
+        intruder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        intruder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with pytest.raises(OSError):
+            intruder.bind((host, port))
+        intruder.close()
+        started = time.monotonic()
+        with pytest.raises(ConnectionError, match="busy with another run"):
+            connect(server, "run-b", connect_timeout_s=2)
+        assert time.monotonic() - started < 12
+        obs = first.layout.pack(np.zeros((2, first.layout.f_adapter)), np.zeros(first.layout.g_global))
+        first.decide(obs, None)  # the first run is still served
+    finally:
+        first.close()
+    connect(server, "run-c").close()  # and the next run after it
+    assert server.counters()["listening"] and server.counters()["errors"] == []
+
+
+# -- review fixes: runs declare their privacy mode with every upload (F2) --------------------------------
+def test_a_training_client_declares_its_run_and_the_server_drops_other_declarations(secret, tmp_path):
+    srv = policy_server(tiny_config())
+    try:
+        with pytest.raises(ConfigError, match="declare"):
+            connect(srv, "undeclared", expect=None)
+        with pytest.raises(ConfigError, match="privacy_mode"):
+            connect(srv, "bad", expect={"privacy_mode": "lenient", "action_decoding": "relative"})
+        client = connect(srv, "run")
+        assert client.declared == STRICT
+        for declared in ({"privacy_mode": "paper", "action_decoding": "relative"},
+                         {"privacy_mode": "strict", "action_decoding": "paper"}, None):
+            client.declared = declared
+            drive(client, 2, seed=1)  # one transition, uploaded with that declaration
+        client.declared = dict(STRICT)
+        client._rpc(RLlink.PING)  # the server has read them all
+        counters = srv.counters()
+        assert counters["refused_uploads"] == 3 and counters["transitions_received"] == 0
+        drive(client, 4, seed=2)
+        assert wait_for(lambda: srv.counters()["transitions_received"] == 3)
+        client.close()  # a run that dies: its transitions are labelled with its declared mode
+        assert wait_for(lambda: srv.counters()["unattributed_transitions"] == 3)
+        *_, unknown = srv.provenance()
+        assert unknown["unattributed_transitions"] == 3 and unknown["privacy_mode"] == "strict"
+    finally:
+        srv.stop()
+
+
+# -- review fixes: the served policy's mode is the restored policy's (F3) --------------------------------
+def test_a_policy_server_refuses_to_restore_a_policy_of_another_mode_or_decoding(saved_policy, secret, tmp_path):
+    import shutil
+
+    def variant(name: str, **trained) -> Path:
+        path = tmp_path / name
+        shutil.copytree(saved_policy["path"], path)
+        manifest = json.loads((path / "manifest.json").read_text())
+        manifest["trained_on"].update(trained)
+        for entry in manifest["provenance"]:
+            if "privacy_mode" in trained:
+                entry["privacy_mode"] = trained["privacy_mode"]
+        (path / "manifest.json").write_text(json.dumps(manifest))
+        return path
+
+    paper = variant("paper", privacy_mode="paper")
+    for path, message in ((paper, "trained in paper mode"), (variant("eq10", action_decoding="paper"),
+                                                               "acts in 'paper' clip decoding")):
+        with pytest.raises(ConfigError, match=message) as refused:
+            policy_server(tiny_config(), restore=path)
+        assert "\n" not in str(refused.value)
+    rldp = {**tiny_config().rldp.model_dump(), "privacy_mode": "paper"}
+    srv = policy_server(tiny_config(rldp=rldp), restore=paper, frozen=True)
+    try:
+        assert srv.runner.config.env_config["policy"] == {"privacy_mode": "paper", "action_decoding": "relative"}
+    finally:
+        srv.stop()
+
+
+# -- review fixes: provenance ids are the server's, malformed messages are dropped (F4, F5) ---------------
+def test_wire_entries_get_fresh_ids_and_malformed_messages_leave_the_server_serving(saved_policy, secret, tmp_path):
+    srv = policy_server(tiny_config(), restore=saved_policy["path"])
+    inherited = saved_policy["manifest"]["provenance"]
+    try:
+        run_b = connect(srv, "run-b")
+        drive(run_b, 4, seed=4)
+        run_b.end()  # its entry reuses an inherited entry's id: it must not make its 3 transitions vanish
+        reused = {**provenance("x"), "entry_id": inherited[0]["entry_id"], "dataset_sha256": "cd" * 32}
+        run_b.save_policy(Path("ignored"), {}, {}, provenance=reused)
+        run_b.close()
+        run_c = connect(srv, "run-c")
+        run_c.sock.settimeout(20)  # a dead listener would never answer
+        for body in ({"episodes": None}, {"episodes": [{"not": "an episode"}]}, {"episodes": 3},
+                     {"episodes": [], "provenance": {**provenance("y"), "note": b"\x00"}},
+                     {"episodes": [], "provenance": "nonsense"}):
+            send_rllink_message(run_c.sock, {"type": RLlink.EPISODES.name, "declared": STRICT, **body})
+            kind, _ = run_c._rpc(RLlink.PING)
+            assert kind == RLlink.PONG  # the listener survived, on the same connection
+        counters = srv.counters()
+        assert counters["malformed_messages"] == 5 and counters["listening"] and counters["provenance_received"] == 1
+        run_c.close()
+    finally:
+        manifest = srv.stop(save_to=tmp_path / "continued")
+    entries = manifest["provenance"]
+    assert [e["entry_id"] for e in entries[: len(inherited)]] == [e["entry_id"] for e in inherited]
+    (new,) = entries[len(inherited):]
+    assert new["dataset_sha256"] == "cd" * 32 and new["entry_id"] not in {e["entry_id"] for e in inherited}
+    assert manifest["transitions"] == 3 and not new.get("unattributed_transitions")
+    assert json.loads((tmp_path / "continued" / "manifest.json").read_text()) == manifest

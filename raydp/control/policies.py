@@ -44,7 +44,6 @@ def check_policy_privacy(config, restore: Path | None = None) -> Path | None:
     after checking it may drive this run: a policy trained in paper mode saw unprivatized statistics of
     private data (ERRATA E3/E14), so it may not drive a strict run (one-line ConfigError)."""
     from raydp.control.store import check_policy_privacy_mode, load_manifest, resolve_policy
-    from raydp.errors import ConfigError
 
     s = config.rldp
     if restore is None:
@@ -52,8 +51,17 @@ def check_policy_privacy(config, restore: Path | None = None) -> Path | None:
     if restore is not None:
         manifest = load_manifest(restore)
         check_policy_privacy_mode(manifest, s.privacy_mode, s.policy or str(restore))
-        trained = (manifest.get("trained_on") or {}).get("action_decoding", "paper")  # before the option: Eq. 10
-        if trained != s.action_decoding:
-            raise ConfigError(f"policy {s.policy or restore} acts in {trained!r} clip decoding; this run decodes "
-                              f"{s.action_decoding!r} (set rldp.action_decoding: {trained})")
+        check_policy_decoding(manifest, s.action_decoding, s.policy or str(restore))
     return restore
+
+
+def check_policy_decoding(manifest: dict, action_decoding: str, name) -> None:
+    """A policy acts in the clip decoding it learned (:func:`raydp.control.store.policy_action_decoding`):
+    one-line ConfigError for a run (or server) that decodes another."""
+    from raydp.control.store import policy_action_decoding
+    from raydp.errors import ConfigError
+
+    trained = policy_action_decoding(manifest)
+    if trained != action_decoding:
+        raise ConfigError(f"policy {name} acts in {trained!r} clip decoding; this run decodes "
+                          f"{action_decoding!r} (set rldp.action_decoding: {trained})")

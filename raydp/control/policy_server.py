@@ -2,22 +2,23 @@
 
 It builds the SAC algorithm an RLDP run's config would get through the broker (the same observation
 layout, :func:`raydp.control.policies.policy_layout_for`, and SAC settings,
-:func:`raydp.control.policies.sac_settings`), listens on ``--host`` (127.0.0.1 unless given; only a loopback
-host is accepted: RLlink is plaintext after the handshake, so a remote server is reached through an SSH
-tunnel, e.g. ``ssh -L 5555:127.0.0.1:5555 server``) and trains once per transition a run uploads, until
-interrupted. Runs reach it with ``raydp train --strategy rldp --controller rllink://HOST:PORT``. The
-secret is ``RAYDP_RLLINK_SECRET`` or Ray's auth token (:func:`raydp.control.rllink.resolve_secret`);
-without one it refuses to start.
+:func:`raydp.control.policies.sac_settings`), listens on ``--host`` (127.0.0.1 unless given; only an IPv4
+loopback host is accepted, ``localhost`` meaning 127.0.0.1: RLlink is plaintext after the handshake, so a
+remote server is reached through an SSH tunnel, e.g. ``ssh -L 5555:127.0.0.1:5555 server``) and trains
+once per transition a run uploads, until interrupted. Runs reach it with ``raydp train --strategy rldp
+--controller rllink://HOST:PORT``. The secret is ``RAYDP_RLLINK_SECRET`` or Ray's auth token
+(:func:`raydp.control.rllink.resolve_secret`); without one it refuses to start.
 
 ``--policy DIR`` starts from a saved policy (its layout wins; a paper-mode policy is refused for a strict
-config, and one that acts in another clip decoding than the config's is refused,
-:func:`raydp.control.policies.check_policy_privacy`); ``--frozen`` serves it without training (the runs
-act greedily and upload nothing); ``--save DIR`` writes the policy when the server stops (module, replay
-buffer, manifest: :mod:`raydp.control.store`), its provenance listing the runs that trained it (ERRATA
-E14: the restored policy's, then each run's entry, sent by its client at the run's end). A paper-mode
-policy's replay buffer holds unprivatized statistics: a ``--save`` directory of one is private data.
-A separate module from :mod:`raydp.control.rllink` so that the server class pickled into the config
-clients receive is ``raydp.control.rllink``'s, never ``__main__``'s.
+config, a strict policy for a paper config, and one that acts in another clip decoding than the config's
+too: the server serves its policy's mode and decoding, and keeps only uploads of runs that declare them);
+``--frozen`` serves it without training (the runs act greedily and upload nothing); ``--save DIR`` writes
+the policy when the server stops (module, replay buffer, manifest: :mod:`raydp.control.store`), its
+provenance listing the runs that trained it (ERRATA E14: the restored policy's, then each run's entry,
+sent by its client at the run's end). A paper-mode policy's replay buffer holds unprivatized statistics:
+a ``--save`` directory of one is private data. A separate module from :mod:`raydp.control.rllink` so that
+the server class pickled into the config clients receive is ``raydp.control.rllink``'s, never
+``__main__``'s.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "block sets the layout and SAC settings)")
     parser.add_argument("--port", type=int, default=5555, help="TCP port (default 5555)")
     parser.add_argument("--host", default="127.0.0.1",
-                        help="loopback interface to bind (default 127.0.0.1; others are refused: reach a remote "
-                             "server through an SSH tunnel, e.g. ssh -L 5555:127.0.0.1:5555 server)")
+                        help="IPv4 loopback address to bind (default 127.0.0.1; others, IPv6 included, are refused: "
+                             "reach a remote server through an SSH tunnel, e.g. ssh -L 5555:127.0.0.1:5555 server)")
     parser.add_argument("--policy", metavar="DIR",
                         help="start from a saved policy (a name under the config's rldp.policy_dir, or a path)")
     parser.add_argument("--frozen", action="store_true",
@@ -106,7 +107,7 @@ def run(args) -> int:
     layout = server.layout
     policy = f"policy {restore}{' (frozen)' if args.frozen else ''}" if restore else "a new policy"
     print(f"policy server listening on {server.url}: {policy}, layout {layout.architecture}/{layout.n_slots} slots, "
-          f"B_SAC={settings.b_sac}, K={settings.k}, {config.rldp.privacy_mode} mode; secret from {source}"
+          f"B_SAC={settings.b_sac}, K={settings.k}, {server.runner.policy['privacy_mode']} mode; secret from {source}"
           + (f"; saves to {save} when stopped" if save else ""), flush=True)
     stop = threading.Event()  # Ctrl-C / SIGTERM: stop cleanly (RLlib leaves SIGINT without KeyboardInterrupt)
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -29,13 +29,23 @@ token holder: its messages are decoded with RLlib's decoder, pickle included.
 
 Loopback only. After the handshake, messages are plaintext and carry no MAC: across machines an on-path
 attacker could read the weights and inject pickled messages (code execution). The server therefore
-refuses to listen on, and the client to connect to, anything but a loopback host (one-line
+refuses to listen on, and the client to connect to, anything but an IPv4 loopback host (one-line
 :class:`~raydp.errors.ConfigError`, :func:`raydp.control.address.require_loopback`); a remote server is
 reached through an SSH tunnel, e.g. ``ssh -L 5555:127.0.0.1:5555 server``, so that both ends are
-loopback. The server binds 127.0.0.1 by default (Ray's class hard-codes "localhost"; here the host comes
-from ``env_config["host"]``), serves one client at a time (its listening socket is closed while a client
-is connected, so a second run is refused rather than left hanging) and re-listens 0.2 s after a client
-leaves (Ray waits 5 s).
+loopback. IPv6 is refused (``::1`` too) and ``localhost`` is the literal 127.0.0.1 for both bind and
+connect, never resolved: the server binds one IPv4 address, and a client sent to ``[::1]:P`` (where
+/etc/hosts may put ``localhost``) would reach whoever holds that socket. The server binds 127.0.0.1 by
+default (Ray's class hard-codes "localhost"; here the host comes from ``env_config["host"]``) and holds
+its listening socket for its whole life, so no other local process can bind the port between or during
+runs. It serves one client at a time: while a run is served, a second client waits in the listen
+backlog and its handshake times out after 5 s with "busy with another run"; the next client is accepted
+as soon as the current one leaves.
+
+What this does not protect against, honestly: after the handshake, RLlink frames carry no per-message MAC
+(Ray's wire format, kept as is), so the session's integrity rests on loopback only, the port held for the
+server's life and the handshake; a local process with the same UID as the server or the run can read
+their memory, the secret and the policy anyway. An idle connection that never answers the challenge
+holds the (single) accept loop for up to the 5 s handshake timeout, delaying the clients behind it.
 
 Training semantics are the broker path's (:mod:`raydp.control.service`): the algorithm is
 :func:`raydp.control.sac.sac_config` with this server as its EnvRunner, each transition is stored as
@@ -49,15 +59,22 @@ The policy (:class:`RLlinkPolicyServer`): a new one, or a saved policy directory
 server listens (``restore``: module, replay buffer and provenance, :func:`raydp.control.training.
 restore_policy`); ``frozen`` serves the restored weights untrained: ``env_config["frozen"]`` tells the
 clients, which then act greedily and upload nothing, and the training thread is not started.
-``env_config["policy"]`` declares the policy's privacy mode and clip decoding; a client given the run's
-(``expect``) refuses a server whose policy may not drive its run (ERRATA E3/E14: a paper-mode policy may
-not drive a strict run, and a paper-mode run may not train a strict policy). :meth:`RLlinkPolicyServer.stop`
-can save the policy (:mod:`raydp.control.store`'s format). Provenance (ERRATA E14): a run's client sends
+``env_config["policy"]`` declares the policy's privacy mode and clip decoding (a restored policy's come
+from its manifest, and must be the server config's). Runs declare theirs (ERRATA E3/E14): a client that
+uploads is given its run's ``expect`` (required unless the policy is frozen), refuses a server whose
+policy may not drive its run (a paper-mode policy may not drive a strict run, and a paper-mode run may
+not train a strict policy), and sends the declaration as the ``declared`` key of every EPISODES body; the
+server drops (``refused_uploads``) any upload that declares nothing or another mode or decoding than its
+policy's. :meth:`RLlinkPolicyServer.stop` can save the policy (:mod:`raydp.control.store`'s format,
+written to a temporary sibling and renamed into place). Provenance (ERRATA E14): a run's client sends
 its provenance entry (the one a broker run passes to ``save_policy``) as the ``provenance`` key of its
-final EPISODES message body; the server validates it (:func:`raydp.control.store.provenance_entry`) and
+final EPISODES message body; the server validates it (:func:`raydp.control.store.provenance_entry`: JSON
+values only), gives it a fresh ``entry_id`` (a client cannot choose one, so no entry shadows another) and
 appends it to the restored policy's inherited list. Transitions from a connection that ended without an
 entry (a run that died) are recorded at save as one entry of unknown dataset and spend
-(``unattributed_transitions``), so the manifest never hides that the policy learned from them.
+(``unattributed_transitions``), labelled with the privacy mode that connection declared, so the manifest
+never hides that the policy learned from them. A malformed message from an authenticated peer (a bad
+body, chunk or entry) is dropped whole and counted (``malformed``); the listener keeps serving.
 """
 
 from __future__ import annotations
@@ -85,11 +102,22 @@ from ray.rllib.env.external.env_runner_server_for_external_inference import EnvR
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
-from raydp.control.address import LOOPBACK, RLlinkAddress, Secret, is_loopback, loopback_refusal, require_loopback
+from raydp.control.address import LOOPBACK, RLlinkAddress, Secret, loopback_host, loopback_refusal, require_loopback
 from raydp.control.broker import log_sampled
+from raydp.control.decoding import DECODINGS
 from raydp.control.features import ObservationLayout
+from raydp.control.policies import check_policy_decoding
 from raydp.control.sac import SACSettings, sac_config
-from raydp.control.store import append_provenance, load_manifest, policy_layout, provenance_entry
+from raydp.control.store import (
+    PRIVACY_MODES,
+    append_provenance,
+    check_policy_privacy_mode,
+    load_manifest,
+    policy_action_decoding,
+    policy_layout,
+    policy_privacy_mode,
+    provenance_entry,
+)
 from raydp.control.training import TrainingLoop, one_step_episodes, restore_policy, write_policy
 from raydp.errors import ConfigError
 
@@ -101,7 +129,7 @@ MAGIC = b"RAYDP-RLLINK-1"
 NONCE_BYTES = 32
 MAC_BYTES = 32
 HANDSHAKE_TIMEOUT_S = 5.0
-RELISTEN_S = 0.2
+BACKLOG = 4  # connections the kernel queues while a run is served (each then times out "busy")
 
 
 # -- the shared secret ------------------------------------------------------------------------------
@@ -187,8 +215,8 @@ def client_handshake(sock: socket.socket, key: bytes) -> None:
         sock.sendall(n_c + _mac(key, b"client", n_s, n_c))
         answer = _recv_exact(sock, MAC_BYTES)
     except socket.timeout:
-        raise ConnectionError("the server did not complete the handshake (busy with another run, or not a "
-                              "raydp policy server)") from None
+        raise ConnectionError("the server did not complete the handshake (busy with another run: it serves one "
+                              "at a time; or not a raydp policy server)") from None
     except ConnectionError as exc:
         raise ConnectionError(f"the server refused the handshake ({exc}); is the secret the server's?") from None
     if not hmac.compare_digest(answer, _mac(key, b"server", n_c, n_s)):
@@ -211,11 +239,12 @@ class AuthenticatedRLlinkServer(EnvRunnerServerForExternalInference):
     """RLlib's RLlink EnvRunner with the handshake in front and the broker's training semantics:
     uploaded episodes are split into transitions, and ``sample()`` hands out one per call (as
     :class:`raydp.control.broker.BrokerEnvRunner` does), so each ``train()`` is K updates per transition.
-    ``env_config``: ``host`` (default 127.0.0.1; only a loopback host is bound), ``port``, ``frozen`` (drop
-    uploads), and for the clients ``layout``, ``sac`` and ``policy``. It listens once :meth:`serve` is
-    called (after the policy is restored), so no client sees weights that are not the policy's.
-    Clients' provenance entries collect in ``provenance``; ``unattributed`` counts transitions of
-    connections that ended without one."""
+    ``env_config``: ``host`` (default 127.0.0.1; only an IPv4 loopback host is bound), ``port``, ``frozen``
+    (drop uploads), ``policy`` (the served policy's privacy mode and clip decoding: an upload is kept only
+    if it declares the same), and for the clients ``layout`` and ``sac``. It binds once :meth:`serve` is
+    called (after the policy is restored), so no client sees weights that are not the policy's, and keeps
+    that listening socket until it stops. Clients' provenance entries collect in ``provenance``;
+    ``unattributed`` counts, per declared privacy mode, transitions of connections that ended without one."""
 
     def __init__(self, *, config, **kwargs):
         secret, self.secret_source = resolve_secret()  # before the listener thread exists: no secret, no server
@@ -225,13 +254,16 @@ class AuthenticatedRLlinkServer(EnvRunnerServerForExternalInference):
         self._bound = threading.Event()
         self.bind_error: str | None = None
         self.frozen = bool(config.env_config.get("frozen", False))
+        self.policy = dict(config.env_config.get("policy") or {})
         self._pending: deque = deque()
         self._pending_lock = threading.Lock()
         self._state_lock = threading.RLock()
         self.accepted = self.refused = self.transitions_received = self.malformed = self.dropped_frozen = 0
-        self.provenance: list[dict] = []  # entries the clients sent (validated), in arrival order
-        self.unattributed = 0  # transitions of ended connections that sent no provenance entry
+        self.refused_uploads = 0  # uploads that declared no run, or a run the policy may not learn from
+        self.provenance: list[dict] = []  # entries the clients sent (validated, fresh ids), in arrival order
+        self.unattributed: dict[str, int] = {}  # declared mode -> transitions of ended connections without an entry
         self._connection_transitions = 0  # the current connection's, not yet attributed
+        self._connection_mode: str | None = None  # what the current connection's uploads declared
         super().__init__(config=config, **kwargs)
 
     # connection handling ------------------------------------------------------------------------
@@ -239,26 +271,71 @@ class AuthenticatedRLlinkServer(EnvRunnerServerForExternalInference):
         """Start listening (the listener thread waits for this)."""
         self._serving.set()
 
-    def unattributed_transitions(self) -> int:
-        """Transitions received without a provenance entry: ended connections' and the current one's."""
+    def unattributed_by_mode(self) -> dict[str, int]:
+        """Transitions received without a provenance entry, per the privacy mode their connection declared:
+        ended connections' and the current one's."""
         with self._pending_lock:
-            return self.unattributed + self._connection_transitions
+            out = dict(self.unattributed)
+            if self._connection_transitions:
+                mode = self._connection_mode or "paper"  # never assumed strict
+                out[mode] = out.get(mode, 0) + self._connection_transitions
+            return out
+
+    def unattributed_transitions(self) -> int:
+        return sum(self.unattributed_by_mode().values())
 
     def _recycle_sockets(self, sleep: float = 0.0):
-        self._close_sockets_if_necessary()
+        """Between clients: close the client's socket only (the listening one is held for the server's whole
+        life, so no other process can take the port between runs), then accept and authenticate the next
+        client. Ray's ``sleep`` before re-listening is not needed: nothing is re-bound."""
+        if self.client_socket is not None:
+            try:
+                self.client_socket.close()
+            except OSError:
+                pass
         self.client_socket = None
         with self._pending_lock:  # the connection ended: what it sent without an entry stays unattributed
-            self.unattributed += self._connection_transitions
-            self._connection_transitions = 0
+            if self._connection_transitions:
+                mode = self._connection_mode or "paper"
+                self.unattributed[mode] = self.unattributed.get(mode, 0) + self._connection_transitions
+            self._connection_transitions, self._connection_mode = 0, None
+        if self.server_socket is None:
+            self._listen()
+        while True:
+            try:
+                conn, addr = self.server_socket.accept()
+            except socket.timeout:
+                if self._stopping:
+                    raise _Stopped from None
+                continue
+            except OSError:
+                if self._stopping:
+                    raise _Stopped from None
+                raise
+            if server_handshake(conn, self._key):
+                if self._stopping:  # stopped during the handshake: serve no one
+                    conn.close()
+                    raise _Stopped
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self.client_socket, self.address = conn, addr
+                self.accepted += 1
+                logger.info("RLlink client %s authenticated", addr)
+                return  # while it is served, later clients wait in the backlog (and time out: busy)
+            self.refused += 1
+            logger.warning("RLlink client %s refused: no proof of the secret", addr)
+            conn.close()
+
+    def _listen(self) -> None:
+        """Bind the listening socket once :meth:`serve` was called (an IPv4 loopback literal only)."""
         while not self._serving.wait(0.5):
             if self._stopping:
                 raise _Stopped
         if self._stopping:
             raise _Stopped
-        time.sleep(min(sleep, RELISTEN_S))
-        self.host = str(self.config.env_config.get("host", LOOPBACK))
-        if not is_loopback(self.host):  # plaintext after the handshake: never on a network interface
-            self.bind_error = loopback_refusal(self.host, "listen on")
+        host = str(self.config.env_config.get("host", LOOPBACK))
+        self.host = loopback_host(host)
+        if self.host is None:  # plaintext after the handshake: never on a network interface, never IPv6
+            self.bind_error = loopback_refusal(host, "listen on")
             self._bound.set()
             raise _Stopped
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -270,31 +347,10 @@ class AuthenticatedRLlinkServer(EnvRunnerServerForExternalInference):
             self.bind_error = f"cannot listen on {self.host}:{self.port}: {exc.strerror}"
             self._bound.set()
             raise _Stopped from None
-        listener.listen(1)
+        listener.listen(BACKLOG)
         listener.settimeout(0.5)
         self.server_socket = listener
         self._bound.set()
-        while True:
-            try:
-                conn, addr = listener.accept()
-            except socket.timeout:
-                if self._stopping:
-                    raise _Stopped from None
-                continue
-            except OSError:
-                if self._stopping:
-                    raise _Stopped from None
-                raise
-            if server_handshake(conn, self._key):
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self.client_socket, self.address = conn, addr
-                self.accepted += 1
-                logger.info("RLlink client %s authenticated", addr)
-                listener.close()  # one run at a time: a second one is refused, not left hanging
-                return
-            self.refused += 1
-            logger.warning("RLlink client %s refused: no proof of the secret", addr)
-            conn.close()
 
     def _client_message_listener(self):
         try:
@@ -321,42 +377,78 @@ class AuthenticatedRLlinkServer(EnvRunnerServerForExternalInference):
 
     # experience --------------------------------------------------------------------------------
     def _process_episodes_message(self, msg_type, msg_body):
+        """Keep an upload only if it is well formed and declares a run this policy may learn from; anything
+        else is counted (``dropped_frozen``, ``malformed``, ``refused_uploads``) and dropped whole: it never
+        raises, so a bad message from an authenticated peer cannot end the listener thread."""
         if self.frozen:  # a frozen policy learns nothing: uploads are dropped, provenance too (no run trains it)
             self.dropped_frozen += 1
-            if msg_type == RLlink.EPISODES_AND_GET_STATE:
-                self._send_set_state_message()  # no training step will ever send it
-            return
+            return self._drop(msg_type)
+        try:
+            declared = msg_body.get("declared")
+            refusal = self._refusal(declared)
+            if refusal is None:
+                transitions, entry = self._parse_upload(msg_body)
+                if entry is not None and entry["privacy_mode"] != declared["privacy_mode"]:
+                    refusal = (f"its provenance entry says {entry['privacy_mode']} mode, its upload "
+                               f"{declared['privacy_mode']}")
+        except Exception as exc:  # noqa: BLE001 - a malformed message is dropped, never trained on
+            self.malformed += 1
+            logger.warning("RLlink message dropped: malformed (%s)", str(exc).splitlines()[0][:200] if str(exc) else
+                           type(exc).__name__)
+            return self._drop(msg_type)
+        if refusal is not None:
+            self.refused_uploads += 1
+            logger.warning("RLlink upload refused: %s", refusal)
+            return self._drop(msg_type)
         if msg_type == RLlink.EPISODES_AND_GET_STATE:
             self._blocked_on_state = True  # as Ray's server: the answer is the next weights
-        obs_dim, act_dim = self.config.observation_space.shape[0], self.config.action_space.shape[0]
-        transitions = []
-        for state in msg_body.get("episodes", []):
-            try:
-                episode = SingleAgentEpisode.from_state(state)
-                n = len(episode)
-                obs = np.asarray(episode.get_observations(slice(0, n + 1)), dtype=np.float32)
-                act = np.asarray(episode.get_actions(slice(0, n)), dtype=np.float32)
-                rew = np.asarray(episode.get_rewards(slice(0, n)), dtype=np.float64)
-                if obs.shape != (n + 1, obs_dim) or act.shape != (n, act_dim) or rew.shape != (n,) or not (
-                        np.isfinite(obs).all() and np.isfinite(act).all() and np.isfinite(rew).all()):
-                    raise ValueError("shape or value")
-            except Exception:  # a malformed chunk is dropped, never trained on
-                self.malformed += 1
-                continue
-            transitions += [(obs[i], act[i], float(rew[i]), obs[i + 1]) for i in range(n)]
-        entry = None
-        if msg_body.get("provenance") is not None:  # the run's entry (ERRATA E14), with its final upload
-            try:
-                entry = provenance_entry(msg_body["provenance"])
-            except (ValueError, TypeError):
-                self.malformed += 1  # the connection's transitions stay unattributed
         with self._pending_lock:
             self._pending.extend(transitions)
             self.transitions_received += len(transitions)
             self._connection_transitions += len(transitions)
-            if entry is not None:
-                append_provenance(self.provenance, entry)
+            self._connection_mode = declared["privacy_mode"]  # labels its transitions if no entry follows
+            if entry is not None and append_provenance(self.provenance, entry):
                 self._connection_transitions = 0  # this run's transitions are accounted for
+
+    def _drop(self, msg_type) -> None:
+        if msg_type == RLlink.EPISODES_AND_GET_STATE:
+            self._send_set_state_message()  # no training step will send it for a dropped upload
+
+    def _refusal(self, declared) -> str | None:
+        """Why an upload that declares ``declared`` (the run's privacy mode and clip decoding) may not train
+        this policy (ERRATA E3/E14); None if it may."""
+        if not isinstance(declared, dict):
+            return "it declares no run privacy mode and clip decoding"
+        mode, decoding = declared.get("privacy_mode"), declared.get("action_decoding")
+        if mode != self.policy.get("privacy_mode") or decoding != self.policy.get("action_decoding"):
+            return (f"a run in {str(mode)[:20]!r} mode decoding {str(decoding)[:20]!r} may not train a "
+                    f"{self.policy.get('privacy_mode')}-mode policy decoding {self.policy.get('action_decoding')!r}")
+        return None
+
+    def _parse_upload(self, body: dict) -> tuple[list, dict | None]:
+        """The transitions of an EPISODES body and its provenance entry (validated, with a fresh ``entry_id``:
+        a client cannot choose it, so no entry can shadow another); ValueError/TypeError if malformed."""
+        episodes = body.get("episodes", [])
+        if not isinstance(episodes, list):
+            raise ValueError(f"episodes is a {type(episodes).__name__}, not a list")
+        obs_dim, act_dim = self.config.observation_space.shape[0], self.config.action_space.shape[0]
+        transitions = []
+        for state in episodes:
+            episode = SingleAgentEpisode.from_state(state)
+            n = len(episode)
+            obs = np.asarray(episode.get_observations(slice(0, n + 1)), dtype=np.float32)
+            act = np.asarray(episode.get_actions(slice(0, n)), dtype=np.float32)
+            rew = np.asarray(episode.get_rewards(slice(0, n)), dtype=np.float64)
+            if obs.shape != (n + 1, obs_dim) or act.shape != (n, act_dim) or rew.shape != (n,) or not (
+                    np.isfinite(obs).all() and np.isfinite(act).all() and np.isfinite(rew).all()):
+                raise ValueError("an episode chunk of the wrong shape or with non-finite values")
+            transitions += [(obs[i], act[i], float(rew[i]), obs[i + 1]) for i in range(n)]
+        entry = body.get("provenance")
+        if entry is not None:  # the run's entry (ERRATA E14), with its final upload
+            if not isinstance(entry, dict):
+                raise ValueError(f"provenance is a {type(entry).__name__}, not a dict")
+            entry = provenance_entry({**entry, "entry_id": None})
+        return transitions, entry
 
     def num_pending(self) -> int:
         return len(self._pending)
@@ -391,26 +483,30 @@ class RLlinkPolicyServer:
     PolicyService`).
 
     ``trained_on``: what the policy's manifest says about its training (:func:`raydp.control.policies.
-    trained_on` of the server's config): its ``privacy_mode`` and ``action_decoding`` are declared to the
-    clients. ``restore``: a saved policy directory to start from (its layout wins; the caller checks that
-    it may drive this config, :func:`raydp.control.policies.check_policy_privacy`). ``frozen``: serve the
-    restored weights without training them. :meth:`stop` can save the policy (see the module docstring)."""
+    trained_on` of the server's config): its ``privacy_mode`` and ``action_decoding`` are those of the runs
+    the server accepts. ``restore``: a saved policy directory to start from (its layout wins); the served
+    policy's privacy mode and clip decoding are the restored manifest's (:func:`raydp.control.store.
+    policy_privacy_mode`, :func:`~raydp.control.store.policy_action_decoding`), and a policy whose mode or
+    decoding differs from ``trained_on``'s is refused (one-line ConfigError, before anything is built).
+    ``frozen``: serve the restored weights without training them. :meth:`stop` can save the policy (see
+    the module docstring)."""
 
     def __init__(self, layout: ObservationLayout, settings: SACSettings, host: str = LOOPBACK, port: int = 5555,
                  *, trained_on: dict, restore: Path | None = None, frozen: bool = False):
         resolve_secret()  # the one-line refusals before anything is built
-        require_loopback(host, "listen on")
+        host = require_loopback(host, "listen on")  # the IPv4 literal: localhost is never resolved
         if frozen and restore is None:
             raise ConfigError("a frozen policy server needs a saved policy to serve (--policy)")
+        self.trained_on = dict(trained_on)
+        policy = run_declaration({k: self.trained_on.get(k) for k in ("privacy_mode", "action_decoding")},
+                                 "trained_on")
         restored = load_manifest(restore) if restore is not None else None
         if restored is not None:
             layout = policy_layout(restored)
+            policy = served_policy(restored, policy, restored.get("name") or Path(restore).name)
         self.layout, self.settings, self.frozen = layout, settings, bool(frozen)
-        self.trained_on = dict(trained_on)
         self.continued_from = restored["name"] if restored is not None else None
         self.address = RLlinkAddress(host, int(port))
-        policy = {"privacy_mode": self.trained_on.get("privacy_mode"),
-                  "action_decoding": self.trained_on.get("action_decoding")}
         env_config = {"host": host, "port": int(port), "layout": layout.as_dict(), "sac": settings.as_dict(),
                       "frozen": self.frozen, "policy": policy}
         self.algo = sac_config(layout, settings, AuthenticatedRLlinkServer, env_config).build_algo()
@@ -435,16 +531,16 @@ class RLlinkPolicyServer:
 
     def provenance(self) -> list[dict]:
         """The runs that trained this policy (ERRATA E14): the restored policy's, then each client's entry
-        (once per ``entry_id``), then, if some transitions came without an entry, one entry that says so."""
+        (with the id the server gave it), then, if some transitions came without an entry, one entry per
+        privacy mode their connections declared that says so."""
         entries = [dict(e) for e in self.inherited]
         with self.runner._pending_lock:
             received = list(self.runner.provenance)
         for entry in received:
             append_provenance(entries, entry)
-        unattributed = self.runner.unattributed_transitions()
-        if unattributed:
-            entries.append(provenance_entry({
-                "privacy_mode": self.trained_on.get("privacy_mode"), "unattributed_transitions": unattributed,
+        for mode, unattributed in sorted(self.runner.unattributed_by_mode().items()):
+            entries.append(provenance_entry({  # labelled with the mode its connections declared
+                "privacy_mode": mode, "unattributed_transitions": unattributed,
                 "note": "transitions from RLlink connections that sent no provenance entry (a run that died or "
                         "was still running): dataset and privacy spend unknown"}))
         return entries
@@ -453,8 +549,8 @@ class RLlinkPolicyServer:
         learner = self.algo.learner_group._learner
         return {**self.training.counters(),
                 "transitions_received": self.runner.transitions_received, "pending": self.runner.num_pending(),
-                "malformed_chunks": self.runner.malformed, "dropped_frozen": self.runner.dropped_frozen,
-                "provenance_received": len(self.runner.provenance),
+                "malformed_messages": self.runner.malformed, "dropped_frozen": self.runner.dropped_frozen,
+                "refused_uploads": self.runner.refused_uploads, "provenance_received": len(self.runner.provenance),
                 "unattributed_transitions": self.runner.unattributed_transitions(),
                 "replay_size": self.algo.local_replay_buffer.get_num_timesteps(),
                 "alpha": float(learner.curr_log_alpha["default_policy"].detach().exp()),
@@ -520,10 +616,13 @@ class RLlinkPolicyClient:
     interface (``decide``, ``end``, ``save_policy``, ``latencies``, ``weights_seen``, ``layout``,
     ``service``), plus ``close``.
 
-    Only a loopback ``host`` is reached (else a one-line ConfigError: tunnel a remote server over SSH).
-    ``expect``: the run's ``{"privacy_mode", "action_decoding"}``; the client refuses a server whose policy
-    declares others (:func:`check_served_policy`). A server's frozen policy (``env_config["frozen"]``) makes
-    the client act greedily and upload nothing.
+    Only an IPv4 loopback ``host`` is reached (``localhost`` is 127.0.0.1, never resolved; else a one-line
+    ConfigError: tunnel a remote server over SSH). ``expect``: the run's ``{"privacy_mode",
+    "action_decoding"}`` (its ``rldp`` settings); the client refuses a server whose policy declares others
+    (:func:`check_served_policy`) and sends it, as ``declared``, with every upload: the server drops uploads
+    that declare nothing or another run (ERRATA E3/E14). It is required unless the server's policy is frozen
+    (a one-line ConfigError after GET_CONFIG): a frozen policy (``env_config["frozen"]``) makes the client act
+    greedily and upload nothing.
 
     ``decide(obs, reward)``: ``reward`` is the reward of the previous action (None at the first decision),
     as through the broker. It closes the open (obs, action) into a transition, refreshes the weights
@@ -541,7 +640,8 @@ class RLlinkPolicyClient:
                  connect_timeout_s: float = 30.0, expect: dict | None = None):
         from ray.rllib.core.columns import Columns
 
-        require_loopback(host, "connect to")  # before a byte is sent
+        host = require_loopback(host, "connect to")  # before a byte is sent; the IPv4 literal
+        self.declared = run_declaration(expect)  # a malformed declaration fails before connecting
         self._columns = Columns
         self.run_id = run_id
         self.weights_every, self.upload_every = max(1, int(weights_every)), max(1, int(upload_every))
@@ -560,6 +660,10 @@ class RLlinkPolicyClient:
             env_config = self.config.env_config
             check_served_policy(env_config.get("policy") or {}, expect, url)
             self.frozen = bool(env_config.get("frozen", False))
+            if self.declared is None and not self.frozen:
+                raise ConfigError(f"policy server {url} trains its policy: a client that uploads must declare its "
+                                  "run, RLlinkPolicyClient(..., expect={'privacy_mode': ..., 'action_decoding': ...}) "
+                                  "from the run's rldp settings (ERRATA E3/E14)")
             self.explore = explore and not self.frozen  # a frozen policy acts greedily, as through the broker
             self.service = None if self.frozen else url
             self.layout = ObservationLayout(**env_config["layout"])
@@ -587,17 +691,25 @@ class RLlinkPolicyClient:
 
     @staticmethod
     def _connect(host: str, port: int, timeout_s: float) -> socket.socket:
+        """An IPv4 TCP connection to the loopback literal ``host`` (no name resolution, no IPv6)."""
+        host = require_loopback(host, "connect to")
         deadline = time.monotonic() + timeout_s
         while True:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
-                sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT_S)
+                sock.settimeout(HANDSHAKE_TIMEOUT_S)
+                sock.connect((host, port))
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 return sock
             except (ConnectionRefusedError, socket.timeout) as exc:
+                sock.close()
                 if time.monotonic() > deadline:
                     raise ConnectionError(f"no RLlink policy server at {host}:{port} ({exc.__class__.__name__}; "
                                           "is it running? it serves one run at a time)") from None
                 time.sleep(0.25)
+            except BaseException:
+                sock.close()
+                raise
 
     def _rpc(self, kind: RLlink, **body):
         send_rllink_message(self.sock, {"type": kind.name, **body})
@@ -635,8 +747,9 @@ class RLlinkPolicyClient:
     def _upload(self, provenance: dict | None = None) -> None:
         if not self._pending and provenance is None:
             return
-        body = {"type": RLlink.EPISODES.name, "episodes": [self._chunk().get_state()] if self._pending else []}
-        if provenance is not None:  # our key in the body; Ray's wire format
+        body = {"type": RLlink.EPISODES.name, "episodes": [self._chunk().get_state()] if self._pending else [],
+                "declared": self.declared}  # our keys in the body; Ray's wire format
+        if provenance is not None:
             body["provenance"] = provenance
         send_rllink_message(self.sock, body)
         self.uploaded += len(self._pending)
@@ -739,15 +852,16 @@ def check_served_policy(policy: dict, expect: dict | None, url: str) -> None:
 
 def check_policy_server(address: RLlinkAddress, secret: bytes, expect: dict | None = None,
                         timeout_s: float = 10.0) -> None:
-    """Before a run starts: the server is loopback, answers, proves the secret and accepts ours (PING/PONG),
-    and its policy may drive the run (``expect``, :func:`check_served_policy`), else a one-line ConfigError.
-    The server re-listens 0.2 s after this probe leaves; the run then connects."""
-    require_loopback(address.host, "connect to")
+    """Before a run starts: the server is IPv4 loopback, answers, proves the secret and accepts ours
+    (PING/PONG), and its policy may drive the run (``expect``, :func:`check_served_policy`), else a one-line
+    ConfigError. The run's own connection then waits in the server's backlog until this probe has left."""
+    host = require_loopback(address.host, "connect to")
+    url = RLlinkAddress(host, address.port).url
     key = _key(secret)
     try:
-        sock = RLlinkPolicyClient._connect(address.host, address.port, timeout_s)
-    except OSError as exc:  # refused, unreachable, unknown host (ConnectionError is an OSError)
-        raise ConfigError(f"policy server {address.url}: {str(exc).splitlines()[0][:200]}") from None
+        sock = RLlinkPolicyClient._connect(host, address.port, timeout_s)
+    except OSError as exc:  # refused, unreachable (ConnectionError is an OSError)
+        raise ConfigError(f"policy server {url}: {str(exc).splitlines()[0][:200]}") from None
     try:
         client_handshake(sock, key)
         send_rllink_message(sock, {"type": RLlink.PING.name})
@@ -760,17 +874,59 @@ def check_policy_server(address: RLlinkAddress, secret: bytes, expect: dict | No
             if kind != RLlink.SET_CONFIG:
                 raise ConnectionError(f"expected SET_CONFIG, got {kind}")
             policy = pickle.loads(body["config"]).env_config.get("policy") or {}  # the server proved the secret
-            check_served_policy(policy, expect, address.url)
+            check_served_policy(policy, expect, url)
     except (ConnectionError, OSError) as exc:
-        raise ConfigError(f"policy server {address.url}: {str(exc).splitlines()[0][:200]}") from None
+        raise ConfigError(f"policy server {url}: {str(exc).splitlines()[0][:200]}") from None
     finally:
         sock.close()
 
 
-def rllink_connection(address: RLlinkAddress, secret: bytes, expect: dict | None = None) -> dict:
+def run_declaration(expect: dict | None, what: str = "expect") -> dict | None:
+    """A run's declaration, ``{"privacy_mode", "action_decoding"}`` (None stays None: a frozen policy's
+    client, which uploads nothing); a one-line ConfigError unless both are known values."""
+    if expect is None:
+        return None
+    if (not isinstance(expect, dict) or expect.get("privacy_mode") not in PRIVACY_MODES
+            or expect.get("action_decoding") not in DECODINGS):
+        shown = {k: expect.get(k) for k in ("privacy_mode", "action_decoding")} if isinstance(expect, dict) else expect
+        raise ConfigError(f"{what} must declare the run's privacy_mode (one of {', '.join(PRIVACY_MODES)}) and "
+                          f"action_decoding (one of {', '.join(DECODINGS)}); got {str(shown)[:120]}")
+    return {"privacy_mode": expect["privacy_mode"], "action_decoding": expect["action_decoding"]}
+
+
+def check_run_declaration(client, expect: dict) -> None:
+    """ConfigError (one line) unless an RLlink client that uploads (``service`` set) declares ``expect``,
+    the privacy mode and clip decoding of the run it serves: the server labels and admits the run's
+    transitions by that declaration (ERRATA E3/E14). Clients without ``declared`` (the broker's) pass."""
+    if getattr(client, "service", None) is None or not hasattr(client, "declared"):
+        return
+    if client.declared != run_declaration(expect):
+        raise ConfigError(f"the RLlink client declares {client.declared} but the run is {run_declaration(expect)}: "
+                          "build it with RLlinkPolicyClient(..., expect=<the run's privacy_mode and action_decoding>)")
+
+
+def served_policy(manifest: dict, expect: dict, name: str) -> dict:
+    """What a server restoring the saved policy ``manifest`` serves: its own privacy mode and clip decoding
+    (:func:`raydp.control.store.policy_privacy_mode`, :func:`~raydp.control.store.policy_action_decoding`);
+    a one-line ConfigError unless they are ``expect``'s (the server's config, whose runs it accepts)."""
+    check_policy_privacy_mode(manifest, expect["privacy_mode"], name)  # a paper policy for a strict config
+    mode = policy_privacy_mode(manifest)
+    if mode != expect["privacy_mode"]:
+        raise ConfigError(f"policy {name} is a {mode}-mode policy and this server's config is "
+                          f"{expect['privacy_mode']} mode: a server accepts runs of its policy's mode only (ERRATA "
+                          f"E3/E14); use a {mode} config")
+    check_policy_decoding(manifest, expect["action_decoding"], name)
+    return {"privacy_mode": mode, "action_decoding": policy_action_decoding(manifest)}
+
+
+def rllink_connection(address: RLlinkAddress, secret: bytes, expect: dict) -> dict:
     """What a run actor needs to reach the policy server (the secret travels inside Ray, which already
     runs arbitrary code in that actor; it prints as ``Secret(<hidden>)``); ``expect``: the run's privacy
-    mode and clip decoding (:func:`check_served_policy`). :func:`raydp.control.connection.
-    client_from_connection` builds the client."""
-    return {"kind": "rllink", "host": address.host, "port": address.port, "secret": Secret(secret),
-            "expect": dict(expect) if expect else None}
+    mode and clip decoding, which its client checks against the served policy (:func:`check_served_policy`)
+    and declares with every upload. :func:`raydp.control.connection.client_from_connection` builds the
+    client."""
+    host = require_loopback(address.host, "connect to")
+    declared = run_declaration(expect)
+    if declared is None:
+        raise ConfigError("a run's RLlink connection declares its privacy_mode and action_decoding (expect)")
+    return {"kind": "rllink", "host": host, "port": address.port, "secret": Secret(secret), "expect": declared}

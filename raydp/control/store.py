@@ -110,6 +110,8 @@ def _jsonable(value):
         return [float(v) for v in value.tolist()]
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
     if isinstance(value, np.generic):
         return value.item()
     return value
@@ -129,7 +131,18 @@ def provenance_entry(entry: dict) -> dict:
     out = {k: _jsonable(entry.get(k)) for k in PROVENANCE_KEYS}
     out.update({k: _jsonable(v) for k, v in entry.items() if k not in out})
     out["entry_id"] = str(entry.get("entry_id") or uuid.uuid4().hex)
+    for key, value in out.items():  # a manifest is JSON: what would not survive the save is refused here
+        if not isinstance(key, str) or not _round_trips(value):
+            raise ValueError(f"provenance field {str(key)[:40]!r} is not a JSON value ({type(value).__name__})")
     return out
+
+
+def _round_trips(value) -> bool:
+    """True when ``json.loads(json.dumps(value)) == value`` (no bytes, sets, NaN or non-string keys)."""
+    try:
+        return json.loads(json.dumps(value)) == value
+    except (TypeError, ValueError, RecursionError):
+        return False
 
 
 def append_provenance(provenance: list[dict], entry: dict) -> bool:
@@ -155,18 +168,40 @@ def provenance_of(manifest: dict) -> list[dict]:
              "entry_id": f"legacy:{manifest.get('name')}:{manifest.get('created')}"}]
 
 
-def policy_privacy_mode(manifest: dict) -> str:
-    """'paper' if any run that trained the policy ran in paper mode (a provenance entry, or the legacy
-    ``trained_on.privacy_mode``), else 'strict' (ERRATA E3/E14)."""
+def _declared_modes(manifest: dict) -> list:
+    """The privacy modes a manifest declares: each provenance entry's (None where an entry has none), and
+    ``trained_on.privacy_mode`` when it is there."""
     modes = [e.get("privacy_mode") for e in provenance_of(manifest)]
-    modes.append((manifest.get("trained_on") or {}).get("privacy_mode"))
-    return "paper" if "paper" in modes else "strict"
+    trained = (manifest.get("trained_on") or {}).get("privacy_mode")
+    if trained is not None:
+        modes.append(trained)
+    return modes
+
+
+def policy_privacy_mode(manifest: dict) -> str:
+    """'strict' only if every run that trained the policy is declared strict (each provenance entry, the
+    legacy entry from ``trained_on`` included, and ``trained_on.privacy_mode`` if present), else 'paper'
+    (ERRATA E3/E14): a paper-mode run, or a mode that is unknown (a manifest that declares none, an
+    entry without one), may have shown the policy unprivatized statistics."""
+    modes = _declared_modes(manifest)
+    return "strict" if modes and all(mode == "strict" for mode in modes) else "paper"
+
+
+def policy_action_decoding(manifest: dict) -> str:
+    """The clip decoding a saved policy acts in (``trained_on.action_decoding``; a manifest written before
+    the option existed acts in the paper's Eq. 10, 'paper')."""
+    return (manifest.get("trained_on") or {}).get("action_decoding", "paper")
 
 
 def check_policy_privacy_mode(manifest: dict, privacy_mode: str, name: str) -> None:
     """A paper-mode policy saw unprivatized statistics of private data (ERRATA E3/E14): driving a strict
-    run with it would make that run's strict guarantee false. ConfigError (one line) in that case."""
+    run with it would make that run's strict guarantee false. ConfigError (one line) in that case; a policy
+    whose manifest declares no privacy mode counts as paper mode (:func:`policy_privacy_mode`)."""
     if privacy_mode == "strict" and policy_privacy_mode(manifest) == "paper":
+        if "paper" not in _declared_modes(manifest):
+            raise ConfigError(f"policy {name}'s manifest declares no privacy mode (for some or all of the runs that "
+                              "trained it), so it counts as paper mode (it may have seen unprivatized statistics); "
+                              "use rldp.privacy_mode=paper or a strict policy")
         raise ConfigError(f"policy {name} was trained in paper mode (it saw unprivatized statistics); "
                           "use rldp.privacy_mode=paper or a strict policy")
 

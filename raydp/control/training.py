@@ -10,8 +10,10 @@ EnvRunner takes them from in ``sample()``.
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -154,11 +156,23 @@ def restore_policy(algo, path: Path) -> list[dict]:
 def write_policy(algo, path: Path, *, layout, settings, trained_on: dict, results: dict, transitions: int,
                  updates: int, name: str | None, provenance: list[dict]) -> dict:
     """Write ``algo``'s policy as the fresh directory ``path``: module checkpoint, replay buffer and manifest
-    (with ``provenance``, one entry per run that trained it). Returns the manifest."""
+    (with ``provenance``, one entry per run that trained it). Returns the manifest. Written in a temporary
+    sibling directory renamed into place: a save that fails leaves nothing at ``path`` (and no sibling)."""
     out = Path(path).resolve()  # RLlib reads a relative path as a URI
-    out.mkdir(parents=True, exist_ok=False)
-    module = algo.learner_group._learner.module["default_policy"]
-    module.save_to_path(str(out / MODULE_DIR))
-    write_replay(out / REPLAY_FILE, replay_transitions(algo.local_replay_buffer))
-    return write_manifest(out, layout=layout, sac=settings.as_dict(), trained_on=trained_on, results=results,
-                          transitions=transitions, updates=updates, name=name, provenance=provenance)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        module = algo.learner_group._learner.module["default_policy"]
+        module.save_to_path(str(tmp / MODULE_DIR))
+        write_replay(tmp / REPLAY_FILE, replay_transitions(algo.local_replay_buffer))
+        manifest = write_manifest(tmp, layout=layout, sac=settings.as_dict(), trained_on=trained_on, results=results,
+                                  transitions=transitions, updates=updates, name=name or out.name,
+                                  provenance=provenance)
+        tmp.rename(out)  # fails (nothing replaced) if ``path`` appeared meanwhile
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest

@@ -600,11 +600,11 @@ def _check_served_policy(client, config: TrainConfig) -> None:
     served = getattr(getattr(client, "config", None), "env_config", None)
     if not isinstance(served, dict) or "policy" not in served:
         return
-    from raydp.control.rllink import check_served_policy
+    from raydp.control.rllink import check_run_declaration, check_served_policy
 
-    check_served_policy(served["policy"] or {}, {"privacy_mode": config.rldp.privacy_mode,
-                                                 "action_decoding": config.rldp.action_decoding},
-                        getattr(client, "service", None) or "(RLlink)")
+    run = {"privacy_mode": config.rldp.privacy_mode, "action_decoding": config.rldp.action_decoding}
+    check_served_policy(served["policy"] or {}, run, getattr(client, "service", None) or "(RLlink)")
+    check_run_declaration(client, run)  # the client's uploads are admitted and labelled by what it declares
 
 
 def _jsonable(value):
