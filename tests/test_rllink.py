@@ -786,6 +786,12 @@ def test_wire_entries_get_fresh_ids_and_malformed_messages_leave_the_server_serv
             assert kind == RLlink.PONG  # the listener survived, on the same connection
         counters = srv.counters()
         assert counters["malformed_messages"] == 5 and counters["listening"] and counters["provenance_received"] == 1
+        # an empty EPISODES_AND_GET_STATE is answered at once (Ray's server would wait for a training step
+        # that never comes, and the listener would serve no one again)
+        send_rllink_message(run_c.sock, {"type": RLlink.EPISODES_AND_GET_STATE.name, "declared": STRICT,
+                                         "episodes": []})
+        kind, _ = get_rllink_message(run_c.sock)
+        assert kind == RLlink.SET_STATE and run_c._rpc(RLlink.PING)[0] == RLlink.PONG
         run_c.close()
     finally:
         manifest = srv.stop(save_to=tmp_path / "continued")
@@ -795,3 +801,40 @@ def test_wire_entries_get_fresh_ids_and_malformed_messages_leave_the_server_serv
     assert new["dataset_sha256"] == "cd" * 32 and new["entry_id"] not in {e["entry_id"] for e in inherited}
     assert manifest["transitions"] == 3 and not new.get("unattributed_transitions")
     assert json.loads((tmp_path / "continued" / "manifest.json").read_text()) == manifest
+
+
+# -- re-review: the handshake covers the address, so a relay to another server's port fails (R1) -----------
+@pytest.mark.parametrize("server_at, client_dialled, proves", [
+    ("127.0.0.1:7321", "127.0.0.1:7321", True),    # the address the client dialled is the server's
+    ("127.0.0.1:7321", "127.0.0.1:7320", False),   # a relay from a free port to another raydp server
+    ("127.0.0.2:7320", "127.0.0.1:7320", False),   # ... or from another loopback address
+])
+def test_the_handshake_binds_the_address_so_a_relay_to_another_server_fails(server_at, client_dialled, proves):
+    """A socket pair is a perfect relay (every byte forwarded unchanged): what decides is the address each
+    side puts under its MAC, its own, so the same secret (e.g. Ray's token) does not make servers
+    interchangeable."""
+    from raydp.control.rllink import _key, client_handshake, server_handshake
+
+    key = _key(b"the-same-secret-on-both-servers")
+    server_end, client_end = socket.socketpair()
+    outcome = {}
+
+    def serve():
+        outcome["ok"] = server_handshake(server_end, key, server_at)
+        if not outcome["ok"]:
+            server_end.close()  # as the server does with a peer that proved nothing
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        if proves:
+            client_handshake(client_end, key, client_dialled)
+        else:
+            with pytest.raises(ConnectionError):
+                client_handshake(client_end, key, client_dialled)
+            client_end.close()  # as the client does: nothing RLlink is ever sent
+    finally:
+        thread.join(10)
+        server_end.close()
+        client_end.close()
+    assert outcome["ok"] is proves  # the server, too, accepts only a proof for its own address

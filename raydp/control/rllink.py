@@ -13,8 +13,12 @@ the weights to anyone. :class:`AuthenticatedRLlinkServer` therefore runs a mutua
 challenge/response on the raw socket right after ``accept()``, before a single RLlink byte is decoded:
 
     server -> client   MAGIC | n_s                       (32 random bytes)
-    client -> server   n_c | HMAC(k, "client" | n_s | n_c)
-    server -> client   HMAC(k, "server" | n_c | n_s)
+    client -> server   n_c | HMAC(k, "client" | A | n_s | n_c)
+    server -> client   HMAC(k, "server" | A | n_c | n_s)
+
+``A`` is the address, ``127.0.0.1:PORT`` as the client dialled it and as the server bound it (length-
+prefixed), so a relay from a free port to another raydp server with the same secret (e.g. Ray's token)
+fails: each side checks the MAC against its own address.
 
 The server reads exactly 64 bytes (5 s timeout) and compares in constant time; a failure closes the
 socket. The client verifies the server's answer before it sends anything RLlink, because it too
@@ -125,7 +129,7 @@ logger = logging.getLogger("raydp.rllink")
 
 SECRET_ENV = "RAYDP_RLLINK_SECRET"
 MIN_SECRET_BYTES = 16
-MAGIC = b"RAYDP-RLLINK-1"
+MAGIC = b"RAYDP-RLLINK-2"  # v2: the MACs cover the address
 NONCE_BYTES = 32
 MAC_BYTES = 32
 HANDSHAKE_TIMEOUT_S = 5.0
@@ -173,8 +177,14 @@ def _key(secret: bytes) -> bytes:
     return hmac.new(bytes(secret), b"raydp rllink handshake v1", hashlib.sha256).digest()
 
 
-def _mac(key: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
-    return hmac.new(key, role + first + second, hashlib.sha256).digest()
+def _mac(key: bytes, role: bytes, address: str, first: bytes, second: bytes) -> bytes:
+    where = address.encode()
+    return hmac.new(key, role + len(where).to_bytes(2, "big") + where + first + second, hashlib.sha256).digest()
+
+
+def handshake_address(host: str, port: int) -> str:
+    """What both MACs cover: the IPv4 literal and port the client dials and the server binds."""
+    return f"{host}:{int(port)}"
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -187,39 +197,41 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return buf
 
 
-def server_handshake(conn: socket.socket, key: bytes) -> bool:
-    """True when the peer proved the secret (and got our proof back); reads exactly 64 bytes."""
+def server_handshake(conn: socket.socket, key: bytes, address: str) -> bool:
+    """True when the peer proved the secret for this server's ``address`` (and got our proof back); reads
+    exactly 64 bytes."""
     conn.settimeout(HANDSHAKE_TIMEOUT_S)
     try:
         n_s = os.urandom(NONCE_BYTES)
         conn.sendall(MAGIC + n_s)
         reply = _recv_exact(conn, NONCE_BYTES + MAC_BYTES)
         n_c, mac = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
-        if not hmac.compare_digest(mac, _mac(key, b"client", n_s, n_c)):
+        if not hmac.compare_digest(mac, _mac(key, b"client", address, n_s, n_c)):
             return False
-        conn.sendall(_mac(key, b"server", n_c, n_s))
+        conn.sendall(_mac(key, b"server", address, n_c, n_s))
         conn.settimeout(None)
         return True
     except (OSError, ConnectionError):
         return False
 
 
-def client_handshake(sock: socket.socket, key: bytes) -> None:
-    """Prove the secret and check the server's proof; ConnectionError (one line) on any failure."""
+def client_handshake(sock: socket.socket, key: bytes, address: str) -> None:
+    """Prove the secret for the dialled ``address`` and check the server's proof for the same address;
+    ConnectionError (one line) on any failure."""
     sock.settimeout(HANDSHAKE_TIMEOUT_S)
     try:
         hello = _recv_exact(sock, len(MAGIC) + NONCE_BYTES)
         if hello[: len(MAGIC)] != MAGIC:
             raise ConnectionError("the server does not speak raydp's authenticated RLlink (no handshake)")
         n_s, n_c = hello[len(MAGIC):], os.urandom(NONCE_BYTES)
-        sock.sendall(n_c + _mac(key, b"client", n_s, n_c))
+        sock.sendall(n_c + _mac(key, b"client", address, n_s, n_c))
         answer = _recv_exact(sock, MAC_BYTES)
     except socket.timeout:
         raise ConnectionError("the server did not complete the handshake (busy with another run: it serves one "
                               "at a time; or not a raydp policy server)") from None
     except ConnectionError as exc:
         raise ConnectionError(f"the server refused the handshake ({exc}); is the secret the server's?") from None
-    if not hmac.compare_digest(answer, _mac(key, b"server", n_c, n_s)):
+    if not hmac.compare_digest(answer, _mac(key, b"server", address, n_c, n_s)):
         raise ConnectionError("the server failed to prove the secret; refusing its messages")
     sock.settimeout(None)
 
@@ -312,7 +324,7 @@ class AuthenticatedRLlinkServer(EnvRunnerServerForExternalInference):
                 if self._stopping:
                     raise _Stopped from None
                 raise
-            if server_handshake(conn, self._key):
+            if server_handshake(conn, self._key, handshake_address(self.host, self.port)):
                 if self._stopping:  # stopped during the handshake: serve no one
                     conn.close()
                     raise _Stopped
@@ -400,8 +412,6 @@ class AuthenticatedRLlinkServer(EnvRunnerServerForExternalInference):
             self.refused_uploads += 1
             logger.warning("RLlink upload refused: %s", refusal)
             return self._drop(msg_type)
-        if msg_type == RLlink.EPISODES_AND_GET_STATE:
-            self._blocked_on_state = True  # as Ray's server: the answer is the next weights
         with self._pending_lock:
             self._pending.extend(transitions)
             self.transitions_received += len(transitions)
@@ -409,6 +419,8 @@ class AuthenticatedRLlinkServer(EnvRunnerServerForExternalInference):
             self._connection_mode = declared["privacy_mode"]  # labels its transitions if no entry follows
             if entry is not None and append_provenance(self.provenance, entry):
                 self._connection_transitions = 0  # this run's transitions are accounted for
+        if msg_type == RLlink.EPISODES_AND_GET_STATE:  # answered now, with the current weights: Ray's server
+            self._send_set_state_message()  # waits for a training step, which an empty upload never brings
 
     def _drop(self, msg_type) -> None:
         if msg_type == RLlink.EPISODES_AND_GET_STATE:
@@ -649,7 +661,7 @@ class RLlinkPolicyClient:
         url = RLlinkAddress(host, int(port)).url
         self.sock = self._connect(host, int(port), connect_timeout_s)
         try:
-            client_handshake(self.sock, key)  # before anything is decoded: the config is a pickle
+            client_handshake(self.sock, key, handshake_address(host, port))  # before anything is decoded
             kind, _ = self._rpc(RLlink.PING)
             if kind != RLlink.PONG:
                 raise ConnectionError(f"expected PONG, got {kind}")
@@ -863,7 +875,7 @@ def check_policy_server(address: RLlinkAddress, secret: bytes, expect: dict | No
     except OSError as exc:  # refused, unreachable (ConnectionError is an OSError)
         raise ConfigError(f"policy server {url}: {str(exc).splitlines()[0][:200]}") from None
     try:
-        client_handshake(sock, key)
+        client_handshake(sock, key, handshake_address(host, address.port))
         send_rllink_message(sock, {"type": RLlink.PING.name})
         kind, _ = get_rllink_message(sock)
         if kind != RLlink.PONG:

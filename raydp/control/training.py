@@ -171,7 +171,7 @@ def write_policy(algo, path: Path, *, layout, settings, trained_on: dict, result
         manifest = write_manifest(tmp, layout=layout, sac=settings.as_dict(), trained_on=trained_on, results=results,
                                   transitions=transitions, updates=updates, name=name or out.name,
                                   provenance=provenance)
-        tmp.rename(out)  # fails (nothing replaced) if ``path`` appeared meanwhile
+        tmp.rename(out)  # fails if a non-empty ``path`` appeared meanwhile (an empty directory is replaced)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
