@@ -300,3 +300,29 @@ def test_report_prints_the_figure_labels_and_selection(tmp_path, capsys):
     assert f"dataset {SHA[:16]}: 2 runs" in out and "LABEL: VOID (E12)" in out
     assert "selection used the public validation split (E15)" in out
     assert "final public validation perplexity" in out
+
+
+def test_a_stopped_studys_trials_are_finished_interrupted_or_not_run_and_interrupted_spend_counts(tmp_path):
+    """A study stopped with Ctrl-C: Tune's grid holds finished trials, one stopped mid-run (reported and
+    checkpointed, no final report), and pending ones with neither config nor metrics. The table says which
+    is which (no trial invented), and the interrupted trial's checkpointed ledger is in the figure."""
+    study, d = make_study(), study_dir_with_dataset(tmp_path)
+    done, partial = make_ledger(0.05, 1.5, 40, 2.0), make_ledger(0.05, 1.5, 12, 2.0)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    torch.save({"trainer": {"gradient": {"ledger": partial.to_arrow()}}}, ckpt / "state.pt")
+    checkpoint = SimpleNamespace(as_directory=lambda: _as_directory(ckpt))
+    t_done, t_mid = spec("static_done", 2.0), spec("static_mid", 0.5)
+    t_pending, t_pending2 = spec("static_pending", 0.5, seed=1), spec("static_pending2", 2.0, seed=1)
+    write_run(d, t_done["name"], ledger=done)
+    mid = result(t_mid, checkpoint=checkpoint)
+    mid.metrics = {"step": 12, "checkpoint": True}  # reported, never finished
+    never = [SimpleNamespace(metrics={}, config={}, error=None, path=f"/tune/p{i}", checkpoint=None) for i in (1, 2)]
+    table = collect_results(study, d, [t_done, t_mid, t_pending, t_pending2], [result(t_done), mid, *never])
+    assert dict(zip(table["trial"], table["status"])) == {
+        "static_done": "TERMINATED", "static_mid": "INTERRUPTED", "static_pending": "NOT_RUN",
+        "static_pending2": "NOT_RUN"}
+    fig = table.attrs["tuning_aware_epsilon"][SHA]
+    assert sorted(c["kind"] for c in fig["composed"]) == ["interrupted_trial", "trial"]
+    expected, _ = dp_rdp.compute_epsilon(ORDERS, independent_rdp([done, partial]), DELTA)
+    assert fig["tuning_aware_epsilon"] == pytest.approx(expected, rel=1e-6)

@@ -3,7 +3,8 @@
 ``results.parquet`` columns (one row per trial):
 
 =========================  ==========================================================================
-trial, status              the trial's name (strategy_model_eps_seed[_SAC cell]) and Tune's status
+trial, status              the trial's name (strategy_model_eps_seed[_SAC cell]) and its status:
+                           TERMINATED, ERROR, INTERRUPTED (the study was stopped; --resume) or NOT_RUN
 model, strategy, epsilon_target, seed, t_rl, b_sac, k    the varied settings (SAC cell: rldp only)
 frozen_policy              an RLDP trial driven by a frozen, transferred policy (transfer studies)
 config                     the trial's full TrainConfig as JSON
@@ -527,10 +528,10 @@ def study_privacy(study, study_dir: Path, table: pd.DataFrame, unfinished: dict[
         policy_runs, policy_labels, warnings = _policy_runs(study, spec, study_dir, sha, b["seen"])
         b["warnings"].extend(warnings)
         labels = list(dict.fromkeys(labels + policy_labels))
-        kind = "errored_trial" if row["status"] == "ERROR" else "trial"
+        kind = {"ERROR": "errored_trial", "INTERRUPTED": "interrupted_trial"}.get(row["status"], "trial")
         if (run_dir / LEDGER_FILENAME).exists():
             curve, source = run_rdp_curve(summary, PrivacyLedger.load(run_dir / LEDGER_FILENAME))
-        elif row["trial"] in unfinished:  # errored trials spent budget too (their last checkpoint)
+        elif row["trial"] in unfinished:  # errored or interrupted trials spent budget too (last checkpoint)
             spend = unfinished[row["trial"]]
             labels = list(dict.fromkeys(labels + spend.get("labels", [])))
             curve = _filter_curve(spend.get("filter"))
@@ -541,8 +542,9 @@ def study_privacy(study, study_dir: Path, table: pd.DataFrame, unfinished: dict[
             curve, source = None, "unknown"
         if curve is None:
             b["unknown"].append({"trial": row["trial"], "status": row["status"],
-                                 "reason": "errored before any checkpoint" if row["status"] == "ERROR"
-                                 else "no ledger in its run directory", "labels": labels})
+                                 "reason": {"ERROR": "errored before any checkpoint",
+                                            "INTERRUPTED": "stopped before any checkpoint"}.get(
+                                     row["status"], "no ledger in its run directory"), "labels": labels})
         else:
             target = row.get("epsilon_target")
             b["runs"].append({"name": row["trial"], "kind": kind, "curve_source": source, "curve": curve,
@@ -554,6 +556,19 @@ def study_privacy(study, study_dir: Path, table: pd.DataFrame, unfinished: dict[
     return {sha: compose_dataset(sha, b["runs"], delta, unknown_spend=b["unknown"], nonprivate=b["nonprivate"],
                                  warnings=list(dict.fromkeys(b["warnings"])))
             for sha, b in per.items()}
+
+
+def trial_status(result, metrics: dict, run_dir: Path) -> str:
+    """ERROR (Tune's error), TERMINATED (its final report, ``done``, or its run directory's summary),
+    INTERRUPTED (it reported or checkpointed, then the study was stopped: ``raydp study --resume``
+    finishes it), or NOT_RUN."""
+    if result.error:
+        return "ERROR"
+    if metrics.get("done") or (Path(run_dir) / "summary.json").exists():
+        return "TERMINATED"
+    if metrics or getattr(result, "checkpoint", None) is not None:
+        return "INTERRUPTED"
+    return "NOT_RUN"
 
 
 def collect_results(study, study_dir: Path, trials: list[dict], grid, dataset_dir: str | Path | None = None
@@ -571,6 +586,8 @@ def collect_results(study, study_dir: Path, trials: list[dict], grid, dataset_di
         config = result.config or {}
         trial = (config.get("trial_specs") or {}).get(config.get("trial_name"))
         if trial is None:  # an Optuna-sampled trial
+            if not metrics and result.error is None and getattr(result, "checkpoint", None) is None:
+                continue  # never started (a stopped study's pending trial): its own spec stays NOT_RUN
             if metrics.get("trial_spec"):
                 trial = json.loads(metrics["trial_spec"])
             else:  # it failed before its final report
@@ -578,8 +595,9 @@ def collect_results(study, study_dir: Path, trials: list[dict], grid, dataset_di
                          "strategy": "rldp", **{k: config.get(k) for k in ("t_rl", "b_sac", "k")},
                          "name": f"rldp_optuna-{Path(str(result.path)).name}"}
             trials.append(trial)
-        statuses[trial["name"]] = ("ERROR" if result.error else "TERMINATED", metrics)
-        if result.error:
+        status = trial_status(result, metrics, study_dir / "trials" / trial["name"])
+        statuses[trial["name"]] = (status, metrics)
+        if status in ("ERROR", "INTERRUPTED"):  # it spent budget: its last checkpoint says how much
             spend = _checkpoint_spend(result)
             if spend is not None:
                 unfinished[trial["name"]] = spend
