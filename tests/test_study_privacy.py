@@ -153,13 +153,18 @@ def _as_directory(path):
     yield str(path)
 
 
+def tune_checkpoint(tmp_path, ledger):
+    """A Tune checkpoint as a trial writes it (its state.pt holds the ledger so far)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    torch.save({"trainer": {"gradient": {"ledger": ledger.to_arrow()}}}, ckpt / "state.pt")
+    return SimpleNamespace(as_directory=lambda: _as_directory(ckpt))
+
+
 def test_errored_trials_compose_from_their_checkpoint_or_are_listed_as_unknown_spend(tmp_path):
     study, d = make_study(), study_dir_with_dataset(tmp_path)
     done, partial = make_ledger(0.05, 1.5, 40, 2.0), make_ledger(0.05, 1.5, 12, 2.0)
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    torch.save({"trainer": {"gradient": {"ledger": partial.to_arrow()}}}, ckpt / "state.pt")
-    checkpoint = SimpleNamespace(as_directory=lambda: _as_directory(ckpt))
+    checkpoint = tune_checkpoint(tmp_path, partial)
     t_done, t_ckpt, t_lost = spec("static_done", 2.0), spec("static_ckpt", 0.5), spec("static_lost", 0.5, seed=1)
     write_run(d, t_done["name"], ledger=done)
     table = collect_results(study, d, [t_done, t_ckpt, t_lost],
@@ -308,10 +313,7 @@ def test_a_stopped_studys_trials_are_finished_interrupted_or_not_run_and_interru
     is which (no trial invented), and the interrupted trial's checkpointed ledger is in the figure."""
     study, d = make_study(), study_dir_with_dataset(tmp_path)
     done, partial = make_ledger(0.05, 1.5, 40, 2.0), make_ledger(0.05, 1.5, 12, 2.0)
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    torch.save({"trainer": {"gradient": {"ledger": partial.to_arrow()}}}, ckpt / "state.pt")
-    checkpoint = SimpleNamespace(as_directory=lambda: _as_directory(ckpt))
+    checkpoint = tune_checkpoint(tmp_path, partial)
     t_done, t_mid = spec("static_done", 2.0), spec("static_mid", 0.5)
     t_pending, t_pending2 = spec("static_pending", 0.5, seed=1), spec("static_pending2", 2.0, seed=1)
     write_run(d, t_done["name"], ledger=done)
