@@ -319,7 +319,8 @@ def test_a_stopped_studys_trials_are_finished_interrupted_or_not_run_and_interru
     write_run(d, t_done["name"], ledger=done)
     mid = result(t_mid, checkpoint=checkpoint)
     mid.metrics = {"step": 12, "checkpoint": True}  # reported, never finished
-    never = [SimpleNamespace(metrics={}, config={}, error=None, path=f"/tune/p{i}", checkpoint=None) for i in (1, 2)]
+    never = [SimpleNamespace(metrics={"trial_id": f"x_{i:05d}"}, config={}, error=None, path=f"/tune/p{i}",
+                             checkpoint=None) for i in (1, 2)]  # what Tune's restored grid holds for them
     table = collect_results(study, d, [t_done, t_mid, t_pending, t_pending2], [result(t_done), mid, *never])
     assert dict(zip(table["trial"], table["status"])) == {
         "static_done": "TERMINATED", "static_mid": "INTERRUPTED", "static_pending": "NOT_RUN",

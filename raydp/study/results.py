@@ -566,9 +566,15 @@ def trial_status(result, metrics: dict, run_dir: Path) -> str:
         return "ERROR"
     if metrics.get("done") or (Path(run_dir) / "summary.json").exists():
         return "TERMINATED"
-    if metrics or getattr(result, "checkpoint", None) is not None:
+    if _reported(metrics) or getattr(result, "checkpoint", None) is not None:
         return "INTERRUPTED"
     return "NOT_RUN"
+
+
+def _reported(metrics: dict) -> bool:
+    """Whether the trial reported anything: every report of :func:`raydp.study.runner.run_trial` carries
+    ``step``; Tune fills a never-started trial's metrics with its ``trial_id`` only."""
+    return "step" in metrics or bool(metrics.get("done"))
 
 
 def collect_results(study, study_dir: Path, trials: list[dict], grid, dataset_dir: str | Path | None = None
@@ -586,7 +592,7 @@ def collect_results(study, study_dir: Path, trials: list[dict], grid, dataset_di
         config = result.config or {}
         trial = (config.get("trial_specs") or {}).get(config.get("trial_name"))
         if trial is None:  # an Optuna-sampled trial
-            if not metrics and result.error is None and getattr(result, "checkpoint", None) is None:
+            if not _reported(metrics) and result.error is None and getattr(result, "checkpoint", None) is None:
                 continue  # never started (a stopped study's pending trial): its own spec stays NOT_RUN
             if metrics.get("trial_spec"):
                 trial = json.loads(metrics["trial_spec"])
