@@ -121,17 +121,7 @@ def test_rldp_run_is_within_budget_with_its_traces(rldp_run):
     assert json.loads((run / "summary.json").read_text())["policy_service"]["transitions_trained"] == 4
     # Adaptive sigma: the guarantee is the Renyi filter's (E13), fixed before training; the realized
     # per-step RDP, recomputed here with dp_accounting at integer orders, stays under its budget curve.
-    from dp_accounting import dp_event
-    from dp_accounting.rdp import rdp_privacy_accountant as dpa_rdp
-
-    flt = privacy["filter"]
-    assert privacy["guarantee"] == "renyi-filter" and privacy["epsilon"] == pytest.approx(flt["epsilon"])
-    orders = [a for a in flt["orders"] if float(a).is_integer()]
-    acc = dpa_rdp.RdpAccountant(orders)
-    for q, s in zip(ledger.q, ledger.sigma_eff):
-        acc.compose(dp_event.PoissonSampledDpEvent(float(q), dp_event.GaussianDpEvent(float(s))))
-    budget = [b for a, b in zip(flt["orders"], flt["budget_rdp"]) if float(a).is_integer()]
-    assert all(r <= b * (1 + 1e-6) for r, b in zip(acc._rdp, budget))
+    assert_within_the_filters_budget(privacy, ledger)
     assert set(decisions["privacy_mode"]) == {"strict"} and decisions["privacy_label"].isna().all()
     saved = json.loads((root / "policies" / "tiny" / "manifest.json").read_text())
     assert saved["trained_on"]["n_adapter_pairs"] == 2 and saved["architecture"] == "shared"
@@ -211,3 +201,19 @@ def test_policy_cli_lists_shows_and_exports(rldp_run, tmp_path, capsys):
         assert {"tiny/manifest.json", "tiny/replay.npz"} <= set(tar.getnames())
     assert main(["policy", "show", "missing", "--policy-dir", policies]) == 2
     assert "no saved policy 'missing'" in capsys.readouterr().err
+
+
+def assert_within_the_filters_budget(privacy: dict, ledger) -> None:
+    """An adaptive-sigma run's guarantee is the Renyi filter's (E13), fixed before training: its realized
+    per-step RDP, recomputed with dp_accounting at integer orders, stays under the filter's budget curve."""
+    from dp_accounting import dp_event
+    from dp_accounting.rdp import rdp_privacy_accountant as dpa_rdp
+
+    flt = privacy["filter"]
+    assert privacy["guarantee"] == "renyi-filter" and privacy["epsilon"] == pytest.approx(flt["epsilon"])
+    orders = [a for a in flt["orders"] if float(a).is_integer()]
+    acc = dpa_rdp.RdpAccountant(orders)
+    for q, s in zip(ledger.q, ledger.sigma_eff):
+        acc.compose(dp_event.PoissonSampledDpEvent(float(q), dp_event.GaussianDpEvent(float(s))))
+    budget = [b for a, b in zip(flt["orders"], flt["budget_rdp"]) if float(a).is_integer()]
+    assert all(r <= b * (1 + 1e-6) for r, b in zip(acc._rdp, budget))

@@ -30,6 +30,7 @@ from raydp.control.rllink import (
 )
 from raydp.errors import ConfigError
 from raydp.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
+from tests.test_rldp import assert_within_the_filters_budget
 
 SECRET = "rllink-test-secret-0123456789"
 STRICT = {"privacy_mode": "strict", "action_decoding": "relative"}  # what a run of tiny_config() declares
@@ -107,17 +108,7 @@ def test_an_rldp_run_driven_over_rllink(server, tmp_path):
                                                                                      "loss_sum"]
     ledger = PrivacyLedger.load(run / LEDGER_FILENAME)
     assert len(ledger) == summary["steps"] == 12 and all(len(row.releases) == 3 for row in ledger)
-    from dp_accounting import dp_event
-    from dp_accounting.rdp import rdp_privacy_accountant as dpa_rdp
-
-    flt = privacy["filter"]
-    assert privacy["guarantee"] == "renyi-filter" and privacy["epsilon"] == pytest.approx(flt["epsilon"])
-    orders = [a for a in flt["orders"] if float(a).is_integer()]
-    acc = dpa_rdp.RdpAccountant(orders)
-    for q, s in zip(ledger.q, ledger.sigma_eff):
-        acc.compose(dp_event.PoissonSampledDpEvent(float(q), dp_event.GaussianDpEvent(float(s))))
-    budget = [b for a, b in zip(flt["orders"], flt["budget_rdp"]) if float(a).is_integer()]
-    assert all(r <= b * (1 + 1e-6) for r, b in zip(acc._rdp, budget))
+    assert_within_the_filters_budget(privacy, ledger)
     assert not (run / "policy").exists()  # the policy server owns the policy; the run saves none
 
 

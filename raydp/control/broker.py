@@ -24,7 +24,6 @@ import torch
 from ray.rllib.core import COMPONENT_RL_MODULE, DEFAULT_AGENT_ID, DEFAULT_MODULE_ID
 from ray.rllib.env import INPUT_ENV_SPACES
 from ray.rllib.env.env_runner import EnvRunner
-from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.utils.checkpoints import Checkpointable
 from ray.rllib.utils.metrics import (
     NUM_AGENT_STEPS_SAMPLED,
@@ -38,6 +37,7 @@ from ray.rllib.utils.metrics import (
 
 from raydp.control.features import ObservationLayout
 from raydp.control.sac import SACSettings, module_spec
+from raydp.control.training import transition_episodes
 
 
 class Broker:
@@ -162,12 +162,7 @@ class BrokerEnvRunner(EnvRunner, Checkpointable):
         while not transitions:  # RLlib keeps calling sample() until a step arrives
             time.sleep(0.01)
             transitions = ray.get(self.broker.drain.remote(1))
-        episodes = [
-            SingleAgentEpisode(observations=[o, o2], actions=[a], rewards=[r],
-                               observation_space=self.config.observation_space,
-                               action_space=self.config.action_space, len_lookback_buffer=0).to_numpy()
-            for (o, a, r, o2) in transitions
-        ]
+        episodes = transition_episodes(transitions, self.config)
         log_sampled(self.metrics, len(episodes))
         return episodes
 

@@ -122,7 +122,7 @@ from raydp.control.store import (
     policy_privacy_mode,
     provenance_entry,
 )
-from raydp.control.training import TrainingLoop, one_step_episodes, restore_policy, write_policy
+from raydp.control.training import TrainingLoop, restore_policy, transition_episodes, write_policy
 from raydp.errors import ConfigError
 
 logger = logging.getLogger("raydp.rllink")
@@ -239,12 +239,6 @@ def client_handshake(sock: socket.socket, key: bytes, address: str) -> None:
 # -- the RLlib side ---------------------------------------------------------------------------------
 class _Stopped(Exception):
     """Ends the listener thread when the server stops."""
-
-
-def _one_step_episodes(transitions, config) -> list:
-    return one_step_episodes({"obs": [t[0] for t in transitions], "action": [t[1] for t in transitions],
-                              "reward": [t[2] for t in transitions], "next_obs": [t[3] for t in transitions]},
-                             config)
 
 
 class AuthenticatedRLlinkServer(EnvRunnerServerForExternalInference):
@@ -474,7 +468,7 @@ class AuthenticatedRLlinkServer(EnvRunnerServerForExternalInference):
             if batch or self._stopping:
                 break
             time.sleep(0.01)
-        episodes = _one_step_episodes(batch, self.config) if batch else []
+        episodes = transition_episodes(batch, self.config)
         log_sampled(self.metrics, len(episodes))
         return episodes
 

@@ -131,14 +131,20 @@ def replay_transitions(buffer) -> dict[str, np.ndarray]:
             "next_obs": np.stack([e.get_observations(1) for e in episodes])}
 
 
-def one_step_episodes(replay: dict, config) -> list:
-    """Transitions (arrays ``obs``, ``action``, ``reward``, ``next_obs``) as RLlib 1-step episodes."""
+def transition_episodes(transitions, config) -> list:
+    """(obs, action, reward, next_obs) transitions as RLlib 1-step episodes: what every EnvRunner of the
+    policy (the broker's, the RLlink server's) hands ``train()``, and what a restored replay buffer holds."""
     from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 
     return [SingleAgentEpisode(observations=[o, o2], actions=[a], rewards=[float(r)],
                                observation_space=config.observation_space, action_space=config.action_space,
                                len_lookback_buffer=0).to_numpy()
-            for o, a, r, o2 in zip(replay["obs"], replay["action"], replay["reward"], replay["next_obs"])]
+            for o, a, r, o2 in transitions]
+
+
+def one_step_episodes(replay: dict, config) -> list:
+    """Transitions as arrays (``obs``, ``action``, ``reward``, ``next_obs``: ``replay.npz``) as 1-step episodes."""
+    return transition_episodes(zip(replay["obs"], replay["action"], replay["reward"], replay["next_obs"]), config)
 
 
 def restore_policy(algo, path: Path) -> list[dict]:
