@@ -399,11 +399,21 @@ def cmd_policy_list(args) -> int:
     print(f"{'name':<28} {'arch':<7} {'trained on':<34} {'transitions':>11}  {'final ppl':<10} provenance (E14)")
     for p in policies:
         t, r = p.get("trained_on") or {}, p.get("results") or {}
-        on = f"{t.get('model')} ({t.get('n_adapter_pairs')} pairs, eps {t.get('epsilon')})"
+        on = _trained_on_brief(t)
         ppl = r.get("final_public_perplexity", r.get("final_eval_perplexity"))  # public split first (E15)
         print(f"{p['name']:<28} {p['architecture']:<7} {on:<34} {p.get('transitions') or 0:>11}  "
               f"{'' if ppl is None else f'{ppl:.4f}':<10} {_provenance_brief(p['provenance'], p['privacy_mode'])}")
     return 0
+
+
+def _trained_on_brief(t: dict) -> str:
+    """'model (N pairs, eps E)'; what a manifest does not record is left out (a policy saved by an RLlink
+    policy server knows its runs' count, not their pair counts or epsilons)."""
+    parts = [f"{t['n_adapter_pairs']} pairs" if t.get("n_adapter_pairs") is not None else None,
+             f"eps {t['epsilon']:g}" if isinstance(t.get("epsilon"), (int, float)) else None,
+             f"rllink, {t.get('runs', 0)} run(s)" if t.get("transport") == "rllink" else None]
+    parts = [p for p in parts if p]
+    return f"{t.get('model', 'unknown')}" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def _provenance_brief(provenance: list[dict], mode: str) -> str:

@@ -192,7 +192,7 @@ def test_policy_cli_lists_shows_and_exports(rldp_run, tmp_path, capsys):
     policies = str(root / "policies")
     assert main(["policy", "list", "--policy-dir", policies]) == 0
     listing = capsys.readouterr().out
-    assert "tiny" in listing and "embedded-tiny (2 pairs, eps 2.0)" in listing
+    assert "tiny" in listing and "embedded-tiny (2 pairs, eps 2)" in listing
     assert main(["policy", "show", "tiny", "--policy-dir", policies]) == 0
     assert json.loads(capsys.readouterr().out)["format"] == "raydp-policy-v1"
     archive = tmp_path / "tiny.tar.gz"

@@ -486,6 +486,18 @@ def test_a_policy_server_saves_its_policy_with_the_provenance_of_the_runs_that_t
     assert torch.isfinite(module.forward_inference({Columns.OBS: obs})[Columns.ACTION_DIST_INPUTS]).all()
 
 
+def test_raydp_policy_list_shows_what_a_policy_servers_manifest_records(saved_policy, capsys):
+    """The server knows its model and run count, not the runs' pair counts or epsilons: the listing says
+    what it knows and invents nothing ("None pairs" before)."""
+    from raydp.cli import main
+
+    path = saved_policy["path"]
+    assert main(["policy", "list", "--policy-dir", str(path.parent)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("first "))
+    assert f"{tiny_config().model} (rllink, 1 run(s))" in row and "None" not in row
+    assert "strict, 2 run(s) on dataset(s)" in row
+
+
 def test_a_policy_server_restores_a_saved_policy_and_continues_its_provenance(saved_policy, secret, tmp_path):
     from ray.rllib.core.rl_module.rl_module import RLModule
 
