@@ -74,12 +74,38 @@ def test_warm_up_sets_each_clip_to_the_median_of_the_denoised_histogram():
     counts[0, 3] = 10.0
     counts[1, 1] = 10.0
     counts[1, 4] = 0.5  # below 2 x the summed noise std: zeroed before the quantile
-    for t in range(2):
-        strategy.observe(release(t, counts, 5.0), ledger=None)
+    strategy.observe(release(0, counts, 5.0), ledger=None)
+    assert strategy.dials(1).clip == (0.1, 0.1)  # strict: nothing is set from one step's noisy histogram
+    strategy.observe(release(1, counts, 5.0), ledger=None)
     # median of a single-bin CDF: halfway through the bin in log10 space
     expected = [10 ** (0 + 0.5), 10 ** (-2 + 0.5)]
     assert np.asarray(strategy.clips) == pytest.approx(expected)
     assert strategy.dials(2).clip == pytest.approx(tuple(expected))
+
+
+def test_strict_warm_up_keeps_the_initial_clip_of_a_pair_whose_histogram_is_mostly_noise():
+    """Expected samples over the warm-up: 2 steps x 10. Pair 0's surviving mass (20) is real; pair 1's one
+    surviving bin (6 per step, above 2 x the summed noise std 2.83 but under half of 20) is what noise
+    looks like, so pair 1 keeps C_0 = 0.1 instead of a clip at the spike (10^2.5)."""
+    strategy, _ = make_rldp([0.0] * 5, [0.0], t_warm=2)
+    counts = np.zeros((N_PAIRS, BINS))
+    counts[0, 3] = 10.0
+    counts[1, 5] = 4.0
+    for t in range(2):
+        strategy.observe(release(t, counts, 5.0), ledger=None)
+    assert strategy.dials(2).clip == pytest.approx((10 ** 0.5, 0.1))
+
+
+def test_paper_warm_up_follows_the_exact_norms_at_every_step():
+    """Alg. 1 line 14 as written: the median of every exact norm seen so far, after each warm-up step."""
+    strategy, _ = make_rldp([0.0] * 5, [0.0], t_warm=3, privacy_mode="paper")
+    norms = [np.array([[0.2, 0.02], [0.4, 0.04]]), np.array([[0.6, 0.06], [0.8, 0.08]])]
+    for t, n in enumerate(norms):
+        r = release(t, np.zeros((N_PAIRS, BINS)), 0.0)
+        r.raw_pair_norms, r.raw_losses = n, np.ones(2)
+        strategy.observe(r, ledger=None)
+        seen = np.concatenate(norms[: t + 1])
+        assert strategy.dials(t + 1).clip == pytest.approx(tuple(np.median(seen, axis=0)))
 
 
 def test_decisions_come_after_the_warm_up_every_t_rl_steps():

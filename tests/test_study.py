@@ -98,6 +98,13 @@ def test_shipped_study_files_validate_and_expand():
     assert {t["grid"]["clip"] for t in tuning if t["strategy"] == "static-pairwise"} == {0.01, 0.03, 0.1}
     for name in ("pretrain", "no-control", "trl-sweep"):
         load_study(REPO / "trials" / f"{name}.yaml")
+    # the rerun of the frontier's RLDP arm runs exactly the frontier's RLDP trials
+    from raydp.study.config import trial_config
+
+    rerun = load_study(REPO / "trials" / "frontier-rldp.yaml")
+    ours = [trial_config(rerun, t).model_dump() for t in trial_grid(rerun)]
+    theirs = [trial_config(frontier, t).model_dump() for t in trial_grid(frontier) if t["strategy"] == "rldp"]
+    assert len(ours) == 9 and ours == theirs
 
 
 def test_settings_grid_expands_into_named_trials_with_their_settings(tmp_path):
