@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument("--quiet", action="store_true")
     report = commands.add_parser("report", help="a study's (or a run's) tables and its HTML report")
     report.add_argument("study_dir", metavar="DIR", help="a study's directory (<results-dir>/<name>) or a run directory")
+    report.add_argument("more_studies", metavar="MORE", nargs="*",
+                        help="further study directories: print the tables of all their trials together, a later "
+                             "study's arm replacing the same arm of an earlier one (e.g. an arm rerun after a fix); "
+                             "no HTML then")
     report.add_argument("--html", metavar="FILE", help="where the HTML report goes (default DIR/report.html)")
 
     evaluate = commands.add_parser("eval", help="attack a finished run and audit its epsilon (writes evaluation.json)")
@@ -346,6 +350,11 @@ def cmd_report(args) -> int:
     from raydp.report import write_report
     from raydp.study.report import format_report
 
+    if args.more_studies:
+        if args.html:
+            raise ConfigError("--html is for one study: the HTML report of several is not written")
+        print(format_report(args.study_dir, *args.more_studies))
+        return 0
     if (Path(args.study_dir) / "results.parquet").exists():
         print(format_report(args.study_dir))
     page = write_report(args.study_dir, args.html)

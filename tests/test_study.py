@@ -433,3 +433,62 @@ def test_verdicts_compare_rldp_with_the_best_baseline_by_welch_t_test():
     assert v.loc[2.0, "p_value"] == pytest.approx(2 * stats.t.sf(abs(t), df))
     assert v.loc[2.0, "change_pct"] == pytest.approx(100 * (r.mean() - b.mean()) / b.mean())
     assert v.loc[0.5, "rldp_sd"] == pytest.approx(0.01)
+
+
+def _fake_study(root, name, arms, sha="a" * 64, selection="public", epsilon=1.0):
+    """A finished study's directory as the study runner leaves it (results table and summary), for the
+    report alone: ``arms`` maps (strategy, epsilon) to the final public perplexities of seeds 0..n-1."""
+    d = root / name
+    (d / "trials").mkdir(parents=True)
+    rows = []
+    for (strategy, eps), values in arms.items():
+        for seed, v in enumerate(values):
+            rl = strategy == "rldp"
+            rows.append({"trial": f"{strategy}_m_eps{eps:g}_seed{seed}", "status": "TERMINATED", "model": "m",
+                         "strategy": strategy, "epsilon_target": eps, "seed": seed, "variant": None,
+                         "t_rl": 16.0 if rl else None, "b_sac": 4.0 if rl else None, "k": 2.0 if rl else None,
+                         "frozen_policy": False, "run_dir": str(d / "trials" / f"{strategy}{seed}"),
+                         "final_public_perplexity": v, "final_eval_perplexity": v - 0.1, "steps": 10,
+                         "planned_steps": 10, "dataset_sha256": sha, "within_budget": True, "steps_to_target": None})
+    pd.DataFrame(rows).to_parquet(d / "results.parquet")
+    figure = {"runs": len(rows), "trials": len(rows), "target_epsilons": sorted({e for _, e in arms}),
+              "tuning_aware_epsilon": epsilon, "delta": 1e-5, "max_single_trial_epsilon_rdp": 0.5,
+              "repeat_and_select_epsilon_rdp": 0.9}
+    (d / "study_summary.json").write_text(json.dumps({"study": name, "selection": {"split": selection},
+                                                      "tuning_aware_epsilon": {sha: figure}}))
+    return d
+
+
+def test_report_over_two_studies_replaces_a_rerun_arm_and_composes_their_spend(tmp_path, capsys):
+    """An arm rerun in a later study (after a fix) replaces the same arm of the earlier study in the tables
+    and verdicts; both studies' spend on the dataset adds up (basic composition)."""
+    from raydp.cli import main
+    from raydp.study.report import combine_studies, format_report
+
+    first = _fake_study(tmp_path, "frontier", {("static", 2.0): [1.40, 1.41, 1.42],
+                                               ("static-pairwise", 2.0): [1.35, 1.36, 1.37],
+                                               ("rldp", 2.0): [1.45, 1.46, 1.47]}, epsilon=1.5)
+    rerun = _fake_study(tmp_path, "frontier-rldp", {("rldp", 2.0): [1.30, 1.31, 1.32]}, epsilon=0.75)
+    assert "m eps 2: RLDP LOSES" in format_report(first)
+    results, _, notes = combine_studies([first, rerun])
+    assert len(results) == 9 and set(results[results["strategy"] == "rldp"]["study"]) == {"frontier-rldp"}
+    assert notes == ["1 arm(s) of the earlier study replaced by frontier-rldp's: m | eps 2 | rldp T_RL=16 B_SAC=4 K=2"]
+    assert main(["report", str(first), str(rerun)]) == 0
+    out = capsys.readouterr().out
+    assert "studies frontier, frontier-rldp combined: 9 trials (9 finished)" in out
+    assert "m eps 2: RLDP WINS (rldp T_RL=16 B_SAC=4 K=2 1.3100 ± 0.0100 vs static-pairwise 1.3600 ± 0.0100" in out
+    assert "over all 2 studies (basic composition, every run including replaced arms): <= 2.250 at delta 2e-05" in out
+    assert main(["report", str(first), str(rerun), "--html", str(tmp_path / "x.html")]) == 2
+    assert not (tmp_path / "x.html").exists()
+
+
+def test_report_over_studies_refuses_other_datasets_or_splits(tmp_path):
+    from raydp.study.report import format_report
+
+    first = _fake_study(tmp_path, "a", {("static", 2.0): [1.4, 1.5], ("rldp", 2.0): [1.3, 1.4]})
+    other_data = _fake_study(tmp_path, "b", {("rldp", 2.0): [1.3, 1.4]}, sha="b" * 64)
+    other_split = _fake_study(tmp_path, "c", {("rldp", 2.0): [1.3, 1.4]}, selection="private")
+    with pytest.raises(ConfigError, match="ran on different datasets"):
+        format_report(first, other_data)
+    with pytest.raises(ConfigError, match="select on different splits"):
+        format_report(first, other_split)

@@ -157,10 +157,101 @@ def table3(results: pd.DataFrame, column: str = "final_eval_perplexity") -> pd.D
     return pd.DataFrame(rows)
 
 
-def format_report(study_dir: str | Path) -> str:
+def _comparison_arm(results: pd.DataFrame) -> pd.Series:
+    """What identifies one arm of one cell across studies: model, epsilon, strategy and variant, RLDP's SAC
+    cell and whether its policy was frozen."""
+    frozen = results["frozen_policy"] if "frozen_policy" in results else pd.Series(False, index=results.index)
+    cell = [f" T_RL={t:g} B_SAC={b:g} K={k:g}" if s == "rldp" else "" for s, t, b, k in
+            zip(results["strategy"], *(results[c] if c in results else pd.Series(float("nan"), index=results.index)
+                                       for c in ("t_rl", "b_sac", "k")))]
+    return pd.Series([f"{m} | eps {e:g} | {a}{c}{' (frozen policy)' if f == f and f is not None and bool(f) else ''}"
+                      for m, e, a, c, f in zip(results["model"], results["epsilon_target"].fillna(float("inf")),
+                                               arm_keys(results), cell, frozen)], index=results.index, dtype=object)
+
+
+def combine_studies(study_dirs: list[str | Path]) -> tuple[pd.DataFrame, dict, list[str]]:
+    """The trials of several studies as one results table, for comparing an arm rerun in a later study (after
+    a fix, say) with the arms of an earlier one: where an arm (:func:`_comparison_arm`) appears in more than
+    one study, the LAST study's trials replace the earlier ones'. Steps-to-target is recomputed over the
+    combined table. Refused (one-line ConfigError) when the studies select on different splits or their
+    finished trials ran on different datasets: a verdict across datasets compares nothing. Returns
+    (results, a summary with the common selection, notes)."""
+    from raydp.study.results import steps_to_target
+
+    loaded = [(Path(d), *load_results(d)) for d in study_dirs]
+    columns = {_final_column(r, s) for _, r, s in loaded}
+    if len(columns) > 1:
+        raise ConfigError("these studies select on different splits (public validation and private eval): "
+                          "their perplexities do not compare")
+    datasets = [set(r["dataset_sha256"].dropna()) if "dataset_sha256" in r else set() for _, r, _ in loaded]
+    if len(set().union(*datasets)) > 1:
+        raise ConfigError("these studies' trials ran on different datasets ("
+                          + ", ".join(sorted(sha[:12] for sha in set().union(*datasets))) + "): nothing to compare")
+    notes, frames = [], []
+    for path, results, summary in loaded:
+        results = results.copy()
+        results["study"] = summary.get("study", path.name)
+        results["_comparison_arm"] = _comparison_arm(results)
+        if frames:
+            replaced = sorted(set(results["_comparison_arm"]) & set(pd.concat(frames)["_comparison_arm"]))
+            if replaced:
+                notes.append(f"{len(replaced)} arm(s) of the earlier stud{'y' if len(frames) == 1 else 'ies'} "
+                             f"replaced by {results['study'].iloc[0]}'s: " + "; ".join(replaced))
+            frames = [f[~f["_comparison_arm"].isin(replaced)] for f in frames]
+        frames.append(results)
+    combined = pd.concat(frames, ignore_index=True).drop(columns="_comparison_arm")
+    column = columns.pop()
+    selection = "public" if column == "final_public_perplexity" else "private"
+    if "run_dir" in combined:
+        combined["steps_to_target"] = steps_to_target(combined, selection)
+    first = loaded[0][2].get("selection") or {}
+    return combined, {"selection": {"split": selection, "note": first.get("note")}}, notes
+
+
+def _combined_privacy(study_dirs: list[str | Path]) -> list[str]:
+    """Each study's tuning-aware epsilon per dataset, and their basic composition (Dwork & Roth 2014,
+    Thm. 3.16: epsilons add, deltas add) for a dataset used by several: every run counts, replaced arms too."""
+    per: dict[str, list[tuple[str, dict]]] = {}
+    for d in study_dirs:
+        _, summary = load_results(d)
+        tuning = summary.get("tuning_aware_epsilon")
+        for sha, t in (tuning.items() if isinstance(tuning, dict) else ()):
+            per.setdefault(sha, []).append((summary.get("study", Path(d).name), t))
+    lines = []
+    for sha, figures in per.items():
+        lines.extend(f"  {name}: " + _format_figure(sha, t)[0].strip() for name, t in figures)
+        eps = [t.get("tuning_aware_epsilon") for _, t in figures]
+        if len(figures) > 1:
+            total = "unknown (a study's figure is missing)" if any(e is None for e in eps) else \
+                f"<= {sum(eps):.3f} at delta {sum(t['delta'] for _, t in figures):g}"
+            lines.append(f"  dataset {sha[:16]} over all {len(figures)} studies (basic composition, every run "
+                         f"including replaced arms): {total}")
+    return lines
+
+
+def format_report(study_dir: str | Path, *more: str | Path) -> str:
+    """The study's tables (module docstring); with ``more`` study directories, the tables of their combined
+    trials (:func:`combine_studies`: a later study's arm replaces an earlier study's same arm)."""
+    if more:
+        dirs = [study_dir, *more]
+        results, summary, notes = combine_studies(dirs)
+        names = ", ".join(dict.fromkeys(results["study"]))
+        lines = [f"studies {names} combined: {len(results)} trials "
+                 f"({int((results['status'] == 'TERMINATED').sum())} finished)"]
+        lines += [f"NOTE: {n}" for n in notes]
+        within = results["within_budget"].dropna() if "within_budget" in results else pd.Series(dtype=bool)
+        budgets = [f"\nper-trial budgets: {int(within.sum())}/{len(within)} within (enforcing accountant)"] \
+            if len(within) else []
+        return "\n".join(lines + _format_tables(results, summary) + budgets
+                         + ["\nTuning-aware epsilon per study (ERRATA E7/E14)"] + _combined_privacy(dirs))
     results, summary = load_results(study_dir)
     lines = [f"study {summary.get('study', Path(study_dir).name)}: {len(results)} trials "
              f"({int((results['status'] == 'TERMINATED').sum())} finished)"]
+    return "\n".join(lines + _format_tables(results, summary) + _format_privacy(results, summary))
+
+
+def _format_tables(results: pd.DataFrame, summary: dict) -> list[str]:
+    lines = []
     if "privacy_label" in results and results["privacy_label"].notna().any():
         lines.append(f"NOTE: paper-mode trials: {results['privacy_label'].dropna().iloc[0]}")
     if "privacy_labels" in results and results["privacy_labels"].notna().any():
@@ -193,6 +284,11 @@ def format_report(study_dir: str | Path) -> str:
     if len(acc):
         lines.append("\nClassification accuracy (final; mean and sd over seeds; eval: private split, unprotected, E15)")
         lines.append(acc.to_string(index=False, float_format=lambda x: f"{x:.4f}"))
+    return lines
+
+
+def _format_privacy(results: pd.DataFrame, summary: dict) -> list[str]:
+    lines = []
     tuning = summary.get("tuning_aware_epsilon")
     if isinstance(tuning, dict) and tuning:
         lines.append("\nTuning-aware epsilon (ERRATA E7/E14; RDP upper bounds): every run on the same private "
@@ -209,7 +305,7 @@ def format_report(study_dir: str | Path) -> str:
     within = results["within_budget"].dropna() if "within_budget" in results else pd.Series(dtype=bool)
     if len(within):
         lines.append(f"\nper-trial budgets: {int(within.sum())}/{len(within)} within (enforcing accountant)")
-    return "\n".join(lines)
+    return lines
 
 
 def _fmt(x) -> str:
