@@ -318,7 +318,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_study(args) -> int:
-    from raydp.study.config import load_study, trial_grid
+    from raydp.study.config import load_study
 
     if args.check:
         import tempfile
