@@ -54,7 +54,7 @@ def arm_keys(results: pd.DataFrame) -> pd.Series:
 VERDICT_ALPHA = 0.05
 
 
-def verdicts(results: pd.DataFrame, column: str = "final_eval_perplexity") -> pd.DataFrame:
+def verdicts(results: pd.DataFrame, column: str = "final_public_perplexity") -> pd.DataFrame:
     """Per model x epsilon: RLDP's best arm (SAC cell and variant; frozen-policy trials are an arm too)
     against the best baseline arm (lowest mean), with seed spread and Welch's t-test (module docstring)."""
     from scipy import stats
@@ -94,7 +94,7 @@ def verdicts(results: pd.DataFrame, column: str = "final_eval_perplexity") -> pd
     return pd.DataFrame(rows)
 
 
-def table2(results: pd.DataFrame, column: str = "final_eval_perplexity") -> pd.DataFrame:
+def table2(results: pd.DataFrame, column: str = "final_public_perplexity") -> pd.DataFrame:
     if column not in results or "epsilon_target" not in results:  # no trial finished
         return pd.DataFrame()
     private = results.dropna(subset=["epsilon_target", column]).copy()
@@ -103,7 +103,7 @@ def table2(results: pd.DataFrame, column: str = "final_eval_perplexity") -> pd.D
     for (model, eps), group in private.groupby(["model", "epsilon_target"]):
         frozen = group["frozen_policy"].fillna(False).astype(bool) if "frozen_policy" in group else False
         rldp = group[(group["strategy"] == "rldp") & ~frozen]
-        base = group[group["strategy"] != "rldp"]
+        base = group[~group["strategy"].isin(("rldp", "nonprivate"))]  # a non-private run is no baseline at an epsilon
         row = {"model": model, "epsilon": eps}
         if (group["strategy"] == "rldp").any() and getattr(frozen, "any", lambda: False)():
             row["rldp_frozen_ppl"] = float(group[frozen][column].mean())
@@ -140,7 +140,7 @@ def accuracy_table(results: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def table3(results: pd.DataFrame, column: str = "final_eval_perplexity") -> pd.DataFrame:
+def table3(results: pd.DataFrame, column: str = "final_public_perplexity") -> pd.DataFrame:
     if column not in results:  # no trial finished
         return pd.DataFrame()
     frozen = results["frozen_policy"].fillna(False).astype(bool) if "frozen_policy" in results else False
@@ -270,7 +270,9 @@ def _format_tables(results: pd.DataFrame, summary: dict) -> list[str]:
     v = verdicts(results, column)
     if len(v):
         lines.append(f"\nRLDP against the best baseline: final {split} perplexity, mean ± sd over seeds; Welch's "
-                     f"t-test at {VERDICT_ALPHA:g} (wins/ties/loses)")
+                     f"t-test at {VERDICT_ALPHA:g} (wins/ties/loses). Both arms are chosen after the fact, the "
+                     "baseline as the best of all baseline arms (which favours the baselines); 'ties' means no "
+                     "significant difference over these seeds, not equality")
         for rec in v.to_dict("records"):
             lines.append(f"  {rec['model']} eps {rec['epsilon']:g}: RLDP {rec['verdict'].upper() if rec['verdict'] in ('wins', 'ties', 'loses') else rec['verdict']} "
                          f"({rec['rldp_arm']} {rec['rldp_mean']:.4f} ± {rec['rldp_sd']:.4f} vs {rec['best_baseline']} "
