@@ -44,7 +44,7 @@ def make_ledger(q, sigma, steps, eps_target):
 
 
 def write_run(study_dir, name, *, ledger=None, eps_target=2.0, labels=None, filt=None, sha=SHA, public=True,
-              evals=None, final=(1.5, 1.6)):
+              evals=None, final=(1.5, 1.6), unit=None):
     run = study_dir / "trials" / name
     run.mkdir(parents=True)
     private_final, public_final = final
@@ -56,6 +56,8 @@ def write_run(study_dir, name, *, ledger=None, eps_target=2.0, labels=None, filt
                            "labels": labels or [], "filter": filt}}
     if sha is not None:
         summary["dataset_sha256"] = sha
+    if unit is not None:
+        summary["privacy"]["privacy_unit"] = unit
     if public:
         summary.update(initial_public_perplexity=3.1, final_public_perplexity=public_final,
                        best_public_perplexity=public_final)
@@ -313,10 +315,11 @@ def test_a_stopped_studys_trials_are_finished_interrupted_or_not_run_and_interru
     is which (no trial invented), and the interrupted trial's checkpointed ledger is in the figure."""
     study, d = make_study(), study_dir_with_dataset(tmp_path)
     done, partial = make_ledger(0.05, 1.5, 40, 2.0), make_ledger(0.05, 1.5, 12, 2.0)
+    partial.update_metadata(privacy_unit="patient")  # as a run's ledger carries it
     checkpoint = tune_checkpoint(tmp_path, partial)
     t_done, t_mid = spec("static_done", 2.0), spec("static_mid", 0.5)
     t_pending, t_pending2 = spec("static_pending", 0.5, seed=1), spec("static_pending2", 2.0, seed=1)
-    write_run(d, t_done["name"], ledger=done)
+    write_run(d, t_done["name"], ledger=done, unit="patient")
     mid = result(t_mid, checkpoint=checkpoint)
     mid.metrics = {"step": 12, "checkpoint": True}  # reported, never finished
     never = [SimpleNamespace(metrics={"trial_id": f"x_{i:05d}"}, config={}, error=None, path=f"/tune/p{i}",
@@ -327,5 +330,8 @@ def test_a_stopped_studys_trials_are_finished_interrupted_or_not_run_and_interru
         "static_pending2": "NOT_RUN"}
     fig = table.attrs["tuning_aware_epsilon"][SHA]
     assert sorted(c["kind"] for c in fig["composed"]) == ["interrupted_trial", "trial"]
+    # the interrupted trial's unit comes from its checkpointed ledger, not "unknown" (the finished run's
+    # summary names the patient too): no mixed-unit warning
+    assert fig["privacy_units"] == ["patient"] and not any("privacy units" in w for w in fig["warnings"])
     expected, _ = dp_rdp.compute_epsilon(ORDERS, independent_rdp([done, partial]), DELTA)
     assert fig["tuning_aware_epsilon"] == pytest.approx(expected, rel=1e-6)

@@ -409,7 +409,8 @@ def _checkpoint_spend(result) -> dict | None:
     ledger = PrivacyLedger()
     ledger.extend_from_arrow(table)
     return {"ledger": ledger, "filter": meta.get("filter") or gradient.get("filter"),
-            "labels": [str(label) for label in meta.get("labels") or []]}
+            "labels": [str(label) for label in meta.get("labels") or []],
+            "privacy_unit": meta.get("privacy_unit"), "neighbouring_relation": meta.get("neighbouring_relation")}
 
 
 def _checkpoint_ledger(result) -> PrivacyLedger | None:
@@ -529,11 +530,15 @@ def study_privacy(study, study_dir: Path, table: pd.DataFrame, unfinished: dict[
         b["warnings"].extend(warnings)
         labels = list(dict.fromkeys(labels + policy_labels))
         kind = {"ERROR": "errored_trial", "INTERRUPTED": "interrupted_trial"}.get(row["status"], "trial")
+        privacy = (summary or {}).get("privacy") or {}
+        unit, relation = privacy.get("privacy_unit"), privacy.get("neighbouring_relation")
         if (run_dir / LEDGER_FILENAME).exists():
             curve, source = run_rdp_curve(summary, PrivacyLedger.load(run_dir / LEDGER_FILENAME))
         elif row["trial"] in unfinished:  # errored or interrupted trials spent budget too (last checkpoint)
             spend = unfinished[row["trial"]]
             labels = list(dict.fromkeys(labels + spend.get("labels", [])))
+            unit = unit or spend.get("privacy_unit")  # no summary: the checkpointed ledger's own metadata
+            relation = relation or spend.get("neighbouring_relation")
             curve = _filter_curve(spend.get("filter"))
             source = "renyi_filter" if curve is not None else "checkpoint_ledger"
             if curve is None:
@@ -549,9 +554,7 @@ def study_privacy(study, study_dir: Path, table: pd.DataFrame, unfinished: dict[
             target = row.get("epsilon_target")
             b["runs"].append({"name": row["trial"], "kind": kind, "curve_source": source, "curve": curve,
                               "epsilon_target": None if _isnan(target) else target, "labels": labels,
-                              "privacy_unit": ((summary or {}).get("privacy") or {}).get("privacy_unit"),
-                              "neighbouring_relation": ((summary or {}).get("privacy") or {}).get(
-                                  "neighbouring_relation")})
+                              "privacy_unit": unit, "neighbouring_relation": relation})
         b["runs"].extend(policy_runs)
     return {sha: compose_dataset(sha, b["runs"], delta, unknown_spend=b["unknown"], nonprivate=b["nonprivate"],
                                  warnings=list(dict.fromkeys(b["warnings"])))
