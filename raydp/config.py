@@ -76,9 +76,10 @@ class RLDPConfig(StrictModel):
     noise_control: bool = Field(
         True, description="the policy also sets sigma (Eq. 11-15; Renyi filter, ERRATA E13); false: sigma stays "
                           "sigma_0 and the policy sets the clips only, accounted like a fixed-sigma run")
-    action_decoding: Literal["paper", "relative"] = Field(
-        "relative", description="clip actions as Eq. 10 (C_i = min(e^a_i, 1)) or relative to each pair's public "
-                             "reference norm (C_i = r_i e^a_i; raydp.control.decoding)")
+    action_decoding: Literal["paper", "relative", "relative-capped"] = Field(
+        "relative", description="clip actions as Eq. 10 (C_i = min(e^a_i, 1)), or relative to each pair's public "
+                             "reference norm (C_i = r_i e^a_i, e^a_i in [1e-3, 10]; relative-capped: in [1e-3, 1]; "
+                             "raydp.control.decoding)")
     clip_floor: float = Field(1e-3, gt=0, lt=1.0, description="lower bound on decoded clip radii")
     histogram_bins: int = Field(24, ge=2, description="bins of the DP norm histogram (strict mode)")
     histogram_decades: float = Field(6.0, gt=0, description="log10 width of the histogram, centred on the public norm")

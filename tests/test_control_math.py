@@ -103,4 +103,7 @@ def test_relative_clip_decoding_is_the_reference_times_a_bounded_multiplier():
         decode_clips_relative([0.0, 0.0], [0.1, 0.0])
     decoded = decode_action([0.0, 0.0, 0.0, 0.2], 1.0, 1.0, 0.0, 2.0, reference=ref)
     np.testing.assert_allclose(decoded.clip, ref)
+    # relative-capped: the multiplier in [1e-3, 1], so never above the reference
+    capped = decode_action([50.0, math.log(0.5), -50.0, 0.2], 1.0, 1.0, 0.0, 2.0, reference=ref, bounds=(1e-3, 1.0))
+    np.testing.assert_allclose(capped.clip, [0.05, 1.0, 1e-3])  # 0.3 x 1e-3 floored at 1e-3
     assert decoded.sigma == pytest.approx(decode_action([0.0, 0.0, 0.0, 0.2], 1.0, 1.0, 0.0, 2.0).sigma)

@@ -172,6 +172,19 @@ def test_relative_decoding_scales_each_pairs_public_median():
     assert strategy.decisions[-1]["clip_next"] == pytest.approx([0.2, 0.2])
 
 
+@pytest.mark.parametrize("decoding, expected", [("relative", (0.2 * 10.0, 2.0 * 0.5)),  # multiplier up to 10
+                                                ("relative-capped", (0.2 * 1.0, 2.0 * 0.5))])  # never above r_i
+def test_relative_capped_decoding_never_clips_above_the_public_median(decoding, expected):
+    probe = ((0.1, 1.0), (0.2, 3.0), (0.4, 2.0))  # medians r = (0.2, 2)
+    strategy, _ = make_rldp([40.0, math.log(0.5), 0.0, 0.0, 0.0], [0.0], t_warm=0, t_rl=1, probe=probe,
+                            action_decoding=decoding)
+    counts = np.zeros((N_PAIRS, BINS))
+    counts[:, 3] = 10.0
+    strategy.observe(release(0, counts, 1.0), ledger=None)
+    strategy.between_steps(1)
+    assert strategy.dials(1).clip == pytest.approx(expected)
+
+
 def test_clip_only_control_keeps_sigma_on_the_plan():
     """noise_control off: the noise action is ignored and no sigma is proposed (the engine uses the plan's),
     so the run is a fixed-schedule run (no Renyi filter)."""
