@@ -250,6 +250,9 @@ def test_rldp_trials_can_share_one_policy(tiny_study, tmp_path, monkeypatch):
     record = manifest["trained_on"]["pretraining"]
     assert record["public_data"] and record["data_source"] == "public" and record["episodes"] == 2
     assert record["transitions"] == sum(transitions) and record["cpu_seconds"] > 0
+    # K SAC updates per transition (one train() call each), and the record agrees with the manifest
+    k = TINY_STUDY["sac_grid"]["k"][0]
+    assert record["sac_updates"] == manifest["sac_updates"] == k * sum(transitions)
     assert all(e["public_data"] for e in manifest["provenance"]) and len(manifest["provenance"]) == 2
     # the study refuses to overwrite the saved policy, before running anything
     assert main(["study", str(path), "--results-dir", str(tmp_path / "again")]) == 2

@@ -406,10 +406,12 @@ def _save_study_policy(session, path: Path, study: StudyConfig, dataset: str, re
               "dataset_sha256": manifest.get("content_sha256"), "train_records": (manifest.get("sizes") or {}).get("train"),
               "wall_seconds": round(wall, 1), "cpu_seconds": round(sum(trial_seconds) * study.resources.cpus_per_trial, 1),
               "gpu_seconds": round(sum(trial_seconds) * study.resources.gpus_per_trial, 1),
-              "transitions": counters.get("transitions_trained"), "sac_updates": counters.get("module_steps_trained"),
+              "transitions": counters.get("transitions_trained"),
+              "transitions_sampled_in_updates": counters.get("module_steps_trained"),
               "private_budget_spent": "none (public data)" if manifest.get("public") else
               "see the provenance: every run composes for the people in its dataset (ERRATA E14)"}
     first = trial_config(study, next(t for t in trial_grid(study) if t["strategy"] == "rldp"), dataset)
+    record["sac_updates"] = None if counters.get("train_calls") is None else counters["train_calls"] * first.rldp.k
     path.parent.mkdir(parents=True, exist_ok=True)
     session.save(path, trained_on=trained_on(first, model=", ".join(study.models), epsilon=study.epsilons,
                                              t_rl=study.sac_grid.t_rl, pretraining=record),
