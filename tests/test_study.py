@@ -105,6 +105,13 @@ def test_shipped_study_files_validate_and_expand():
     ours = [trial_config(rerun, t).model_dump() for t in trial_grid(rerun)]
     theirs = [trial_config(frontier, t).model_dump() for t in trial_grid(frontier) if t["strategy"] == "rldp"]
     assert len(ours) == 9 and ours == theirs
+    # ... and the capped rerun differs from them only in its clip decoding and the policy pre-trained in it
+    capped = load_study(REPO / "trials" / "frontier-rldp-capped.yaml")
+    load_study(REPO / "trials" / "pretrain-capped.yaml")
+    for c, f in zip((trial_config(capped, t).model_dump() for t in trial_grid(capped)), theirs, strict=True):
+        assert (c["rldp"]["action_decoding"], c["rldp"]["policy"]) == ("relative-capped", "public-embedded-capped")
+        c["rldp"].update(action_decoding=f["rldp"]["action_decoding"], policy=f["rldp"]["policy"])
+        assert c == f
 
 
 def test_settings_grid_expands_into_named_trials_with_their_settings(tmp_path):
