@@ -445,7 +445,8 @@ def test_verdicts_compare_rldp_with_the_best_baseline_by_welch_t_test():
     assert v.loc[0.5, "rldp_sd"] == pytest.approx(0.01)
 
 
-def _fake_study(root, name, arms, sha="a" * 64, selection="public", epsilon=1.0):
+def _fake_study(root, name, arms, sha="a" * 64, selection="public", epsilon=1.0, figure_extra=None,
+                summary=True):
     """A finished study's directory as the study runner leaves it (results table and summary), for the
     report alone: ``arms`` maps (strategy, epsilon) to the final public perplexities of seeds 0..n-1."""
     d = root / name
@@ -459,13 +460,15 @@ def _fake_study(root, name, arms, sha="a" * 64, selection="public", epsilon=1.0)
                          "t_rl": 16.0 if rl else None, "b_sac": 4.0 if rl else None, "k": 2.0 if rl else None,
                          "frozen_policy": False, "run_dir": str(d / "trials" / f"{strategy}{seed}"),
                          "final_public_perplexity": v, "final_eval_perplexity": v - 0.1, "steps": 10,
-                         "planned_steps": 10, "dataset_sha256": sha, "within_budget": True, "steps_to_target": None})
+                         "planned_steps": 10, "dataset_sha256": sha, "within_budget": True, "steps_to_target": None,
+                         "selection_split": selection})
     pd.DataFrame(rows).to_parquet(d / "results.parquet")
     figure = {"runs": len(rows), "trials": len(rows), "target_epsilons": sorted({e for _, e in arms}),
               "tuning_aware_epsilon": epsilon, "delta": 1e-5, "max_single_trial_epsilon_rdp": 0.5,
-              "repeat_and_select_epsilon_rdp": 0.9}
-    (d / "study_summary.json").write_text(json.dumps({"study": name, "selection": {"split": selection},
-                                                      "tuning_aware_epsilon": {sha: figure}}))
+              "repeat_and_select_epsilon_rdp": 0.9, "privacy_units": ["patient"], **(figure_extra or {})}
+    if summary:
+        (d / "study_summary.json").write_text(json.dumps({"study": name, "selection": {"split": selection},
+                                                          "tuning_aware_epsilon": {sha or "b" * 64: figure}}))
     return d
 
 
@@ -487,9 +490,29 @@ def test_report_over_two_studies_replaces_a_rerun_arm_and_composes_their_spend(t
     out = capsys.readouterr().out
     assert "studies frontier, frontier-rldp combined: 9 trials (9 finished)" in out
     assert "m eps 2: RLDP WINS (rldp T_RL=16 B_SAC=4 K=2 1.3100 ± 0.0100 vs static-pairwise 1.3600 ± 0.0100" in out
-    assert "over all 2 studies (basic composition, every run including replaced arms): <= 2.250 at delta 2e-05" in out
+    assert f"dataset {'a' * 16} over 2 of 2 studies (every run, replaced arms included): <= 2.250 at delta 2e-05" in out
+    assert "study frontier:" in out and "per-trial budgets: 9/9 within" in out  # each study's own, replaced arm too
     assert main(["report", str(first), str(rerun), "--html", str(tmp_path / "x.html")]) == 2
     assert not (tmp_path / "x.html").exists()
+
+
+def test_report_over_studies_never_hides_spend_or_its_caveats(tmp_path):
+    """A study's unknown spend, warnings and other privacy units stay visible, and a study without a figure
+    makes the total unknown rather than smaller."""
+    from raydp.study.report import format_report
+
+    arms = {("static", 2.0): [1.4, 1.5], ("rldp", 2.0): [1.3, 1.4]}
+    first = _fake_study(tmp_path, "a", arms, epsilon=1.5, figure_extra={
+        "unknown_spend": [{"trial": "static_lost"}], "warnings": ["unknown spend: 1 trial(s) ... static_lost"]})
+    record_level = _fake_study(tmp_path, "b", {("rldp", 2.0): [1.3, 1.4]}, figure_extra={"privacy_units": ["record"]})
+    out = format_report(first, record_level)
+    assert "WARNING: unknown spend: 1 trial(s) ... static_lost" in out
+    assert "over 2 of 2 studies (every run, replaced arms included): unknown: a has unknown spend" in out
+    assert "studies of different privacy units (patient, record)" in out
+    no_figure = _fake_study(tmp_path, "c", {("rldp", 2.0): [1.3, 1.4]}, summary=False)
+    plain = _fake_study(tmp_path, "d", arms)
+    out = format_report(plain, no_figure)
+    assert "c: no tuning-aware figure recorded" in out and "unknown: c has no figure" in out
 
 
 def test_report_over_studies_refuses_other_datasets_or_splits(tmp_path):
@@ -502,3 +525,7 @@ def test_report_over_studies_refuses_other_datasets_or_splits(tmp_path):
         format_report(first, other_data)
     with pytest.raises(ConfigError, match="select on different splits"):
         format_report(first, other_split)
+    # trials without a dataset hash: the studies' own figures still name their datasets
+    unhashed = _fake_study(tmp_path, "e", {("rldp", 2.0): [1.3, 1.4]}, sha=None)
+    with pytest.raises(ConfigError, match="ran on different datasets"):
+        format_report(first, unhashed)

@@ -184,6 +184,8 @@ def combine_studies(study_dirs: list[str | Path]) -> tuple[pd.DataFrame, dict, l
         raise ConfigError("these studies select on different splits (public validation and private eval): "
                           "their perplexities do not compare")
     datasets = [set(r["dataset_sha256"].dropna()) if "dataset_sha256" in r else set() for _, r, _ in loaded]
+    datasets += [set(s["tuning_aware_epsilon"]) - {"unknown dataset"} for _, _, s in loaded  # trials may lack a hash
+                 if isinstance(s.get("tuning_aware_epsilon"), dict) and "runs" in next(iter(s["tuning_aware_epsilon"].values()), {})]
     if len(set().union(*datasets)) > 1:
         raise ConfigError("these studies' trials ran on different datasets ("
                           + ", ".join(sorted(sha[:12] for sha in set().union(*datasets))) + "): nothing to compare")
@@ -209,23 +211,45 @@ def combine_studies(study_dirs: list[str | Path]) -> tuple[pd.DataFrame, dict, l
 
 
 def _combined_privacy(study_dirs: list[str | Path]) -> list[str]:
-    """Each study's tuning-aware epsilon per dataset, and their basic composition (Dwork & Roth 2014,
-    Thm. 3.16: epsilons add, deltas add) for a dataset used by several: every run counts, replaced arms too."""
+    """Each study's own privacy section, every line of it (labels, warnings, unknown spend, PBT, per-trial
+    budgets over all its trials, replaced arms included), then for each dataset the basic composition of the
+    studies' tuning-aware figures (Dwork & Roth 2014, Thm. 3.16: epsilons add, deltas add; every run counts).
+    The total is "unknown" when a study has no figure, a figure lacks its epsilon or delta, or a study
+    reports spend it could not compose."""
     per: dict[str, list[tuple[str, dict]]] = {}
+    lines, without = [], []
     for d in study_dirs:
-        _, summary = load_results(d)
+        results, summary = load_results(d)
+        name = summary.get("study", Path(d).name)
+        lines.append(f"\nstudy {name}:")
+        lines.extend(line.lstrip("\n") for line in _format_privacy(results, summary))
         tuning = summary.get("tuning_aware_epsilon")
-        for sha, t in (tuning.items() if isinstance(tuning, dict) else ()):
-            per.setdefault(sha, []).append((summary.get("study", Path(d).name), t))
-    lines = []
+        if isinstance(tuning, dict) and tuning:
+            for sha, t in tuning.items():
+                per.setdefault(sha, []).append((name, t))
+        elif tuning is None:
+            without.append(name)
+            lines.append(f"  {name}: no tuning-aware figure recorded (no study_summary.json or an unfinished study)")
+    if len(study_dirs) > 1:
+        lines.append("\nAll studies together (basic composition per dataset):")
     for sha, figures in per.items():
-        lines.extend(f"  {name}: " + _format_figure(sha, t)[0].strip() for name, t in figures)
         eps = [t.get("tuning_aware_epsilon") for _, t in figures]
-        if len(figures) > 1:
-            total = "unknown (a study's figure is missing)" if any(e is None for e in eps) else \
-                f"<= {sum(eps):.3f} at delta {sum(t['delta'] for _, t in figures):g}"
-            lines.append(f"  dataset {sha[:16]} over all {len(figures)} studies (basic composition, every run "
-                         f"including replaced arms): {total}")
+        deltas = [t.get("delta") for _, t in figures]
+        reasons = [f"{n} has no epsilon for it" for (n, _), e in zip(figures, eps) if e is None]
+        reasons += [f"{n} records no delta" for (n, _), x in zip(figures, deltas) if x is None]
+        reasons += [f"{n} has unknown spend" for n, t in figures if t.get("unknown_spend")]
+        reasons += [f"{n} has no figure" for n in without]
+        total = "unknown: " + "; ".join(reasons) if reasons else f"<= {sum(eps):.3f} at delta {sum(deltas):g}"
+        lines.append(f"  dataset {sha[:16]} over {len(figures)} of {len(study_dirs)} studies (every run, replaced "
+                     f"arms included): {total}")
+        units = sorted({u for _, t in figures for u in (t.get("privacy_units") or ["unknown"])})
+        if len(units) > 1:
+            lines.append(f"    WARNING: studies of different privacy units ({', '.join(units)}) are composed: the "
+                         "figure bounds the smallest unit only; a patient with k records gets group privacy in k (E11)")
+        relations = sorted({r for _, t in figures for r in (t.get("neighbouring_relations") or [])})
+        if len(relations) > 1:
+            lines.append(f"    WARNING: studies under different neighbouring relations ({'; '.join(relations)}) are "
+                         "composed: the sum is a guarantee under neither as it stands")
     return lines
 
 
@@ -239,11 +263,8 @@ def format_report(study_dir: str | Path, *more: str | Path) -> str:
         lines = [f"studies {names} combined: {len(results)} trials "
                  f"({int((results['status'] == 'TERMINATED').sum())} finished)"]
         lines += [f"NOTE: {n}" for n in notes]
-        within = results["within_budget"].dropna() if "within_budget" in results else pd.Series(dtype=bool)
-        budgets = [f"\nper-trial budgets: {int(within.sum())}/{len(within)} within (enforcing accountant)"] \
-            if len(within) else []
-        return "\n".join(lines + _format_tables(results, summary) + budgets
-                         + ["\nTuning-aware epsilon per study (ERRATA E7/E14)"] + _combined_privacy(dirs))
+        return "\n".join(lines + _format_tables(results, summary)
+                         + ["\nPrivacy, study by study (ERRATA E7/E14)"] + _combined_privacy(dirs))
     results, summary = load_results(study_dir)
     lines = [f"study {summary.get('study', Path(study_dir).name)}: {len(results)} trials "
              f"({int((results['status'] == 'TERMINATED').sum())} finished)"]
