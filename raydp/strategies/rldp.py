@@ -207,13 +207,12 @@ class RLDPStrategy(Strategy):
         if self._previous is not None:
             r = rldp_reward(utility, self._previous[0], eps_t, self._previous[1], self.settings.r_max)
         action = layout.split_action(self.client.decide(obs, r), ctx.n_pairs)
-        reference, bounds = None, MULTIPLIER_BOUNDS.get(self.settings.action_decoding, RELATIVE_BOUNDS)
-        if self.settings.action_decoding in MULTIPLIER_BOUNDS:
-            if self.pair_reference is None or len(self.pair_reference) != ctx.n_pairs:
-                raise ConfigError("relative action decoding needs the public probe's per-pair norms")
-            reference = self.pair_reference
+        bounds = MULTIPLIER_BOUNDS.get(self.settings.action_decoding)  # None: Eq. 10 (paper)
+        if bounds is not None and (self.pair_reference is None or len(self.pair_reference) != ctx.n_pairs):
+            raise ConfigError("relative action decoding needs the public probe's per-pair norms")
         decoded = decode_action(action, self.sigma, ctx.sigma_0, eps_t, ctx.epsilon_target, self.settings.clip_floor,
-                                reference=reference, bounds=bounds)
+                                reference=None if bounds is None else self.pair_reference,
+                                bounds=bounds or RELATIVE_BOUNDS)
         self.clips = np.array(decoded.clip)
         if self.adaptive_sigma:  # noise_control off: the noise action is ignored, sigma stays on the plan
             self.sigma = decoded.sigma

@@ -51,6 +51,18 @@ def arm_keys(results: pd.DataFrame) -> pd.Series:
                       for s, v in zip(results["strategy"], variant)], index=results.index, dtype=object)
 
 
+def cell_arm_keys(results: pd.DataFrame) -> pd.Series:
+    """:func:`arm_keys`, with an RLDP trial's SAC cell and ``(frozen policy)`` for a frozen policy's trials."""
+    keys = arm_keys(results)
+    if "t_rl" not in results:
+        return keys
+    frozen = results["frozen_policy"] if "frozen_policy" in results else pd.Series(False, index=results.index)
+    return pd.Series([f"{a} T_RL={t:g} B_SAC={b:g} K={k:g}" + (" (frozen policy)" if f is True or f == 1 else "")
+                      if s == "rldp" else a for s, a, t, b, k, f in
+                      zip(results["strategy"], keys, results["t_rl"], results["b_sac"], results["k"], frozen)],
+                     index=results.index, dtype=object)
+
+
 VERDICT_ALPHA = 0.05
 
 
@@ -63,13 +75,7 @@ def verdicts(results: pd.DataFrame, column: str = "final_public_perplexity") -> 
         return pd.DataFrame()
 
     data = results.dropna(subset=["epsilon_target", column]).copy()
-    data["_arm"] = arm_keys(data)
-    if "t_rl" in data:
-        rl = data["strategy"] == "rldp"
-        data.loc[rl, "_arm"] = [f"{a} T_RL={t:g} B_SAC={b:g} K={k:g}" + (" (frozen policy)" if f else "")
-                                for a, t, b, k, f in zip(data.loc[rl, "_arm"], data.loc[rl, "t_rl"],
-                                                         data.loc[rl, "b_sac"], data.loc[rl, "k"],
-                                                         data.loc[rl].get("frozen_policy", False))]
+    data["_arm"] = cell_arm_keys(data)
     rows = []
     for (model, eps), group in data.groupby(["model", "epsilon_target"]):
         rldp, base = group[group["strategy"] == "rldp"], group[~group["strategy"].isin(("rldp", "nonprivate"))]
@@ -158,15 +164,9 @@ def table3(results: pd.DataFrame, column: str = "final_public_perplexity") -> pd
 
 
 def _comparison_arm(results: pd.DataFrame) -> pd.Series:
-    """What identifies one arm of one cell across studies: model, epsilon, strategy and variant, RLDP's SAC
-    cell and whether its policy was frozen."""
-    frozen = results["frozen_policy"] if "frozen_policy" in results else pd.Series(False, index=results.index)
-    cell = [f" T_RL={t:g} B_SAC={b:g} K={k:g}" if s == "rldp" else "" for s, t, b, k in
-            zip(results["strategy"], *(results[c] if c in results else pd.Series(float("nan"), index=results.index)
-                                       for c in ("t_rl", "b_sac", "k")))]
-    return pd.Series([f"{m} | eps {e:g} | {a}{c}{' (frozen policy)' if f == f and f is not None and bool(f) else ''}"
-                      for m, e, a, c, f in zip(results["model"], results["epsilon_target"].fillna(float("inf")),
-                                               arm_keys(results), cell, frozen)], index=results.index, dtype=object)
+    """What identifies one arm of one cell across studies: model, epsilon and :func:`cell_arm_keys`."""
+    return pd.Series([f"{m} | eps {e:g} | {a}" for m, e, a in zip(results["model"], results["epsilon_target"].fillna(
+        float("inf")), cell_arm_keys(results))], index=results.index, dtype=object)
 
 
 def combine_studies(study_dirs: list[str | Path]) -> tuple[pd.DataFrame, dict, list[str]]:
