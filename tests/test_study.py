@@ -112,6 +112,12 @@ def test_shipped_study_files_validate_and_expand():
         assert (c["rldp"]["action_decoding"], c["rldp"]["policy"]) == ("relative-capped", "public-embedded-capped")
         c["rldp"].update(action_decoding=f["rldp"]["action_decoding"], policy=f["rldp"]["policy"])
         assert c == f
+    # ... and the frozen rerun only in acting with the pre-trained policy's mean, untrained
+    frozen = load_study(REPO / "trials" / "frontier-rldp-frozen.yaml")
+    for c, f in zip((trial_config(frozen, t).model_dump() for t in trial_grid(frozen)), theirs, strict=True):
+        assert c["rldp"]["frozen"] is True and f["rldp"]["frozen"] is False
+        c["rldp"]["frozen"] = False
+        assert c == f
 
 
 def test_settings_grid_expands_into_named_trials_with_their_settings(tmp_path):
