@@ -335,3 +335,16 @@ def test_a_stopped_studys_trials_are_finished_interrupted_or_not_run_and_interru
     assert fig["privacy_units"] == ["patient"] and not any("privacy units" in w for w in fig["warnings"])
     expected, _ = dp_rdp.compute_epsilon(ORDERS, independent_rdp([done, partial]), DELTA)
     assert fig["tuning_aware_epsilon"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_study_that_freezes_its_policy_marks_its_rldp_trials_frozen(tmp_path):
+    """base.rldp.frozen: the results table says so (the report then keys the arm "(frozen policy)"), like a
+    transfer study's frozen stage; a baseline trial beside it is not frozen."""
+    study = make_study(strategies=["rldp", "static"], base={"delta": DELTA, "rldp": {"frozen": True,
+                                                                                  "policy": "public-embedded"}})
+    d = study_dir_with_dataset(tmp_path)
+    t_rl, t_static = spec("rldp_frozen", 2.0, strategy="rldp"), spec("static_beside", 2.0)
+    table = collect_results(study, d, [t_rl, t_static], [])
+    assert table.set_index("trial")["frozen_policy"].to_dict() == {"rldp_frozen": True, "static_beside": False}
+    table = collect_results(make_study(strategies=["rldp"]), d, [t_rl], [])
+    assert not table["frozen_policy"].any()

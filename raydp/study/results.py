@@ -6,7 +6,7 @@
 trial, status              the trial's name (strategy_model_eps_seed[_SAC cell]) and its status:
                            TERMINATED, ERROR, INTERRUPTED (the study was stopped; --resume) or NOT_RUN
 model, strategy, epsilon_target, seed, t_rl, b_sac, k    the varied settings (SAC cell: rldp only)
-frozen_policy              an RLDP trial driven by a frozen, transferred policy (transfer studies)
+frozen_policy              an RLDP trial driven by a frozen policy: a transfer study's stage 2, or rldp.frozen
 config                     the trial's full TrainConfig as JSON
 initial/final/best_eval_perplexity     perplexity on the PRIVATE held-out eval split at step 0, at the
                            end, and the best: not a DP release, no accountant covers it (ERRATA E15)
@@ -133,10 +133,13 @@ def _read_summary(run_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _trial_row(trial: dict, run_dir: Path, status: str, result: dict, s: dict | None = None) -> dict:
+def _trial_row(trial: dict, run_dir: Path, status: str, result: dict, s: dict | None = None,
+               frozen: bool = False) -> dict:
+    """``frozen``: the study freezes every RLDP trial's policy (``base.rldp.frozen``)."""
     row = {"trial": trial["name"], "status": status, "model": trial["model"], "strategy": trial["strategy"],
            "epsilon_target": trial.get("epsilon"), "seed": trial["seed"], "t_rl": trial.get("t_rl"),
-           "b_sac": trial.get("b_sac"), "k": trial.get("k"), "frozen_policy": bool(trial.get("frozen_from")),
+           "b_sac": trial.get("b_sac"), "k": trial.get("k"),
+           "frozen_policy": bool(trial.get("frozen_from")) or (frozen and trial["strategy"] == "rldp"),
            "variant": variant_label(trial),
            "run_dir": str(run_dir),
            "trial_seconds": result.get("trial_seconds")}
@@ -611,9 +614,10 @@ def collect_results(study, study_dir: Path, trials: list[dict], grid, dataset_di
             if spend is not None:
                 unfinished[trial["name"]] = spend
     rows = []
+    frozen = bool((getattr(study, "base", {}).get("rldp") or {}).get("frozen"))  # a grid cannot set it
     for trial in trials:
         status, metrics = statuses.get(trial["name"], ("NOT_RUN", {}))
-        rows.append(_trial_row(trial, study_dir / "trials" / trial["name"], status, metrics))
+        rows.append(_trial_row(trial, study_dir / "trials" / trial["name"], status, metrics, frozen=frozen))
     table = pd.DataFrame(rows)
     split, note = selection_split(table, selection)
     if "final_eval_perplexity" in table:
