@@ -26,8 +26,12 @@ def _add_data_source_args(parser: argparse.ArgumentParser, defaults: bool) -> No
     parser.add_argument("--source", dest="source", default=d("synthetic"),
                         help="'synthetic' (embedded generator), a diabetic_data.csv path, or (train) a built dataset dir")
     parser.add_argument("--ids-mapping", default=None, help="IDs_mapping.csv of the real dataset")
-    parser.add_argument("--n-records", type=int, default=None,
-                        help="synthetic size (default 2000) / cap on CSV rows (default: all; whole patients kept)")
+    parser.add_argument("--n-records", type=int, default=None, help="synthetic size (default 2000)")
+    parser.add_argument("--sample-fraction", type=float, default=None,
+                        help="a CSV: keep each patient with this probability, decided by its own id (default: all)")
+    parser.add_argument("--split", dest="fractions", action="append", metavar="SPLIT=FRACTION",
+                        help="fraction of patients in attack (default 0.2), eval (0.08) or validation (0); train "
+                             "takes the rest (repeatable)")
     parser.add_argument("--data-seed", type=int, default=d(0), help="seed of generator and splits")
     parser.add_argument("--n-canary", type=int, default=d(10), help="number of secret canaries in train")
     parser.add_argument("--canary-seed", type=int, default=d(42))
@@ -142,6 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     policy_server.add_arguments(commands.add_parser(
         "policy-server", help="serve an RLDP policy over RLlink to runs started with --controller rllink://HOST:PORT"))
+    migrate = commands.add_parser("migrate", help="rewrite old run, study and policy files so that they name datasets "
+                                  "by their keyed id, never by a plain hash of the records")
+    migrate.add_argument("paths", nargs="+", metavar="PATH", help="run, study or policy directories (or policies/)")
+    migrate.add_argument("--check", action="store_true",
+                         help="change nothing; list the files that still hold a plain dataset hash (exit 1 if any)")
     policy = commands.add_parser("policy", help="list, show and export saved RLDP policies")
     policy_cmds = policy.add_subparsers(dest="policy_command", required=True)
     plist = policy_cmds.add_parser("list", help="the saved policies")
@@ -182,9 +191,11 @@ def train_config_from_args(args: argparse.Namespace):
     data = dict(values.get("data") or {})
     for flag, key in (("source", "source"), ("ids_mapping", "ids_mapping"), ("n_records", "n_records"),
                       ("data_seed", "seed"), ("n_canary", "n_canary"), ("canary_seed", "canary_seed"),
-                      ("n_audit", "n_audit")):
+                      ("n_audit", "n_audit"), ("sample_fraction", "sample_fraction")):
         if getattr(args, flag) is not None:
             data[key] = getattr(args, flag)
+    if args.fractions:
+        data["fractions"] = {**(data.get("fractions") or {}), **_fractions(args.fractions)}
     if data:
         values["data"] = data
     task = dict(values.get("task") or {})
@@ -204,6 +215,20 @@ def train_config_from_args(args: argparse.Namespace):
     return validate_config(TrainConfig, values)
 
 
+def _fractions(items: list[str]) -> dict[str, float]:
+    """``--split eval=0.1`` items as a dict (the fractions themselves are checked by DataConfig)."""
+    out = {}
+    for item in items:
+        name, sep, raw = item.partition("=")
+        try:
+            out[name.strip()] = float(raw)
+        except ValueError:
+            sep = ""
+        if not sep or not name.strip():
+            raise ConfigError(f"--split takes SPLIT=FRACTION, got {item!r}")
+    return out
+
+
 def cmd_data_build(args) -> int:
     from raydp.data import build_dataset, describe_dataset
 
@@ -213,11 +238,14 @@ def cmd_data_build(args) -> int:
         raise ConfigError("--n-records must be positive")
     data = validate_config(DataConfig, {k: v for k, v in {
         "source": args.source, "n_records": args.n_records, "seed": args.data_seed, "n_canary": args.n_canary,
-        "canary_seed": args.canary_seed, "n_audit": args.n_audit, "ids_mapping": args.ids_mapping}.items()
+        "canary_seed": args.canary_seed, "n_audit": args.n_audit, "ids_mapping": args.ids_mapping,
+        "sample_fraction": args.sample_fraction,
+        "fractions": _fractions(args.fractions) if args.fractions else None}.items()
         if v is not None}, where="data.")
     build_dataset(args.output, source=data.source, n_records=data.n_records, seed=data.seed,
                   n_canary=data.n_canary, canary_seed=data.canary_seed, n_audit=data.n_audit,
-                  ids_mapping=data.ids_mapping, overwrite=args.overwrite)
+                  ids_mapping=data.ids_mapping, fractions=data.fractions, sample_fraction=data.sample_fraction,
+                  overwrite=args.overwrite)
     _print_dataset(describe_dataset(args.output), args.output)
     return 0
 
@@ -426,8 +454,8 @@ def _trained_on_brief(t: dict) -> str:
 
 
 def _provenance_brief(provenance: list[dict], mode: str) -> str:
-    """'paper|strict, N run(s) on dataset(s) <sha12>, ...' (ERRATA E14)."""
-    hashes = list(dict.fromkeys((e.get("dataset_sha256") or "unknown")[:12] for e in provenance))
+    """'paper|strict, N run(s) on dataset(s) <id>, ...' (ERRATA E14)."""
+    hashes = list(dict.fromkeys(e.get("dataset_id") or "unknown" for e in provenance))
     return f"{mode}, {len(provenance)} run(s) on dataset(s) {', '.join(hashes) or 'none recorded'}"
 
 
@@ -474,10 +502,27 @@ def cmd_policy_server(args) -> int:
     return policy_server.run(args)
 
 
+def cmd_migrate(args) -> int:
+    from raydp.migrate import migrate
+
+    result = migrate(args.paths, check=args.check)
+    if args.check:
+        for path in result.remaining:
+            print(f"plain dataset hash: {path}")
+        print(f"{len(result.remaining)} file(s) still name a dataset by a plain hash"
+              + ("; run `raydp migrate` on them (the data owner's key is needed)" if result.remaining else ""))
+        return 1 if result.remaining else 0
+    for sha, new in result.mapping.items():
+        print(f"dataset id {new}")
+    print(f"rewrote {len(result.rewritten)} file(s); {len(result.datasets)} dataset manifest(s) gained their id")
+    return 0
+
+
 COMMANDS = {("data", "build"): cmd_data_build, ("data", "show"): cmd_data_show, ("train", None): cmd_train,
             ("study", None): cmd_study, ("report", None): cmd_report, ("eval", None): cmd_eval,
             ("policy", "list"): cmd_policy_list, ("policy", "show"): cmd_policy_show,
-            ("policy", "export"): cmd_policy_export, ("policy-server", None): cmd_policy_server}
+            ("policy", "export"): cmd_policy_export, ("policy-server", None): cmd_policy_server,
+            ("migrate", None): cmd_migrate}
 
 
 

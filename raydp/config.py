@@ -7,10 +7,12 @@ before any data is built or any model is loaded.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from raydp.data.splits import check_fractions
 from raydp.settings import StrictModel, load_yaml_mapping, validate_config  # noqa: F401  (re-exported)
 from raydp.strategies.registry import STRATEGY_CHOICES, strategy_class, strategy_settings
 
@@ -26,8 +28,14 @@ class DataConfig(StrictModel):
                         "a policy or tuning a baseline, no private budget), a diabetic_data.csv path, or a built "
                         "dataset dir")
     ids_mapping: str | None = Field(None, description="IDs_mapping.csv for a real CSV (default: embedded tables)")
-    n_records: int | None = Field(None, gt=0, description="synthetic size (default 2000), or a cap on the rows "
-                                  "read from a CSV (default: all rows; a cap keeps whole patients)")
+    n_records: int | None = Field(None, gt=0, description="synthetic size (default 2000); not for a CSV (use "
+                                  "sample_fraction)")
+    sample_fraction: float | None = Field(None, gt=0, le=1, description=(
+        "a CSV only: keep each patient with this probability, decided by its own id (so one patient's presence "
+        "never moves another); default: every row"))
+    fractions: dict[str, float] | None = Field(None, description=(
+        "split fractions of patients: attack (default 0.2), eval (0.08), validation (0: the private validation "
+        "split); train takes the rest. Each patient's split depends on its own id and the seed only"))
     seed: int = Field(0, ge=0, description="seed of the synthetic generator and of the splits")
     n_canary: int = Field(10, ge=0)
     canary_seed: int = Field(42, ge=0)
@@ -42,6 +50,20 @@ class DataConfig(StrictModel):
                 and values.get("n_records") is None:
             values = {**values, "n_records": SYNTHETIC_DEFAULT_RECORDS}
         return values
+
+    @model_validator(mode="after")
+    def _check_sources(self):
+        generated = self.source in ("synthetic", "public")
+        if not generated and self.n_records is not None and not Path(self.source).expanduser().is_dir():
+            raise ValueError("n_records sizes synthetic data; to subsample a CSV use sample_fraction (each patient "
+                             "is kept on its own, so one patient's presence never moves another)")
+        if generated and self.sample_fraction is not None:
+            raise ValueError("sample_fraction subsamples a CSV; n_records sizes synthetic data")
+        try:
+            check_fractions(self.fractions)
+        except Exception as exc:
+            raise ValueError(str(exc)) from None
+        return self
 
 
 class LoraConfigModel(StrictModel):

@@ -1,4 +1,5 @@
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The dataset owner's key (raydp.data.identity) of this test session: never the user's own key file.
+os.environ.setdefault("RAYDP_OWNER_KEY", str(Path(tempfile.mkdtemp(prefix="raydp-owner-")) / "owner.key"))
 
 
 #: Slow tests in files whose owners mark them here (CI runs ``-m "not slow"``: a fast tier on 2 cores),
@@ -70,8 +73,9 @@ def local_ray(raydp_cache):
 
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, log_to_driver=False,
-                 runtime_env={"env_vars": {k: os.environ[k] for k in ("RAYDP_CACHE", "HF_HUB_OFFLINE",
-                                                                     "TRANSFORMERS_OFFLINE") if k in os.environ}})
+                 runtime_env={"env_vars": {k: os.environ[k] for k in ("RAYDP_CACHE", "RAYDP_OWNER_KEY",
+                                                                     "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+                                                    if k in os.environ}})
     yield
     ray.shutdown()
 

@@ -28,9 +28,10 @@ from raydp.data import (
     privacy_unit,
     public_corpus,
     public_records,
-    split_sizes,
+    VALIDATION,
     verbalise,
 )
+from raydp.data.splits import DEFAULT_FRACTIONS, SPLIT_STREAM, SUBSAMPLE_STREAM
 from raydp.errors import DataError
 
 # The header line of the real diabetic_data.csv.
@@ -316,26 +317,67 @@ def test_synthetic_marginals_match_published_table() -> None:
 # --- dataset building -----------------------------------------------------------------------
 
 
-def test_split_sizes_follow_documented_rounding(tmp_path: Path) -> None:
-    # The targets keep Sec. 2.1's rule. N=1000: attack 200, rest 800 -> eval 80, train 720.
-    assert split_sizes(1000) == {"train": 720, "eval": 80, "attack": 200}
-    # N=101: attack round(20.2)=20, rest 81 -> eval round(8.1)=8, train 73.
-    assert split_sizes(101) == {"train": 73, "eval": 8, "attack": 20}
-    # Whole patients per split (ERRATA E11): the record counts are near the targets, off by at
-    # most the encounters of one patient.
-    m = build_dataset(tmp_path / "a", n_records=1000, n_canary=0, progress=False)
-    assert m == load_manifest(tmp_path / "a")
-    per_patient = pd.concat(load_split(tmp_path / "a", s) for s in ("train", "eval", "attack"))[
-        "patient_nbr"].value_counts()
+def independent_bucket(patient: int, seed: int, fractions: dict, stream: bytes = SPLIT_STREAM) -> str:
+    """The split rule of raydp.data.splits written out again: BLAKE2b-64 of the id keyed with (stream, seed)."""
+    import hashlib
+
+    key = stream + b":" + str(seed).encode()
+    u = int.from_bytes(hashlib.blake2b(str(patient).encode(), key=key, digest_size=8).digest(), "big") / 2 ** 64
+    low = 0.0
+    for name in ("attack", "eval", "validation"):
+        if low <= u < low + fractions[name]:
+            return name
+        low += fractions[name]
+    return "train"
+
+
+def test_each_patients_split_follows_its_own_hash(tmp_path: Path) -> None:
+    fractions = {**DEFAULT_FRACTIONS, "validation": 0.1}
+    m = build_dataset(tmp_path / "a", n_records=1000, n_canary=0, fractions=fractions, progress=False)
+    assert m == load_manifest(tmp_path / "a") and m["split_fractions"] == fractions
+    seen = {}
+    for split in ("train", "eval", "attack", VALIDATION):
+        for pid in load_split(tmp_path / "a", split)["patient_nbr"]:
+            assert independent_bucket(int(pid), 0, fractions) == split, (pid, split)
+            seen[int(pid)] = split
     assert sum(m["sizes"].values()) == 1000
-    assert abs(m["sizes"]["attack"] - 200) <= per_patient.max()
-    assert abs(m["sizes"]["eval"] - round(0.1 * (1000 - m["sizes"]["attack"]))) \
-        <= per_patient.max()
-    # Synthetic records with at most 2 distinct patients cannot fill three splits.
+    # Each patient is a Bernoulli draw per split: the share of patients in each split is binomial.
+    n = len(seen)
+    for split, f in {**fractions, "train": 1 - sum(fractions.values())}.items():
+        count = sum(v == split for v in seen.values())
+        assert abs(count - n * f) <= 4 * (n * f * (1 - f)) ** 0.5, (split, count, n)
+    # Too few patients leave a required split empty: a one-line error, nothing written.
     with pytest.raises(DataError) as exc:
         build_dataset(tmp_path / "c", n_records=2, progress=False)
-    assert_one_line_error(exc, "at least 3 patients")
+    assert_one_line_error(exc, "split empty", "patient")
     assert not (tmp_path / "c").exists()
+    for bad, needle in (({"eval": 0.0}, "eval must be > 0"), ({"attack": 0.6, "eval": 0.5}, "leave nothing for train"),
+                        ({"holdout": 0.1}, "unknown split fraction")):
+        with pytest.raises(DataError) as exc:
+            build_dataset(tmp_path / "bad", n_records=100, fractions=bad, progress=False)
+        assert_one_line_error(exc, needle)
+        assert not (tmp_path / "bad").exists()
+
+
+def test_removing_one_patient_moves_no_other_patient(tmp_path: Path) -> None:
+    """Neighbouring source tables give neighbouring splits (issue: the old rule, one seeded permutation sized by
+    all record counts, moved 166 of 717 training patients when one patient was removed)."""
+    src = write_patient_csv(tmp_path / "full.csv", n=400)
+    for removed in (7_000_001, int(src["patient_nbr"].iloc[0])):  # the heaviest patient, and an ordinary one
+        src[src["patient_nbr"] != removed].to_csv(tmp_path / "minus.csv", index=False)
+        for kwargs in ({}, {"sample_fraction": 0.6}):
+            full = build_dataset(tmp_path / "full", source=tmp_path / "full.csv", n_canary=0, overwrite=True,
+                                 progress=False, **kwargs)
+            minus = build_dataset(tmp_path / "minus", source=tmp_path / "minus.csv", n_canary=0, overwrite=True,
+                                  progress=False, **kwargs)
+            a, b = split_of(tmp_path / "full"), split_of(tmp_path / "minus")
+            assert set(a) - set(b) <= {removed} and set(b) <= set(a)
+            assert {p: a[p] for p in b} == b  # every other patient: same split (or same absence)
+            assert full["units"]["train"] - minus["units"]["train"] in (0, 1)
+
+
+def split_of(out: Path) -> dict[int, str]:
+    return {int(p): s for s in ("train", "eval", "attack", VALIDATION) for p in load_split(out, s)["patient_nbr"]}
 
 
 def test_splits_disjoint_and_files_complete(built: Path) -> None:
@@ -385,8 +427,8 @@ def test_canaries(built: Path, tmp_path: Path) -> None:
     build_dataset(tmp_path / "d", n_records=500, seed=7, canary_seed=43, progress=False)
     assert not set(load_canaries(tmp_path / "d")["secret"]) & set(can["secret"])
     with pytest.raises(DataError) as exc:
-        build_dataset(tmp_path / "too_many", n_records=10, n_canary=8, progress=False)
-    assert_one_line_error(exc, "n_canary=8")
+        build_dataset(tmp_path / "too_many", n_records=40, n_canary=60, progress=False)
+    assert_one_line_error(exc, "n_canary=60")
     assert not (tmp_path / "too_many").exists()
 
 
@@ -396,7 +438,9 @@ def test_describe_dataset(built: Path) -> None:
     assert d["sizes"] == m["sizes"] and sum(d["sizes"].values()) == 1000
     assert d["privacy_unit"] == "patient"
     assert d["units"] == m["units"] == {
-        s: len(set(load_split(built, s)["patient_nbr"])) for s in ("train", "eval", "attack")}
+        s: len(set(load_split(built, s)["patient_nbr"])) for s in ("train", "eval", "attack", VALIDATION)}
+    assert d["dataset_id"] == m["dataset_id"] and d["dataset_id"].startswith("rdi1:")
+    assert m["content_sha256"] not in json.dumps(d)  # what `raydp data show` prints names no plain hash
     assert d["n_canary"] == 10
     assert d["sample_eval_narrative"] == load_texts(built, "eval")[0]
     assert d["sample_eval_narrative"].startswith("The patient has the following profile. race is ")
@@ -449,10 +493,12 @@ def test_build_from_csv_source(tmp_path: Path) -> None:
                       ids_mapping=tmp_path / "IDs_mapping.csv", progress=False)
     assert m["synthetic"] is False and m["source"].endswith("diabetic_data.csv")
     assert sum(m["sizes"].values()) == 40
-    m = build_dataset(tmp_path / "cap", source=tmp_path / "diabetic_data.csv", n_records=20,
-                      n_canary=2, progress=False)
-    # The cap keeps whole patients (ERRATA E11), so it may keep a few more rows than 20.
-    assert 20 <= sum(m["sizes"].values()) < 20 + df["patient_nbr"].value_counts().max()
+    # A CSV is subsampled by patient (sample_fraction), never capped by a row count: a count-based cap lets one
+    # patient's presence move others.
+    with pytest.raises(DataError) as exc:
+        build_dataset(tmp_path / "cap", source=tmp_path / "diabetic_data.csv", n_records=20, progress=False)
+    assert_one_line_error(exc, "sample_fraction")
+    assert not (tmp_path / "cap").exists()
 
 
 # --- the patient as the privacy unit (ERRATA E11) --------------------------------------------
@@ -490,7 +536,7 @@ def test_csv_splits_are_disjoint_in_patients(tmp_path: Path) -> None:
     assert set().union(*pats.values()) == set(src["patient_nbr"])
     assert m["privacy_unit"] == PRIVACY_UNIT == privacy_unit(m) == "patient"
     assert m["unit_column"] == UNIT_COLUMN == "patient_nbr"
-    assert m["units"] == {s: len(pats[s]) for s in ("train", "eval", "attack")}
+    assert m["units"] == {**{s: len(pats[s]) for s in ("train", "eval", "attack")}, VALIDATION: 0}
     assert "patient" in m["split_rule"]
     # Every patient brings all of its encounters to its one split.
     for split in ("train", "eval", "attack"):
@@ -500,11 +546,9 @@ def test_csv_splits_are_disjoint_in_patients(tmp_path: Path) -> None:
         # Rows keep their source order inside a split.
         pos = src.reset_index().set_index("encounter_id").loc[rows["encounter_id"], "index"]
         assert pos.is_monotonic_increasing
-    # Record counts near 20% / 10% of the rest, within one patient's encounters (at most 12).
     sizes = m["sizes"]
-    assert sum(sizes.values()) == 150 and min(sizes.values()) >= 1
-    assert abs(sizes["attack"] - 30) <= max(HEAVY.values())
-    assert abs(sizes["eval"] - round(0.1 * (150 - sizes["attack"]))) <= max(HEAVY.values())
+    assert sum(sizes.values()) == 150 and min(sizes[s] for s in ("train", "eval", "attack")) >= 1
+    assert sizes[VALIDATION] == 0  # its fraction defaults to 0
     assert len(load_canaries(tmp_path / "out")) == 3
 
 
@@ -539,25 +583,30 @@ def test_load_units_align_with_texts_and_canaries(tmp_path: Path) -> None:
     train_units = load_units(out, "train")
     assert [int(train_units[r]) for r in can["train_row"]] == [
         patient_of[e] for e in can["encounter_id"]]
+    assert len(load_units(out, VALIDATION)) == 0 == len(load_texts(out, VALIDATION))
     with pytest.raises(DataError):
-        load_units(out, "validation")
+        load_units(out, "holdout")
 
 
-def test_csv_cap_keeps_whole_patients(tmp_path: Path) -> None:
+def test_csv_sample_fraction_keeps_whole_patients_each_on_its_own(tmp_path: Path) -> None:
     src = write_patient_csv(tmp_path / "diabetic_data.csv")
     count = src["patient_nbr"].value_counts()
     kept = {}
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):
-        m = build_dataset(tmp_path / name, source=tmp_path / "diabetic_data.csv", n_records=60,
+        m = build_dataset(tmp_path / name, source=tmp_path / "diabetic_data.csv", sample_fraction=0.5,
                           seed=seed, n_canary=0, progress=False)
         rows = pd.concat(load_split(tmp_path / name, s) for s in ("train", "eval", "attack"))
-        assert m["n_records"] == len(rows) and 60 <= len(rows) < 60 + count.max()
+        assert m["n_records"] == len(rows) and m["sample_fraction"] == 0.5
         for pid, k in rows["patient_nbr"].value_counts().items():
             assert k == count[pid]  # all of the patient's encounters, or none
+        # kept exactly when the patient's own hash (the subsample stream) is below the fraction
+        expected = {p for p in count.index
+                    if independent_bucket(int(p), seed, {"attack": 0.5, "eval": 0, "validation": 0},
+                                          SUBSAMPLE_STREAM) == "attack"}
+        assert set(rows["patient_nbr"]) == expected
         kept[name] = set(rows["encounter_id"])
     assert kept["a"] == kept["b"] and kept["a"] != kept["c"]
-    m = build_dataset(tmp_path / "all", source=tmp_path / "diabetic_data.csv", n_records=None,
-                      n_canary=0, progress=False)
+    m = build_dataset(tmp_path / "all", source=tmp_path / "diabetic_data.csv", n_canary=0, progress=False)
     assert m["n_records"] == sum(m["sizes"].values()) == 150
 
 
@@ -578,7 +627,7 @@ def test_too_few_patients_refused(tmp_path: Path) -> None:
     with pytest.raises(DataError) as exc:
         build_dataset(tmp_path / "out", source=tmp_path / "diabetic_data.csv", n_canary=0,
                       progress=False)
-    assert_one_line_error(exc, "2 distinct patient", "at least 3 patients")
+    assert_one_line_error(exc, "2 distinct patient", "split empty")
     assert not (tmp_path / "out").exists()
 
 
@@ -628,14 +677,14 @@ def test_existing_and_unwritable_targets(tmp_path: Path) -> None:
     assert_one_line_error(exc, "not empty")
     assert (out / "keep.txt").exists()
     build_dataset(out, n_records=50, n_canary=1, overwrite=True, progress=False)
-    assert not (out / "keep.txt").exists() and len(load_texts(out, "train")) == 36
+    assert not (out / "keep.txt").exists() and len(load_texts(out, "train")) == load_manifest(out)["sizes"]["train"] > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
     blocker = write(tmp_path / "file", "x")
     with pytest.raises(DataError) as exc:
         build_dataset(blocker / "ds", n_records=50, n_canary=1, progress=False)
     assert_one_line_error(exc, "not a directory")
     with pytest.raises(DataError):
-        load_texts(out, "validation")
+        load_texts(out, "holdout")
     with pytest.raises(DataError):
         load_manifest(tmp_path / "missing")
 

@@ -249,7 +249,7 @@ class FakePolicy:
 @pytest.mark.parametrize("strategy", ["dc-sgd-p", "rldp"])  # declared releases; adaptive sigma, pairwise clips
 def test_other_strategies_under_the_trainer(tmp_path, texts, strategy):
     loaded = fresh_model()
-    extra = ({"rldp": {"t_warm": 1, "t_rl": 2}, "dataset_sha256": "d" * 64} if strategy == "rldp"
+    extra = ({"rldp": {"t_warm": 1, "t_rl": 2}, "dataset_id": "rdi1:" + "d" * 32} if strategy == "rldp"
              else {"units": np.arange(N_RECORDS) // 2})
     client = FakePolicy(service="a policy that learns") if strategy == "rldp" else None
     dp = DPTraining(loaded.model, texts, loaded.tokenizer, **{**PRIVACY, "strategy": strategy}, max_steps=3,
@@ -283,7 +283,7 @@ def test_other_strategies_under_the_trainer(tmp_path, texts, strategy):
         entry = provenance_entry(client.saved[0]["provenance"])
         assert entry["privacy_mode"] == "strict" and entry["public_data"] is False
         assert entry["epsilon"] == summary["epsilon"] and entry["guarantee"] == FILTER_NAME
-        assert entry["dataset_sha256"] == "d" * 64  # the raydp dataset's identity, as the user gave it
+        assert entry["dataset_id"] == "rdi1:" + "d" * 32  # the raydp dataset's identity, as the user gave it
         assert len(entry["rdp_curve"]) == len(entry["rdp_orders"]) > 0
         assert client.saved[0]["trained_on"]["steps"] == 3
 

@@ -28,9 +28,9 @@ LAYOUT = ObservationLayout("shared", 8)
 SAC = {"b_sac": 4, "k": 2}
 
 
-def entry(mode="strict", sha="a" * 64, eps=2.0):
+def entry(mode="strict", sha="rdi1:" + "a" * 32, eps=2.0):
     curve = 100 * rdp_vector(0.05, 1.2)
-    return {"dataset_sha256": sha, "privacy_mode": mode, "privacy_unit": "record", "epsilon": eps, "delta": 1e-5,
+    return {"dataset_id": sha, "privacy_mode": mode, "privacy_unit": "record", "epsilon": eps, "delta": 1e-5,
             "guarantee": "ledger", "rdp_orders": np.asarray(DEFAULT_ORDERS), "rdp_curve": curve}
 
 
@@ -53,7 +53,7 @@ def test_manifest_records_provenance_json_ready_with_ids(tmp_path):
     path = fake_policy(tmp_path, "p", provenance=[entry()])
     manifest = load_manifest(path)
     (e,) = manifest["provenance"]
-    assert e["dataset_sha256"] == "a" * 64 and e["privacy_mode"] == "strict" and e["entry_id"]
+    assert e["dataset_id"] == "rdi1:" + "a" * 32 and e["privacy_mode"] == "strict" and e["entry_id"]
     assert e["rdp_orders"] == list(DEFAULT_ORDERS) and len(e["rdp_curve"]) == len(DEFAULT_ORDERS)
     assert policy_privacy_mode(manifest) == "strict"
     with pytest.raises(ValueError, match="privacy_mode"):
@@ -79,7 +79,7 @@ def test_legacy_manifest_reads_as_one_entry_and_keeps_its_mode(tmp_path):
     legacy = fake_policy(tmp_path, "old", trained_on={"model": "embedded", "epsilon": 2.0, "privacy_mode": "paper"},
                          legacy=True)
     (e,) = provenance_of(load_manifest(legacy))
-    assert e["legacy"] and e["dataset_sha256"] is None and e["privacy_mode"] == "paper"
+    assert e["legacy"] and e["dataset_id"] is None and e["privacy_mode"] == "paper"
     assert policy_privacy_mode(load_manifest(legacy)) == "paper"
     # a policy continued from it stays paper-mode, although its own run was strict
     continued = fake_policy(tmp_path, "continued", provenance=provenance_of(load_manifest(legacy)) + [entry()])
@@ -169,15 +169,16 @@ def test_export_of_a_paper_policy_needs_include_private_replay(tmp_path, capsys)
 def test_policy_show_and_list_print_provenance(tmp_path, capsys):
     from raydp.cli import main
 
-    fake_policy(tmp_path, "mixed", provenance=[entry(sha="b" * 64), entry(mode="paper", sha="c" * 64)])
+    b, c = "rdi1:" + "b" * 32, "rdi1:" + "c" * 32
+    fake_policy(tmp_path, "mixed", provenance=[entry(sha=b), entry(mode="paper", sha=c)])
     assert main(["policy", "show", "mixed", "--policy-dir", str(tmp_path)]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["format"] == "raydp-policy-v1" and shown["privacy_mode"] == "paper"
-    assert [e["dataset_sha256"] for e in shown["provenance"]] == ["b" * 64, "c" * 64]
+    assert shown["format"] == "raydp-policy-v2" and shown["privacy_mode"] == "paper"
+    assert [e["dataset_id"] for e in shown["provenance"]] == [b, c]
     assert [e["privacy_mode"] for e in shown["provenance"]] == ["strict", "paper"]
     assert main(["policy", "list", "--policy-dir", str(tmp_path)]) == 0
     listing = capsys.readouterr().out
-    assert "paper, 2 run(s) on dataset(s) bbbbbbbbbbbb, cccccccccccc" in listing
+    assert f"paper, 2 run(s) on dataset(s) {b}, {c}" in listing
 
 
 @pytest.mark.slow

@@ -68,7 +68,7 @@ def _row(trial: str, run_dir: Path, strategy: str, seed: int, cell: tuple | None
         "verdict": p["verdict"], "privacy_mode": p.get("privacy_mode") or "strict",
         "privacy_label": None, "privacy_labels": "; ".join(trial_labels(s)) or None,
         "epsilon": p["epsilon"], "guarantee": p["guarantee"], "privacy_unit": p["privacy_unit"],
-        "dataset_sha256": s["dataset_sha256"], "rdp_curve_source": "ledger", "wall_seconds": s["wall_seconds"],
+        "dataset_id": s["dataset_id"], "rdp_curve_source": "ledger", "wall_seconds": s["wall_seconds"],
     }
 
 
@@ -138,7 +138,7 @@ def study(tmp_path_factory, raydp_cache) -> Path:
         curve, source = run_rdp_curve(summary, PrivacyLedger.load(trials / name / "privacy_ledger.parquet"))
         runs.append({"name": name, "kind": "trial", "curve_source": source, "curve": curve, "epsilon_target": 2.0,
                      "labels": [], "privacy_unit": summary["privacy"]["privacy_unit"]})
-    sha = rows[0]["dataset_sha256"]
+    sha = rows[0]["dataset_id"]
     figure = compose_dataset(sha, runs, 1e-5, warnings=["constructed warning: shown on the page"])
     (root / "study_summary.json").write_text(json.dumps({
         "study": "teststudy", "trials": 4, "wall_seconds": 12.0,

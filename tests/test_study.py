@@ -167,7 +167,7 @@ def test_study_results_table(tiny_study):
         assert (Path(run_dir) / "privacy_ledger.parquet").exists()
     assert (Path(table[table["strategy"] == "rldp"].iloc[0]["run_dir"]) / "control_trace.parquet").exists()
     summary = json.loads((tiny_study / "study_summary.json").read_text())
-    sha = json.loads((tiny_study / "dataset" / "manifest.json").read_text())["content_sha256"]
+    sha = json.loads((tiny_study / "dataset" / "manifest.json").read_text())["dataset_id"]
     tuning = summary["tuning_aware_epsilon"][sha]  # one figure per dataset (E7/E14)
     assert tuning["trials"] == 2 and tuning["unknown_spend"] == []
     assert tuning["tuning_aware_epsilon"] == tuning["composition_epsilon_rdp"] > tuning["max_single_trial_epsilon_rdp"]
@@ -451,7 +451,7 @@ def test_verdicts_compare_rldp_with_the_best_baseline_by_welch_t_test():
     assert v.loc[0.5, "rldp_sd"] == pytest.approx(0.01)
 
 
-def _fake_study(root, name, arms, sha="a" * 64, selection="public", epsilon=1.0, figure_extra=None,
+def _fake_study(root, name, arms, sha="rdi1:" + "a" * 32, selection="public", epsilon=1.0, figure_extra=None,
                 summary=True):
     """A finished study's directory as the study runner leaves it (results table and summary), for the
     report alone: ``arms`` maps (strategy, epsilon) to the final public perplexities of seeds 0..n-1."""
@@ -466,7 +466,7 @@ def _fake_study(root, name, arms, sha="a" * 64, selection="public", epsilon=1.0,
                          "t_rl": 16.0 if rl else None, "b_sac": 4.0 if rl else None, "k": 2.0 if rl else None,
                          "frozen_policy": False, "run_dir": str(d / "trials" / f"{strategy}{seed}"),
                          "final_public_perplexity": v, "final_eval_perplexity": v - 0.1, "steps": 10,
-                         "planned_steps": 10, "dataset_sha256": sha, "within_budget": True, "steps_to_target": None,
+                         "planned_steps": 10, "dataset_id": sha, "within_budget": True, "steps_to_target": None,
                          "selection_split": selection})
     pd.DataFrame(rows).to_parquet(d / "results.parquet")
     figure = {"runs": len(rows), "trials": len(rows), "target_epsilons": sorted({e for _, e in arms}),
@@ -474,7 +474,7 @@ def _fake_study(root, name, arms, sha="a" * 64, selection="public", epsilon=1.0,
               "repeat_and_select_epsilon_rdp": 0.9, "privacy_units": ["patient"], **(figure_extra or {})}
     if summary:
         (d / "study_summary.json").write_text(json.dumps({"study": name, "selection": {"split": selection},
-                                                          "tuning_aware_epsilon": {sha or "b" * 64: figure}}))
+                                                          "tuning_aware_epsilon": {sha or "rdi1:" + "b" * 32: figure}}))
     return d
 
 
@@ -525,7 +525,7 @@ def test_report_over_studies_refuses_other_datasets_or_splits(tmp_path):
     from raydp.study.report import format_report
 
     first = _fake_study(tmp_path, "a", {("static", 2.0): [1.4, 1.5], ("rldp", 2.0): [1.3, 1.4]})
-    other_data = _fake_study(tmp_path, "b", {("rldp", 2.0): [1.3, 1.4]}, sha="b" * 64)
+    other_data = _fake_study(tmp_path, "b", {("rldp", 2.0): [1.3, 1.4]}, sha="rdi1:" + "b" * 32)
     other_split = _fake_study(tmp_path, "c", {("rldp", 2.0): [1.3, 1.4]}, selection="private")
     with pytest.raises(ConfigError, match="ran on different datasets"):
         format_report(first, other_data)

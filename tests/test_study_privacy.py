@@ -19,12 +19,14 @@ import torch
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant as dp_rdp
 
+from raydp.data.identity import keyed_id, public_id
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, rdp_vector
 from raydp.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 from raydp.study.config import StudyConfig
 from raydp.study.results import collect_results, curve_on_orders, ledger_rdp_curve
 
-SHA = "d" * 64
+SHA = "d" * 64  # the dataset manifest's (private) content hash
+ID = keyed_id(SHA)  # what released files name it by
 DELTA = 1e-5
 ORDERS = list(DEFAULT_ORDERS)
 
@@ -55,7 +57,7 @@ def write_run(study_dir, name, *, ledger=None, eps_target=2.0, labels=None, filt
                            "within_budget": True, "verdict": "ok", "privacy_mode": None, "privacy_label": None,
                            "labels": labels or [], "filter": filt}}
     if sha is not None:
-        summary["dataset_sha256"] = sha
+        summary["dataset_id"] = keyed_id(sha)
     if unit is not None:
         summary["privacy"]["privacy_unit"] = unit
     if public:
@@ -103,8 +105,8 @@ def test_trials_at_different_target_epsilons_compose_into_one_figure(tmp_path):
     write_run(d, t_high["name"], ledger=high, eps_target=2.0)
     table = collect_results(study, d, [t_low, t_high], [result(t_low), result(t_high)])
     tuning = table.attrs["tuning_aware_epsilon"]
-    assert list(tuning) == [SHA]  # one figure per dataset, not per target epsilon
-    fig = tuning[SHA]
+    assert list(tuning) == [ID]  # one figure per dataset, not per target epsilon
+    fig = tuning[ID]
     assert fig["trials"] == 2 and fig["runs"] == 2 and fig["target_epsilons"] == [0.5, 2.0]
     singles = {c["name"]: c["epsilon_rdp"] for c in fig["composed"]}
     assert fig["tuning_aware_epsilon"] > max(singles.values()) == fig["max_single_trial_epsilon_rdp"]
@@ -125,7 +127,7 @@ def test_filtered_run_composes_with_its_budget_curve(tmp_path):
     write_run(d, t_filt["name"], ledger=realized, filt={"orders": ORDERS, "budget_rdp": budget.tolist()})
     write_run(d, t_other["name"], ledger=other, eps_target=0.5)
     table = collect_results(study, d, [t_filt, t_other], [result(t_filt), result(t_other)])
-    fig = table.attrs["tuning_aware_epsilon"][SHA]
+    fig = table.attrs["tuning_aware_epsilon"][ID]
     sources = {c["name"]: c["curve"] for c in fig["composed"]}
     assert sources == {"rldp_filtered": "renyi_filter", "static_other": "ledger"}
     assert list(table["rdp_curve_source"]) == ["renyi_filter", "ledger"]
@@ -172,7 +174,7 @@ def test_errored_trials_compose_from_their_checkpoint_or_are_listed_as_unknown_s
     table = collect_results(study, d, [t_done, t_ckpt, t_lost],
                             [result(t_done), result(t_ckpt, error=RuntimeError("x"), checkpoint=checkpoint),
                              result(t_lost, error=RuntimeError("y"))])
-    fig = table.attrs["tuning_aware_epsilon"][SHA]
+    fig = table.attrs["tuning_aware_epsilon"][ID]
     assert {c["name"]: c["curve"] for c in fig["composed"]} == {"static_done": "ledger",
                                                                  "static_ckpt": "checkpoint_ledger"}
     assert [u["trial"] for u in fig["unknown_spend"]] == ["static_lost"]
@@ -197,7 +199,7 @@ def test_an_errored_adaptive_trial_composes_with_its_filter_budget(tmp_path):
     t = {**spec("rldp_err", 2.0, strategy="rldp"), "t_rl": 4, "b_sac": 4, "k": 2}
     checkpoint = SimpleNamespace(as_directory=lambda: _as_directory(ckpt))
     table = collect_results(study, d, [t], [result(t, error=RuntimeError("x"), checkpoint=checkpoint)])
-    fig = table.attrs["tuning_aware_epsilon"][SHA]
+    fig = table.attrs["tuning_aware_epsilon"][ID]
     assert [c["curve"] for c in fig["composed"]] == ["renyi_filter"] and fig["labels"] == ["LABEL X"]
     expected, _ = dp_rdp.compute_epsilon(ORDERS, budget, DELTA)
     assert fig["tuning_aware_epsilon"] == pytest.approx(expected, rel=1e-6)
@@ -215,7 +217,7 @@ def test_labels_reach_results_and_the_figure(tmp_path):
     assert table["privacy_labels"].iloc[0] == f"{void}; second label" and pd.isna(table["privacy_labels"].iloc[1])
     assert "privacy_label" in table  # today's column stays
     summary_labels = collect_results(study, d, [t_void, t_plain], [result(t_void), result(t_plain)]
-                                     ).attrs["tuning_aware_epsilon"][SHA]["labels"]
+                                     ).attrs["tuning_aware_epsilon"][ID]["labels"]
     assert summary_labels == [void, "second label"]
 
 
@@ -228,11 +230,11 @@ def test_a_saved_policys_training_runs_on_the_same_data_compose(tmp_path, monkey
     pol = policies / "prior"
     pol.mkdir(parents=True)
     trained = make_ledger(0.05, 1.5, 50, 2.0)
-    same = {"dataset_sha256": SHA, "privacy_mode": "strict", "privacy_unit": "record", "epsilon": 2.0,
+    same = {"dataset_id": ID, "privacy_mode": "strict", "privacy_unit": "record", "epsilon": 2.0,
             "delta": DELTA, "guarantee": "ledger", "rdp_orders": ORDERS,
             "rdp_curve": ledger_rdp_curve(trained).tolist()}
-    elsewhere = {**same, "dataset_sha256": "e" * 64}
-    public = {**same, "dataset_sha256": "f" * 64, "public_data": True}
+    elsewhere = {**same, "dataset_id": keyed_id("e" * 64)}
+    public = {**same, "dataset_id": public_id("f" * 64), "public_data": True}
     write_manifest(pol, layout=ObservationLayout("shared", 8), sac={}, trained_on={"model": "embedded"}, results={},
                    transitions=1, updates=1, provenance=[same, elsewhere, public])
     study = make_study(strategies=["rldp"], base={"delta": DELTA, "rldp": {"policy": "prior",
@@ -244,13 +246,13 @@ def test_a_saved_policys_training_runs_on_the_same_data_compose(tmp_path, monkey
     write_run(d, trial["name"], ledger=own_a, eps_target=0.5)
     write_run(d, trial_b["name"], ledger=own_b)
     fig = collect_results(study, d, [trial, trial_b], [result(trial), result(trial_b)]
-                          ).attrs["tuning_aware_epsilon"][SHA]
+                          ).attrs["tuning_aware_epsilon"][ID]
     kinds = [c["kind"] for c in fig["composed"]]
     assert kinds.count("policy_training_run") == 1  # used by two trials, composed once; other dataset: not
     assert fig["trials"] == 2 and fig["runs"] == 3
     # another private dataset is not composed, but said (it may hold the same people); public data is not
     others = [w for w in fig["warnings"] if "another private dataset" in w]
-    assert len(others) == 1 and "eeeeeeeeeeee" in others[0] and not any("ffffffffffff" in w for w in fig["warnings"])
+    assert len(others) == 1 and keyed_id("e" * 64) in others[0] and not any("ffffffffffff" in w for w in fig["warnings"])
     expected, _ = dp_rdp.compute_epsilon(ORDERS, independent_rdp([own_a, own_b, trained]), DELTA)
     assert fig["tuning_aware_epsilon"] == pytest.approx(expected, rel=1e-6)
 
@@ -289,7 +291,7 @@ def test_old_summaries_without_public_figures_fall_back_with_a_label(tmp_path):
     table = collect_results(study, d, [t], [result(t)])
     assert table.attrs["selection"]["split"] == "private"
     assert "unprotected (E15)" in table.attrs["selection"]["note"]
-    assert list(table.attrs["tuning_aware_epsilon"]) == [SHA]  # identity from the study's dataset manifest
+    assert list(table.attrs["tuning_aware_epsilon"]) == [ID]  # identity from the study's dataset manifest
     assert math.isnan(table["final_public_perplexity"].iloc[0])
 
 
@@ -304,7 +306,7 @@ def test_report_prints_the_figure_labels_and_selection(tmp_path, capsys):
     (d / "study_summary.json").write_text(json.dumps({"study": "hand", **table.attrs}, default=str))
     assert main(["report", str(d)]) == 0
     out = capsys.readouterr().out
-    assert f"dataset {SHA[:16]}: 2 runs" in out and "LABEL: VOID (E12)" in out
+    assert f"dataset {ID[:16]}: 2 runs" in out and "LABEL: VOID (E12)" in out
     assert "selection used the public validation split (E15)" in out
     assert "final public validation perplexity" in out
 
@@ -328,7 +330,7 @@ def test_a_stopped_studys_trials_are_finished_interrupted_or_not_run_and_interru
     assert dict(zip(table["trial"], table["status"])) == {
         "static_done": "TERMINATED", "static_mid": "INTERRUPTED", "static_pending": "NOT_RUN",
         "static_pending2": "NOT_RUN"}
-    fig = table.attrs["tuning_aware_epsilon"][SHA]
+    fig = table.attrs["tuning_aware_epsilon"][ID]
     assert sorted(c["kind"] for c in fig["composed"]) == ["interrupted_trial", "trial"]
     # the interrupted trial's unit comes from its checkpointed ledger, not "unknown" (the finished run's
     # summary names the patient too): no mixed-unit warning

@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from raydp.config import TrainConfig
 from raydp.data import load_manifest
+from raydp.data.identity import keyed_id
 from raydp.privacy import randomness as randomness_module
 from raydp.privacy.randomness import VOID_LABEL, PrivateRandomness
 from raydp.runner.run import run_training
@@ -77,7 +78,8 @@ def test_summary_and_ledger_state_the_patient_unit_and_the_guarantee(two_runs):
     assert privacy["privacy_unit"] == "patient" == manifest["privacy_unit"]
     assert privacy["n_units"] == manifest["units"]["train"] < summary["train_records"]
     assert privacy["q"] == pytest.approx(16 / privacy["n_units"])  # q = B / N_patients
-    assert summary["dataset_sha256"] == manifest["content_sha256"]
+    assert summary["dataset_id"] == manifest["dataset_id"] == keyed_id(manifest["content_sha256"])
+    assert manifest["content_sha256"] not in json.dumps(summary)  # only the keyed id leaves the dataset
     assert privacy["guarantee"] == "fixed-schedule" and privacy["filter"] is None
     assert privacy["randomness"] == "os-entropy" and not privacy["epsilon_void"] and privacy["labels"] == []
     meta = json.loads(pq.read_schema(run / "privacy_ledger.parquet").metadata[b"raydp.privacy_ledger"])
@@ -107,7 +109,17 @@ def test_record_unit_on_request(tmp_path, raydp_cache):
     assert "group privacy" in summary["privacy"]["unit_note"]
 
 
-def test_a_csv_source_keeps_all_rows_unless_capped():
+def test_a_csv_source_keeps_all_rows_unless_subsampled_by_patient():
+    from raydp.errors import ConfigError
+    from raydp.settings import validate_config
+
     assert TrainConfig(data={"source": "diabetic_data.csv"}).data.n_records is None
-    assert TrainConfig(data={"source": "diabetic_data.csv", "n_records": 500}).data.n_records == 500
+    assert TrainConfig(data={"source": "diabetic_data.csv", "sample_fraction": 0.5}).data.sample_fraction == 0.5
     assert TrainConfig().data.n_records == 2000  # the embedded default's synthetic size
+    # a row-count cap on a CSV would let one patient's presence move others (E11): refused, in one line
+    with pytest.raises(ConfigError, match="sample_fraction"):
+        validate_config(TrainConfig, {"data": {"source": "diabetic_data.csv", "n_records": 500}})
+    with pytest.raises(ConfigError, match="subsamples a CSV"):
+        validate_config(TrainConfig, {"data": {"sample_fraction": 0.5}})
+    with pytest.raises(ConfigError, match="leave nothing for train"):
+        validate_config(TrainConfig, {"data": {"fractions": {"attack": 0.5, "eval": 0.5}}})

@@ -14,7 +14,7 @@ those runs' privacy spend stays attached to it: ``manifest["provenance"]`` is a 
 run that trained the policy (a policy continued from a saved one inherits the earlier list and appends;
 :func:`copy_policy` keeps it)::
 
-    {"dataset_sha256": str | None,        # the private dataset's content_sha256 (its identity)
+    {"dataset_id": str | None,            # the dataset's keyed id (raydp.data.identity): never a plain hash
      "privacy_mode": "strict" | "paper",  # paper: the controller saw unprivatized statistics (E3)
      "privacy_unit": str | None,          # "record" / "patient" (E11)
      "epsilon": float | None, "delta": float | None,
@@ -23,13 +23,18 @@ run that trained the policy (a policy continued from a saved one inherits the ea
      "rdp_curve": [float, ...] | None,    # each order alpha = rdp_orders[i]
      "entry_id": str}                     # added when the entry is recorded (de-duplication)
 
-A study composes the entries whose ``dataset_sha256`` is its own dataset's with its trials (RDP
+A study composes the entries whose ``dataset_id`` is its own dataset's with its trials (RDP
 composition, Mironov 2017, Prop. 1; see :mod:`raydp.study.results`). A strict-mode policy is
 post-processing of DP releases: reusing it costs nothing more. A paper-mode policy saw unprivatized
 statistics of private data: it may not drive a strict run (:func:`check_policy_privacy_mode`), whatever it
 touches inherits the paper-mode label, and its replay buffer is private data (:func:`export_policy`
 refuses it unless asked explicitly). Manifests written before provenance existed are read as one legacy
 entry built from ``trained_on`` (dataset unknown).
+
+Versions: ``raydp-policy-v2`` names datasets by their keyed ``dataset_id``. A ``raydp-policy-v1`` manifest
+named them by a plain content hash (``dataset_sha256``), which lets anyone who knows all records but one
+recover the last one; it is still read (each entry's hash converted to the owner's id, so old and new runs on
+the same data compose) and ``raydp migrate`` rewrites it as v2.
 """
 
 from __future__ import annotations
@@ -45,9 +50,11 @@ import numpy as np
 
 from raydp import __version__
 from raydp.control.features import LAYOUT_VERSION, ObservationLayout
+from raydp.data.identity import identity_of
 from raydp.errors import ConfigError
 
-POLICY_FORMAT = "raydp-policy-v1"
+POLICY_FORMAT = "raydp-policy-v2"
+LEGACY_FORMATS = ("raydp-policy-v1",)  # read (dataset hashes converted to ids); `raydp migrate` rewrites them
 MANIFEST = "manifest.json"
 MODULE_DIR = "module"
 REPLAY_FILE = "replay.npz"
@@ -70,7 +77,7 @@ def load_manifest(path: str | Path) -> dict:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{path}: not a readable policy manifest ({exc})") from None
-    if manifest.get("format") != POLICY_FORMAT:
+    if manifest.get("format") not in (POLICY_FORMAT, *LEGACY_FORMATS):
         raise ConfigError(f"{path}: unknown policy format {manifest.get('format')!r} (expected {POLICY_FORMAT})")
     if manifest["layout"].get("version") != LAYOUT_VERSION:
         raise ConfigError(f"{path}: observation layout {manifest['layout'].get('version')!r} is not "
@@ -100,7 +107,7 @@ def list_policies(policy_dir: str | Path = "policies") -> list[dict]:
 
 
 PRIVACY_MODES = ("strict", "paper")
-PROVENANCE_KEYS = ("dataset_sha256", "privacy_mode", "privacy_unit", "epsilon", "delta", "guarantee",
+PROVENANCE_KEYS = ("dataset_id", "privacy_mode", "privacy_unit", "epsilon", "delta", "guarantee",
                    "rdp_orders", "rdp_curve")
 
 
@@ -128,6 +135,7 @@ def provenance_entry(entry: dict) -> dict:
     orders, curve = entry.get("rdp_orders"), entry.get("rdp_curve")
     if (orders is None) != (curve is None) or (orders is not None and len(orders) != len(curve)):
         raise ValueError("provenance rdp_orders and rdp_curve must both be given, with the same length")
+    entry = _with_dataset_id(entry)
     out = {k: _jsonable(entry.get(k)) for k in PROVENANCE_KEYS}
     out.update({k: _jsonable(v) for k, v in entry.items() if k not in out})
     out["entry_id"] = str(entry.get("entry_id") or uuid.uuid4().hex)
@@ -158,14 +166,25 @@ def provenance_of(manifest: dict) -> list[dict]:
     """The runs that trained a policy (ERRATA E14): ``manifest["provenance"]``; a manifest written before
     provenance existed gives one legacy entry from its ``trained_on`` (dataset and RDP curve unknown)."""
     if manifest.get("provenance") is not None:
-        return [dict(e) for e in manifest["provenance"]]
+        return [_with_dataset_id(e) for e in manifest["provenance"]]
     trained = manifest.get("trained_on") or {}
     if not trained:
         return []
-    return [{"legacy": True, "dataset_sha256": None, "privacy_mode": trained.get("privacy_mode"),
+    return [{"legacy": True, "dataset_id": None, "privacy_mode": trained.get("privacy_mode"),
              "privacy_unit": None, "epsilon": trained.get("epsilon"), "delta": None, "guarantee": None,
              "rdp_orders": None, "rdp_curve": None, "model": trained.get("model"),
              "entry_id": f"legacy:{manifest.get('name')}:{manifest.get('created')}"}]
+
+
+def _with_dataset_id(entry: dict) -> dict:
+    """An entry naming its dataset by ``dataset_id``: a v1 entry's plain ``dataset_sha256`` is converted for
+    the owner (:func:`raydp.data.identity.identity_of`) and dropped."""
+    entry = dict(entry)
+    if "dataset_sha256" in entry:
+        legacy = entry.pop("dataset_sha256")
+        if entry.get("dataset_id") is None:
+            entry["dataset_id"] = identity_of({"dataset_sha256": legacy, "public_data": entry.get("public_data")})
+    return entry
 
 
 def _declared_modes(manifest: dict) -> list:
@@ -207,11 +226,11 @@ def check_policy_privacy_mode(manifest: dict, privacy_mode: str, name: str) -> N
 
 
 def provenance_summary(manifest: dict) -> list[str]:
-    """One short line per provenance entry: mode, dataset hash (12 hex digits), epsilon, guarantee."""
+    """One short line per provenance entry: mode, dataset id, epsilon, guarantee."""
     lines = []
     for e in provenance_of(manifest):
-        sha, eps, guarantee = e.get("dataset_sha256"), e.get("epsilon"), e.get("guarantee")
-        line = f"{e.get('privacy_mode') or 'unknown mode'} on dataset {sha[:12] if sha else 'unknown'}"
+        sha, eps, guarantee = e.get("dataset_id"), e.get("epsilon"), e.get("guarantee")
+        line = f"{e.get('privacy_mode') or 'unknown mode'} on dataset {sha or 'unknown'}"
         if e.get("public_data"):
             line += " (public data: no private budget)"
         if eps is not None:

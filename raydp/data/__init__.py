@@ -8,6 +8,7 @@ patients, the privacy unit (ERRATA E11): ``load_units`` gives each row's ``patie
 from raydp.data.canaries import PATTERN as CANARY_PATTERN
 from raydp.data.canaries import draw_canaries
 from raydp.data.csv_source import load_diabetes_csv, load_ids_mapping
+from raydp.data.identity import identity_of, manifest_id
 from raydp.data.public import public_corpus, public_records
 from raydp.data.schema import COLUMNS, MEDICATIONS, SCHEMA_VERSION, IdMaps, default_id_maps
 from raydp.data.splits import (
@@ -24,7 +25,10 @@ from raydp.data.splits import (
     load_texts,
     load_units,
     privacy_unit,
-    split_sizes,
+    ALL_SPLITS,
+    DEFAULT_FRACTIONS,
+    VALIDATION,
+    has_split,
 )
 from raydp.data.synthetic import generate_records
 from raydp.data.verbalise import verbalise, verbalise_records
@@ -36,6 +40,10 @@ __all__ = [
     "PRIVACY_UNIT",
     "SCHEMA_VERSION",
     "SPLITS",
+    "ALL_SPLITS",
+    "DEFAULT_FRACTIONS",
+    "VALIDATION",
+    "has_split",
     "UNIT_COLUMN",
     "IdMaps",
     "build_dataset",
@@ -44,6 +52,8 @@ __all__ = [
     "describe_dataset",
     "draw_canaries",
     "generate_records",
+    "identity_of",
+    "manifest_id",
     "load_audit_canaries",
     "load_canaries",
     "load_diabetes_csv",
@@ -55,7 +65,6 @@ __all__ = [
     "privacy_unit",
     "public_corpus",
     "public_records",
-    "split_sizes",
     "verbalise",
     "verbalise_records",
 ]

@@ -1,20 +1,25 @@
-"""Build, load and describe a dataset directory: attack/train/eval splits with canaries (Sec. 2.1).
+"""Build, load and describe a dataset directory: train/eval/attack/validation splits with canaries (Sec. 2.1).
 
-The privacy unit is the patient (ERRATA E11): the split assigns whole patients (``patient_nbr``) to
-one split each, so no patient is both a member (train) and a "non-member" (eval, attack). The
-target record counts keep the old rule (rounding half up): ``n_attack = round(0.2 * N)``, then of
-the remaining ``R = N - n_attack`` records ``n_eval = round(0.1 * R)`` and ``n_train = R - n_eval``
-(20% / 72% / 8%). The distinct patients, in ascending ``patient_nbr`` order, are permuted with
-``SeedSequence([seed, SPLIT_STREAM])``; walking that order, the attack split takes the prefix of
-patients whose record count is nearest ``round(0.2 * N)`` (ties to the shorter prefix), the eval
-split takes the next run of patients whose record count is nearest ``round(0.1 * (N - attack
-records))``, and train takes the remaining patients. Each split holds at least one patient, so at
-least 3 distinct patients are needed; record counts are near, not exactly, 20% / 72% / 8%. Rows
-keep their source order within a split. The attack set is never trained on.
+The privacy unit is the patient (ERRATA E11), and each patient is assigned to a split on its own: its
+``patient_nbr`` is hashed with the split seed (BLAKE2b keyed with the seed and a stream tag, read as a
+uniform u in [0, 1)) and u is compared with fixed thresholds: attack for u < f_attack, eval for the next
+f_eval, validation (the private validation split, for private selection) for the next f_validation, train
+for the rest (defaults 0.2 / 0.08 / 0 / 0.72, :data:`DEFAULT_FRACTIONS`; a study or run sets them with
+``data.fractions``). No patient's split depends on any other patient, so adding or removing one patient
+from the source table changes that patient's membership and nothing else. The neighbouring relation this
+gives for the source table: add/remove-one patient in the table is add/remove-one patient in at most one
+split (the training split, or an evaluation split, which is unprotected, E15); a DP guarantee for the
+training set under add/remove-one patient therefore holds for the source table under the same relation.
+Split sizes are binomial around the fractions, not exact; a required split (train, eval, attack) that
+gets no patient is an error. The seed is public: it decides which split a patient WOULD be in, not whether
+the patient is in the table. Rows keep their source order within a split. The attack set is never
+trained on.
 
-A CSV source capped with ``n_records`` keeps whole patients too: patients are drawn in an order
-permuted with ``SeedSequence([seed, SUBSAMPLE_STREAM])`` and kept until the kept rows reach
-``n_records``, so the cap may keep a few more than ``n_records`` rows.
+A CSV source subsampled with ``sample_fraction`` keeps each patient the same way: a patient is kept when
+its own hash (another stream of the same seed) is below the fraction, so a kept patient brings all of its
+encounters and one patient's presence never moves another. (The earlier cap ``n_records``, which drew
+patients in a seeded order until a row count was reached, let one patient move many others; it is refused
+for a CSV.)
 
 Audit canaries (``n_audit``, :func:`raydp.data.canaries.draw_audit_canaries`): records of the synthetic
 ``'audit'`` population, one patient each (patient ids from 6e9, encounter ids from 7e9: never a real or
@@ -25,12 +30,14 @@ them (``secret``, ``included``, ``text``, ``patient_nbr``); the train split mark
 ``audit_canary``. They are units like any patient: the run's epsilon covers each of them.
 
 Layout of ``out_dir``: ``train.parquet`` (``text``, the 50 record fields, ``has_canary``, ``audit_canary``),
-``eval.parquet`` and ``attack.parquet`` (``text`` and the record fields), ``canaries.parquet``
-(``secret``, ``train_row``, ``encounter_id``), ``audit.parquet`` and ``manifest.json``. The manifest's
-``privacy_unit`` (``"patient"``), ``unit_column`` (``"patient_nbr"``) and ``units`` (distinct
+``eval.parquet``, ``attack.parquet`` and ``validation.parquet`` (``text`` and the record fields),
+``canaries.parquet`` (``secret``, ``train_row``, ``encounter_id``), ``audit.parquet`` and ``manifest.json``.
+The manifest's ``privacy_unit`` (``"patient"``), ``unit_column`` (``"patient_nbr"``) and ``units`` (distinct
 patients per split) say what the splits are disjoint in; a directory built before E11 has no
-``privacy_unit`` and its record-level splits may share patients. The directory is written to a
-temporary sibling and renamed into place, so a failed build leaves nothing behind.
+``privacy_unit`` and its record-level splits may share patients. The manifest is private like the rest of
+the directory: it holds the content hashes (``content_sha256``, ``split_sha256``, ``source_sha256``); what
+leaves the directory is only the keyed ``dataset_id`` (:mod:`raydp.data.identity`). The directory is written
+to a temporary sibling and renamed into place, so a failed build leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -52,21 +59,24 @@ import raydp
 from raydp.errors import DataError
 from raydp.data import canaries, schema
 from raydp.data.csv_source import load_diabetes_csv, load_ids_mapping
+from raydp.data.identity import keyed_id, manifest_id, public_id
 from raydp.data.schema import IdMaps
 from raydp.data.synthetic import generate_records
 from raydp.data.verbalise import verbalise_records
 
-SPLITS = ("train", "eval", "attack")
-ATTACK_FRACTION = 0.2
-EVAL_FRACTION = 0.1
-SPLIT_STREAM = 0x53504C54  # "SPLT"
-SUBSAMPLE_STREAM = 0x53554253  # "SUBS"
+SPLITS = ("train", "eval", "attack")  # the required splits
+VALIDATION = "validation"  # the private validation split (private selection); empty unless its fraction is set
+ALL_SPLITS = (*SPLITS, VALIDATION)
+#: the fraction of patients in each split; train takes the rest (:func:`check_fractions`)
+DEFAULT_FRACTIONS = {"attack": 0.2, "eval": 0.08, VALIDATION: 0.0}
+BUCKET_ORDER = ("attack", "eval", VALIDATION)  # [0, f_attack), then eval, then validation; train above
+SPLIT_STREAM = b"raydp-split"
+SUBSAMPLE_STREAM = b"raydp-subsample"
 PRIVACY_UNIT = "patient"  # ERRATA E11: the unit the splits (and DP) are taken over
 UNIT_COLUMN = "patient_nbr"
-SPLIT_RULE = ("whole patients (patient_nbr) per split: distinct patients permuted with the split "
-              "seed; attack = the prefix whose records are nearest round(0.2*N), eval = the next "
-              "patients whose records are nearest round(0.1*(N-attack)), train = the rest; "
-              "half up, ties to fewer patients")
+SPLIT_RULE = ("each patient (patient_nbr) on its own: u = BLAKE2b(patient_nbr, key = split seed) in [0, 1); "
+              "attack if u < f_attack, then eval, then validation, train above; no patient's split depends on "
+              "another's (add/remove-one patient in the table is add/remove-one patient in one split)")
 DEFAULT_SYNTHETIC_SIZE = 101_766  # the size of the real table
 SYNTHETIC_NOTE = "Synthetic records: they describe no real patient."
 REAL_NOTE = ("Records come from a user-supplied CSV and may describe real patients; treat every "
@@ -75,64 +85,80 @@ MANIFEST = "manifest.json"
 AUDIT_PATIENT_BASE = 6_000_000_000  # one patient per audit canary
 
 
-def _round_half_up(x: float) -> int:
-    return int(np.floor(x + 0.5))
+def check_fractions(fractions: dict | None) -> dict[str, float]:
+    """The split fractions (defaults for missing keys), checked: each in [0, 1), attack and eval > 0, and
+    train's share (1 minus their sum) > 0. A DataError (one line) otherwise."""
+    given = dict(fractions or {})
+    unknown = sorted(set(given) - set(DEFAULT_FRACTIONS))
+    if unknown:
+        raise DataError(f"unknown split fraction(s) {', '.join(unknown)} (known: {', '.join(DEFAULT_FRACTIONS)}; "
+                        "train takes the rest)")
+    out = {**DEFAULT_FRACTIONS, **given}
+    for name, value in out.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise DataError(f"split fraction {name} must be a number in [0, 1), got {value!r}")
+        out[name] = float(value)
+    for name in ("attack", "eval"):
+        if out[name] <= 0:
+            raise DataError(f"split fraction {name} must be > 0 (the {name} split is required)")
+    if sum(out.values()) >= 1:
+        raise DataError(f"split fractions {out} leave nothing for train (their sum must be < 1)")
+    return out
 
 
-def split_sizes(n: int) -> dict[str, int]:
-    """Target record counts of the train/eval/attack splits of ``n`` records.
+def unit_uniforms(units: np.ndarray, seed: int, stream: bytes) -> np.ndarray:
+    """One number in [0, 1) per unit id: BLAKE2b-64 of the id keyed with (stream, seed), as a fraction.
 
-    The patient-level split (ERRATA E11) gets as near these as whole patients allow; see the
-    module docstring.
-    """
-    n_attack = _round_half_up(ATTACK_FRACTION * n)
-    rest = n - n_attack
-    n_eval = _round_half_up(EVAL_FRACTION * rest)
-    return {"train": rest - n_eval, "eval": n_eval, "attack": n_attack}
-
-
-def _nearest_prefix(cum: np.ndarray, target: int, lo: int, hi: int) -> int:
-    """The k in [lo, hi] whose ``cum[k - 1]`` is nearest ``target``; ties to the smaller k."""
-    ks = np.arange(lo, hi + 1)
-    return int(ks[np.argmin(np.abs(cum[ks - 1] - target))])
+    A function of the unit's own id and the (public) seed only: no unit's value depends on another's."""
+    key = stream + b":" + str(int(seed)).encode()
+    out = np.empty(len(units), dtype=np.float64)
+    for i, unit in enumerate(np.asarray(units).tolist()):
+        digest = hashlib.blake2b(str(int(unit)).encode(), key=key, digest_size=8).digest()
+        out[i] = int.from_bytes(digest, "big") / 2.0 ** 64
+    return out
 
 
-def split_indices(units: np.ndarray, seed: int) -> dict[str, np.ndarray]:
-    """Disjoint sorted row indices of each split, whole units (patients) each, deterministic in
-    ``seed`` (ERRATA E11; the rule is in the module docstring).
+def split_of_units(units: np.ndarray, seed: int, fractions: dict | None = None) -> np.ndarray:
+    """The split name of each unit id (:func:`unit_uniforms` against the fractions' thresholds)."""
+    fractions = check_fractions(fractions)
+    u = unit_uniforms(units, seed, SPLIT_STREAM)
+    which = np.full(len(u), "train", dtype=object)
+    low = 0.0
+    for name in BUCKET_ORDER:
+        high = low + fractions[name]
+        which[(u >= low) & (u < high)] = name
+        low = high
+    return which
 
-    ``units`` holds the unit id (``patient_nbr``) of every row; every split gets at least one unit.
-    """
+
+def split_indices(units: np.ndarray, seed: int, fractions: dict | None = None) -> dict[str, np.ndarray]:
+    """Disjoint sorted row indices of each split (:data:`ALL_SPLITS`), whole units (patients) each, a
+    function of each unit's own id and ``seed`` (ERRATA E11; the rule is in the module docstring).
+
+    ``units`` holds the unit id (``patient_nbr``) of every row. A required split with no unit is a
+    DataError."""
     units = np.asarray(units)
-    n = len(units)
-    uniq, inverse, counts = np.unique(units, return_inverse=True, return_counts=True)
-    n_units = len(uniq)
-    if n_units < 3:
-        raise DataError(f"{n} records of {n_units} distinct patient(s) are too few to split into "
-                        f"non-empty train/eval/attack sets by patient (need at least 3 patients)")
-    perm = np.random.default_rng(np.random.SeedSequence([seed, SPLIT_STREAM])).permutation(n_units)
-    cum = np.cumsum(counts[perm])
-    a = _nearest_prefix(cum, split_sizes(n)["attack"], 1, n_units - 2)
-    n_attack = int(cum[a - 1])
-    target_eval = _round_half_up(EVAL_FRACTION * (n - n_attack))
-    e = _nearest_prefix(cum[a:] - n_attack, target_eval, 1, n_units - a - 1)
-    which = np.empty(n_units, dtype=np.int64)  # 0 attack, 1 eval, 2 train, per unique unit
-    which[perm[:a]] = 0
-    which[perm[a:a + e]] = 1
-    which[perm[a + e:]] = 2
-    row_split = which[inverse.reshape(-1)]
-    return {"attack": np.flatnonzero(row_split == 0), "eval": np.flatnonzero(row_split == 1),
-            "train": np.flatnonzero(row_split == 2)}
+    fractions = check_fractions(fractions)
+    uniq, inverse = np.unique(units, return_inverse=True)
+    which = split_of_units(uniq, seed, fractions)[inverse.reshape(-1)]
+    out = {name: np.flatnonzero(which == name) for name in ALL_SPLITS}
+    for name in SPLITS:
+        if len(out[name]) == 0:
+            raise DataError(f"{len(units)} records of {len(uniq)} distinct patient(s) leave the {name} split empty "
+                            f"(each patient is assigned on its own; fractions {fractions}): use more records or "
+                            "another split seed")
+    return out
 
 
 def texts_sha256(texts_by_split: dict[str, list[str]]) -> str:
-    """sha256 over the given splits in SPLITS order: each split name, then its texts, NUL-separated.
+    """sha256 over the given splits in ALL_SPLITS order: each split name, then its texts, NUL-separated.
 
-    ``texts_sha256(all three splits)`` is the manifest's ``content_sha256``;
-    ``texts_sha256({split: texts})`` is that split's entry in ``split_sha256``.
+    ``texts_sha256(every split)`` is the manifest's ``content_sha256`` (private: the released name of the
+    dataset is the keyed :func:`raydp.data.identity.keyed_id` of it); ``texts_sha256({split: texts})`` is
+    that split's entry in ``split_sha256``.
     """
     h = hashlib.sha256()
-    for split in SPLITS:
+    for split in ALL_SPLITS:
         if split not in texts_by_split:
             continue
         h.update(split.encode() + b"\0")
@@ -165,45 +191,44 @@ def _resolve_id_maps(ids_mapping: str | os.PathLike | IdMaps | None) -> IdMaps:
     return load_ids_mapping(ids_mapping)
 
 
-def _load_source(source, n_records, seed, ids_mapping, progress):
-    if isinstance(source, str) and source == PUBLIC_SOURCE:
+def _load_source(source, n_records, seed, ids_mapping, progress, sample_fraction=None):
+    if isinstance(source, str) and source in (PUBLIC_SOURCE, "synthetic"):
+        if sample_fraction is not None:
+            raise DataError("sample_fraction subsamples a CSV; n_records sizes synthetic data")
         n = DEFAULT_SYNTHETIC_SIZE if n_records is None else n_records
-        records = generate_records(n, PUBLIC_EPISODE_SEED + seed, population="public", progress=progress)
-        info = {"source": PUBLIC_SOURCE, "synthetic": True, "public": True, "note": PUBLIC_NOTE}
-        return records, _resolve_id_maps(ids_mapping), info
-    if isinstance(source, str) and source == "synthetic":
-        n = DEFAULT_SYNTHETIC_SIZE if n_records is None else n_records
-        records = generate_records(n, seed, population="private", progress=progress)
-        info = {"source": "synthetic", "synthetic": True, "note": SYNTHETIC_NOTE}
+        if source == PUBLIC_SOURCE:
+            records = generate_records(n, PUBLIC_EPISODE_SEED + seed, population="public", progress=progress)
+            info = {"source": PUBLIC_SOURCE, "synthetic": True, "public": True, "note": PUBLIC_NOTE}
+        else:
+            records = generate_records(n, seed, population="private", progress=progress)
+            info = {"source": "synthetic", "synthetic": True, "note": SYNTHETIC_NOTE}
         return records, _resolve_id_maps(ids_mapping), info
     if not isinstance(source, (str, os.PathLike)):
         raise DataError(f"source must be 'synthetic' or a CSV path, got {source!r}")
+    if n_records is not None:
+        raise DataError("n_records sizes synthetic data; to subsample a CSV use sample_fraction (each patient is "
+                        "kept on its own, so one patient's presence never moves another)")
     path = Path(source)
     records, _ = load_diabetes_csv(path)
-    if n_records is not None:
-        if isinstance(n_records, bool) or not isinstance(n_records, (int, np.integer)) \
-                or n_records < 1:
-            raise DataError(f"n_records must be an integer >= 1, got {n_records!r}")
-        if n_records < len(records):
-            records = _cap_by_patient(records, int(n_records), seed)
+    if sample_fraction is not None:
+        if isinstance(sample_fraction, bool) or not isinstance(sample_fraction, (int, float)) \
+                or not 0 < sample_fraction <= 1:
+            raise DataError(f"sample_fraction must be a number in (0, 1], got {sample_fraction!r}")
+        records = _sample_patients(records, float(sample_fraction), seed)
+        if records.empty:
+            raise DataError(f"sample_fraction={sample_fraction} kept no patient of {path}")
     info = {"source": str(path.resolve()), "synthetic": False, "note": REAL_NOTE,
             "source_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    if sample_fraction is not None:
+        info["sample_fraction"] = float(sample_fraction)
     return records, _resolve_id_maps(ids_mapping), info
 
 
-def _cap_by_patient(records: pd.DataFrame, n_records: int, seed: int) -> pd.DataFrame:
-    """Whole patients, drawn in a seeded order until the kept rows reach ``n_records`` (E11).
-
-    The result keeps the source row order and may hold a few more than ``n_records`` rows (the
-    last patient drawn brings all of its encounters).
-    """
-    uniq, inverse, counts = np.unique(records[UNIT_COLUMN].to_numpy(), return_inverse=True,
-                                      return_counts=True)
-    rng = np.random.default_rng(np.random.SeedSequence([seed, SUBSAMPLE_STREAM]))
-    perm = rng.permutation(len(uniq))
-    n_keep = int(np.searchsorted(np.cumsum(counts[perm]), n_records)) + 1
-    kept = np.zeros(len(uniq), dtype=bool)
-    kept[perm[:n_keep]] = True
+def _sample_patients(records: pd.DataFrame, fraction: float, seed: int) -> pd.DataFrame:
+    """The rows of the patients whose own hash (:func:`unit_uniforms`, subsample stream) is below ``fraction``
+    (E11: whole patients, each kept or not on its own). Source row order is kept."""
+    uniq, inverse = np.unique(records[UNIT_COLUMN].to_numpy(), return_inverse=True)
+    kept = unit_uniforms(uniq, seed, SUBSAMPLE_STREAM) < fraction
     return records.loc[kept[inverse.reshape(-1)]].reset_index(drop=True)
 
 
@@ -268,20 +293,24 @@ def build_dataset(
     canary_seed: int = 42,
     n_audit: int = 0,
     ids_mapping: str | os.PathLike | IdMaps | None = None,
+    fractions: dict | None = None,
+    sample_fraction: float | None = None,
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Build the split directory ``out_dir`` and return its manifest.
 
-    ``source`` is ``"synthetic"`` (``n_records`` records, default the real table's 101766) or the
-    path of ``diabetic_data.csv`` (``n_records`` then optionally caps it by a seeded subsample of
-    whole patients, which may keep a few more than ``n_records`` rows; ``None`` keeps every row).
-    The splits are disjoint in patients (ERRATA E11).
+    ``source`` is ``"synthetic"`` (``n_records`` records, default the real table's 101766), ``"public"``
+    (the public population) or the path of ``diabetic_data.csv`` (``sample_fraction`` then optionally keeps
+    each patient with that probability, on its own; ``None`` keeps every row). The splits are disjoint in
+    patients and each patient's split depends on its own id only (ERRATA E11; module docstring);
+    ``fractions`` sets the split fractions (:data:`DEFAULT_FRACTIONS`).
     ``ids_mapping`` is an ``IDs_mapping.csv`` path or :class:`IdMaps`; default the embedded tables.
     ``n_audit`` audit canaries (module docstring) are added, about half of them to train.
     """
     seed = _check_seed("seed", seed)
     canary_seed = _check_seed("canary_seed", canary_seed)
+    fractions = check_fractions(fractions)
     out = Path(out_dir)
     if out.exists() and out.is_dir() and any(out.iterdir()) and not overwrite:
         raise DataError(f"dataset directory {out} exists and is not empty "
@@ -289,12 +318,12 @@ def build_dataset(
 
     if isinstance(source, str) and source == PUBLIC_SOURCE:
         n_canary, n_audit = 0, 0  # canaries are instruments of a private dataset: public episodes carry none
-    records, id_maps, info = _load_source(source, n_records, seed, ids_mapping, progress)
+    records, id_maps, info = _load_source(source, n_records, seed, ids_mapping, progress, sample_fraction)
     units = records[UNIT_COLUMN].to_numpy(dtype=np.int64)
-    idx = split_indices(units, seed)
+    idx = split_indices(units, seed, fractions)
     secrets, canary_rows = canaries.draw_canaries(n_canary, len(idx["train"]), canary_seed)
-    frames = {s: records.iloc[idx[s]].reset_index(drop=True) for s in SPLITS}
-    texts = {s: verbalise_records(frames[s], id_maps, progress=progress) for s in SPLITS}
+    frames = {s: records.iloc[idx[s]].reset_index(drop=True) for s in ALL_SPLITS}
+    texts = {s: verbalise_records(frames[s], id_maps, progress=progress) for s in ALL_SPLITS}
     has_canary = np.zeros(len(frames["train"]), dtype=bool)
     for secret, row in zip(secrets, canary_rows):
         texts["train"][row] += canaries.suffix(secret)
@@ -316,6 +345,7 @@ def build_dataset(
                                "audit_canary": pa.array(is_audit, type=pa.bool_())}),
         "eval": _split_table(frames["eval"], texts["eval"]),
         "attack": _split_table(frames["attack"], texts["attack"]),
+        VALIDATION: _split_table(frames[VALIDATION], texts[VALIDATION]),
     }
     canary_table = pa.table({
         "secret": pa.array(secrets, type=pa.string()),
@@ -329,6 +359,7 @@ def build_dataset(
         "text": pa.array(audit_texts, type=pa.string()),
         UNIT_COLUMN: pa.array(audit_frame[UNIT_COLUMN].to_numpy(), type=pa.int64()),
     })
+    content = texts_sha256(texts)
     manifest = {
         "schema_version": schema.SCHEMA_VERSION,
         "created_by": f"raydp {raydp.__version__}",
@@ -340,18 +371,23 @@ def build_dataset(
         "n_canary": int(n_canary),
         "canary_format": "' secret_id=<10 characters of [A-Z0-9]>.' appended to a train text",
         "n_records": int(len(records)),
-        "sizes": {s: len(texts[s]) for s in SPLITS},
+        "sizes": {s: len(texts[s]) for s in ALL_SPLITS},
         "privacy_unit": PRIVACY_UNIT,
         "unit_column": UNIT_COLUMN,
         "n_audit": int(n_audit),
         "audit_included": int(audit_in.sum()),
         "audit_rule": ("audit canaries: one synthetic patient each, its own secret in the canary format, "
                        "in train by an independent fair coin (Steinke, Nasr, Jagielski 2023)"),
-        "units": {s: int(len(np.unique(train_units if s == "train" else units[idx[s]]))) for s in SPLITS},
+        "units": {s: int(len(np.unique(train_units if s == "train" else units[idx[s]]))) for s in ALL_SPLITS},
         "split_rule": SPLIT_RULE,
-        "content_sha256": texts_sha256(texts),
-        "split_sha256": {s: texts_sha256({s: texts[s]}) for s in SPLITS},
-        "files": [f"{s}.parquet" for s in SPLITS] + ["canaries.parquet", "audit.parquet", MANIFEST],
+        "split_fractions": fractions,
+        "neighbouring_relation": ("add/remove-one patient in the source table is add/remove-one patient in at "
+                                  "most one split (each patient's split depends on its own id only)"),
+        "content_sha256": content,
+        "split_sha256": {s: texts_sha256({s: texts[s]}) for s in ALL_SPLITS},
+        # the dataset's released name: keyed with the owner's secret (raydp.data.identity); never the hashes above
+        "dataset_id": public_id(content) if info.get("public") else keyed_id(content),
+        "files": [f"{s}.parquet" for s in ALL_SPLITS] + ["canaries.parquet", "audit.parquet", MANIFEST],
     }
     _write_atomically(out, overwrite, tables, {"canaries": canary_table, "audit": audit_table}, manifest)
     return manifest
@@ -417,11 +453,31 @@ def load_manifest(dataset_dir: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
+def _check_split(split: str, extra: tuple = ()) -> None:
+    if split not in (*ALL_SPLITS, *extra):
+        raise DataError(f"unknown split {split!r}; expected one of {', '.join((*ALL_SPLITS, *extra))}")
+
+
+def _split_file(dataset_dir: str | os.PathLike, split: str) -> Path | None:
+    """The parquet file of a split; None for the validation split of a directory built before it existed."""
+    if split == VALIDATION and not (Path(dataset_dir) / f"{split}.parquet").is_file() \
+            and (Path(dataset_dir) / MANIFEST).is_file():
+        return None
+    return _dataset_file(dataset_dir, f"{split}.parquet")
+
+
+def has_split(dataset_dir: str | os.PathLike, split: str) -> bool:
+    """Whether the dataset has a non-empty ``split`` (the validation split is empty unless its fraction is set)."""
+    sizes = load_manifest(dataset_dir).get("sizes") or {}
+    return bool(sizes.get(split))
+
+
 def load_split(dataset_dir: str | os.PathLike, split: str) -> pd.DataFrame:
-    """One split (``train``, ``eval`` or ``attack``) as a DataFrame, or ``canaries`` / ``audit``."""
-    if split not in (*SPLITS, "canaries", "audit"):
-        raise DataError(f"unknown split {split!r}; expected one of train, eval, attack")
-    f = _dataset_file(dataset_dir, f"{split}.parquet")
+    """One split (``train``, ``eval``, ``attack``, ``validation``) as a DataFrame, or ``canaries`` / ``audit``."""
+    _check_split(split, ("canaries", "audit"))
+    f = _split_file(dataset_dir, split)
+    if f is None:
+        return pa.schema([pa.field("text", pa.string()), *schema.arrow_schema()]).empty_table().to_pandas()
     try:
         return pq.read_table(f).to_pandas()
     except (OSError, pa.ArrowException) as e:
@@ -430,9 +486,10 @@ def load_split(dataset_dir: str | os.PathLike, split: str) -> pd.DataFrame:
 
 def load_texts(dataset_dir: str | os.PathLike, split: str) -> list[str]:
     """The narratives of one split, in file order."""
-    if split not in SPLITS:
-        raise DataError(f"unknown split {split!r}; expected one of train, eval, attack")
-    f = _dataset_file(dataset_dir, f"{split}.parquet")
+    _check_split(split)
+    f = _split_file(dataset_dir, split)
+    if f is None:
+        return []
     try:
         return pq.read_table(f, columns=["text"]).column("text").to_pylist()
     except (OSError, KeyError, pa.ArrowException) as e:
@@ -451,8 +508,7 @@ def load_units(dataset_dir: str | os.PathLike, split: str) -> np.ndarray:
     A directory built before E11 (no ``privacy_unit`` in its manifest) is refused: its
     record-level splits may put one patient in two splits, so it must be rebuilt.
     """
-    if split not in SPLITS:
-        raise DataError(f"unknown split {split!r}; expected one of train, eval, attack")
+    _check_split(split)
     manifest = load_manifest(dataset_dir)
     unit = privacy_unit(manifest)
     if unit is None:
@@ -463,7 +519,9 @@ def load_units(dataset_dir: str | os.PathLike, split: str) -> np.ndarray:
     if unit != PRIVACY_UNIT or column != UNIT_COLUMN:
         raise DataError(f"dataset {dataset_dir} has privacy_unit {unit!r} / unit_column "
                         f"{column!r}; this raydp knows only {PRIVACY_UNIT!r} / {UNIT_COLUMN!r}")
-    f = _dataset_file(dataset_dir, f"{split}.parquet")
+    f = _split_file(dataset_dir, split)
+    if f is None:
+        return np.zeros(0, dtype=np.int64)
     try:
         values = pq.read_table(f, columns=[column]).column(column).to_numpy()
     except (OSError, KeyError, pa.ArrowException) as e:
@@ -493,15 +551,15 @@ def describe_dataset(dataset_dir: str | os.PathLike) -> dict[str, Any]:
     ``note`` then says to rebuild it.
     """
     manifest = load_manifest(dataset_dir)
-    texts = {s: load_texts(dataset_dir, s) for s in SPLITS}
-    every = [t for s in SPLITS for t in texts[s]]
+    texts = {s: load_texts(dataset_dir, s) for s in ALL_SPLITS}
+    every = [t for s in ALL_SPLITS for t in texts[s]]
     unit = privacy_unit(manifest)
     if unit is None:
         units: dict[str, Any] = {"units": None, "unit_note": (
             "built before patient-level splits: record-level splits may share patients; rebuild "
             "with `raydp data build`")}
     else:
-        units = {"units": {s: int(len(np.unique(load_units(dataset_dir, s)))) for s in SPLITS}}
+        units = {"units": {s: int(len(np.unique(load_units(dataset_dir, s)))) for s in ALL_SPLITS}}
 
     def mean(xs: list[int]) -> float:
         return float(np.mean(xs)) if xs else 0.0
@@ -509,17 +567,18 @@ def describe_dataset(dataset_dir: str | os.PathLike) -> dict[str, Any]:
     return {
         "source": manifest.get("source"),
         "synthetic": manifest.get("synthetic"),
-        "sizes": {s: len(texts[s]) for s in SPLITS},
+        "sizes": {s: len(texts[s]) for s in ALL_SPLITS},
         "privacy_unit": unit,
         **units,
         "mean_chars": mean([len(t) for t in every]),
         "mean_words": mean([len(t.split()) for t in every]),
-        "mean_words_by_split": {s: mean([len(t.split()) for t in texts[s]]) for s in SPLITS},
+        "mean_words_by_split": {s: mean([len(t.split()) for t in texts[s]]) for s in ALL_SPLITS},
         "sample_eval_narrative": texts["eval"][0] if texts["eval"] else None,
         "n_canary": len(load_canaries(dataset_dir)),
         "n_audit": manifest.get("n_audit", 0),
         "audit_included": manifest.get("audit_included", 0),
-        "content_sha256": manifest.get("content_sha256"),
+        "split_fractions": manifest.get("split_fractions"),
+        "dataset_id": manifest_id(manifest),
     }
 
 
@@ -536,5 +595,5 @@ def resolve_dataset(data, build_dir: str | Path, progress: bool = True) -> Path:
         build_dataset(build_dir, source=data.source if data.source in ("synthetic", PUBLIC_SOURCE) else str(source),
                       n_records=data.n_records, seed=data.seed, n_canary=data.n_canary,
                       canary_seed=data.canary_seed, n_audit=data.n_audit, ids_mapping=data.ids_mapping,
-                      progress=progress)
+                      fractions=data.fractions, sample_fraction=data.sample_fraction, progress=progress)
     return build_dir.resolve()

@@ -46,8 +46,8 @@ def _read_json(path: Path, what: str) -> dict:
 
 def run_dataset_dir(run_dir: Path, config, summary: dict) -> Path:
     """The dataset a run trained on: the one it built under ``private/``, or the directory it read; refused
-    when its content hash is not the run's (a rebuilt directory would give the wrong members and coins)."""
-    from raydp.data import load_manifest
+    when its dataset id is not the run's (a rebuilt directory would give the wrong members and coins)."""
+    from raydp.data import identity_of, load_manifest, manifest_id
 
     own = run_dir / "private" / "dataset"
     source = Path(config.data.source).expanduser()
@@ -58,10 +58,10 @@ def run_dataset_dir(run_dir: Path, config, summary: dict) -> Path:
     else:
         raise ConfigError(f"the dataset of run {run_dir} is not available (neither {own} nor a dataset directory in "
                           f"its config): the attacks need the private splits")
-    expected, actual = summary.get("dataset_sha256"), load_manifest(found).get("content_sha256")
+    expected, actual = identity_of(summary), manifest_id(load_manifest(found))
     if expected is not None and actual != expected:
-        raise ConfigError(f"dataset {found} is not the one run {run_dir.name} trained on (content hash "
-                          f"{str(actual)[:12]} != {expected[:12]})")
+        raise ConfigError(f"dataset {found} is not the one run {run_dir.name} trained on (dataset id "
+                          f"{actual} != {expected})")
     return found
 
 

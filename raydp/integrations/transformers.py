@@ -73,6 +73,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from raydp.config import TrainConfig
+from raydp.data.identity import is_dataset_id, keyed_id
 from raydp.errors import ConfigError
 from raydp.model.adapters import discover_adapter_pairs
 from raydp.model.batches import TokenizedSplit
@@ -102,8 +103,10 @@ LOSS_NOTE = ("the Trainer's loss is not computed under DP: training_step returns
 #: every log, in what evaluate() returns and in what callbacks see, unless the eval data is declared public (E15)
 UNPROTECTED_PREFIX = "unprotected_"
 #: what a training log may carry unlabelled: public counters, the schedule, and post-processing of the DP release
-TRAINING_LOG_KEYS = frozenset({"epoch", "step", "learning_rate", "total_flos", "train_runtime",
-                               "train_samples_per_second", "train_steps_per_second"})
+TRAINING_LOG_KEYS = frozenset({"epoch", "step", "learning_rate", "total_flos"})
+#: the Trainer's timings: they grow with the private Poisson batch sizes (E5), so they are always labelled
+#: ``unprotected_*``, as a run directory's wall times are, whether or not the eval data is public
+TIMING_LOG_KEYS = frozenset({"train_runtime", "train_samples_per_second", "train_steps_per_second"})
 EVAL_NOTE = ("the Trainer's evaluation metrics are computed on its eval data, which no accountant covers (ERRATA E15): "
              "they reach logs, callbacks and evaluate()'s result as unprotected_* (e.g. unprotected_eval_loss); pass "
              "DPTraining(..., eval_data_is_public=True) only if that data is public")
@@ -168,6 +171,18 @@ def _check_trainer_class(trainer: Trainer) -> None:
 
 
 # -- data ---------------------------------------------------------------------------------------------
+
+def check_trainable_dtypes(model: torch.nn.Module) -> None:
+    """Every trainable parameter must be float32: the DP step clips per-sample gradients in the parameters'
+    dtype, and in bf16/fp16 the rounding of the clip factor and of the sums lets a clipped contribution exceed
+    its clip radius (measured: 1.0072 C with bf16 LoRA weights), which the accountant does not allow for. A
+    frozen base in bf16 is fine. One-line ConfigError naming the first offending parameter."""
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            raise ConfigError(f"trainable parameter {name} is {str(p.dtype).removeprefix('torch.')}: DP clipping needs "
+                              "float32 trainable parameters (cast the LoRA adapters with .float(); the frozen base may "
+                              "stay in bf16/fp16)")
+
 
 def unprotected_name(key: str) -> str:
     """``eval_loss`` -> ``unprotected_eval_loss`` (E15): every key but a training log's public ones
@@ -275,14 +290,16 @@ class DPTraining:
     with ``privacy_summary.json`` beside it. ``eval_data_is_public``: allow checkpoint selection on the
     Trainer's eval metrics (only when the eval data is public, ERRATA E15). ``log_epsilon``: log the epsilon
     spent so far at every logging step (a fresh accountant composition each time: ~0.1-0.4 s on a CPU).
-    ``dataset_sha256``: the identity of the private dataset in a policy's provenance (ERRATA E14): give the
-    ``content_sha256`` of the raydp dataset the records come from, so that studies on it compose this run's
-    spend; default: a hash of the tokenised training records, which matches no raydp dataset."""
+    ``dataset_id``: the identity of the private dataset in a policy's provenance (ERRATA E14): give the
+    ``dataset_id`` of the raydp dataset the records come from (its manifest's, :mod:`raydp.data.identity`), so
+    that studies on it compose this run's spend; default: the owner-keyed id of the tokenised training records,
+    which matches no raydp dataset. Never a plain hash of the records: one that anyone can recompute lets
+    whoever knows all records but one recover the last (a one-line error)."""
 
     def __init__(self, model: torch.nn.Module, train_dataset, tokenizer=None, config: TrainConfig | None = None, *,
                  units: Sequence | None = None, text_column: str = "text", loss=None, controller=None,
                  public_texts: list[str] | None = None, ledger_path: str | Path | None = None,
-                 eval_data_is_public: bool = False, log_epsilon: bool = True, dataset_sha256: str | None = None,
+                 eval_data_is_public: bool = False, log_epsilon: bool = True, dataset_id: str | None = None,
                  **config_fields: Any):
         if config is not None and config_fields:
             raise ConfigError("pass a TrainConfig or its fields as keyword arguments, not both")
@@ -296,7 +313,10 @@ class DPTraining:
         self.public_texts = public_texts
         self.ledger_path = Path(ledger_path) if ledger_path is not None else None
         self.eval_data_is_public = bool(eval_data_is_public)
-        self.dataset_sha256 = dataset_sha256
+        if dataset_id is not None and not is_dataset_id(dataset_id):
+            raise ConfigError(f"dataset_id {str(dataset_id)[:24]!r}... is not a raydp dataset id (the dataset_id of a "
+                              "dataset's manifest.json, 'rdi1:...'): a plain hash of the records would reveal them")
+        self.dataset_id = dataset_id
         self.log_epsilon = bool(log_epsilon)
         if self.config.strategy == "rldp" and controller is None:
             raise ConfigError("strategy 'rldp' needs a policy client: DPTraining(..., controller=client)")
@@ -369,6 +389,7 @@ class DPTraining:
             raise ConfigError("the model has gradient checkpointing enabled, which the per-sample gradient hooks do "
                               "not support; call model.gradient_checkpointing_disable()")
         device = next(p for p in model.parameters()).device
+        check_trainable_dtypes(model)
         pairs = discover_adapter_pairs(model)
         if not pairs:
             raise ConfigError("the model has no LoRA adapter pairs (wrap it with peft.get_peft_model and a LoraConfig)")
@@ -438,6 +459,7 @@ class DPTraining:
         logs = {k: v for k, v in logs.items() if k not in ("loss", "train_loss")}
         if not self.eval_data_is_public:
             logs = {unprotected_name(k): v for k, v in logs.items()}
+        logs = {UNPROTECTED_PREFIX + k if k in TIMING_LOG_KEYS else k: v for k, v in logs.items()}
         if training and self.run is not None:
             if self.last_metrics:
                 logs["dp_sigma_eff"] = float(self.last_metrics["sigma_eff"])
@@ -544,7 +566,7 @@ class DPTraining:
                    eval_note=("the Trainer's eval data is declared public (eval_data_is_public=True)"
                               if self.eval_data_is_public else EVAL_NOTE),
                    dropout=f"off: {self.dropout_disabled} dropout rates set to 0 in the model (ERRATA E12)",
-                   dp_step_seconds_total=round(self.step_seconds, 3))
+                   unprotected_dp_step_seconds_total=round(self.step_seconds, 3))  # timing: see TIMING_LOG_KEYS
         return out
 
     def ledger_file(self) -> Path:
@@ -565,14 +587,15 @@ class DPTraining:
 
     def _send_provenance(self, directory: Path) -> None:
         """A policy this run trained must remember it (ERRATA E14): the run's provenance entry (dataset
-        content hash, privacy mode and unit, epsilon, RDP curve), as :func:`raydp.runner.run.run_training`
-        gives it, goes to the policy's owner through ``save_policy`` (the RLlink server records it)."""
+        id, privacy mode and unit, epsilon, RDP curve), as :func:`raydp.runner.run.run_training`
+        gives it, goes to the policy's owner through ``save_policy`` (the RLlink server records it). The dataset
+        is named by its keyed id, never by a hash anyone could recompute."""
         from raydp.control.policies import trained_on
         from raydp.runner.run import policy_provenance
 
         privacy = privacy_summary(self.run, self.config)
-        digest = self.dataset_sha256 or hashlib.sha256(json.dumps(self.split.sequences).encode()).hexdigest()
-        manifest = {"content_sha256": digest, "public": False}  # the Trainer's records: private
+        manifest = {"dataset_id": self.dataset_id or keyed_id(  # the Trainer's records: private, so keyed
+            hashlib.sha256(json.dumps(self.split.sequences).encode()).hexdigest())}
         self.client.save_policy(
             directory / "policy", trained_on=trained_on(self.config, n_adapter_pairs=len(self.run.step.pairs),
                                                         epsilon=self.config.epsilon, steps=len(self.run.ledger),

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from raydp.data.identity import frame_ids as dataset_ids, identity_of
 from raydp.errors import ConfigError
 from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
 from raydp.report import figures
@@ -251,7 +252,7 @@ def _single_run(root: Path) -> Report:
         "verdict": privacy.get("verdict"), "privacy_mode": privacy.get("privacy_mode"),
         "privacy_labels": "; ".join(trial_labels(s)) or None, "epsilon": privacy.get("epsilon"),
         "guarantee": privacy.get("guarantee"), "privacy_unit": privacy.get("privacy_unit"),
-        "dataset_sha256": s.get("dataset_sha256"), "steps_to_target": None, "run_dir": str(root),
+        "dataset_id": identity_of(s), "steps_to_target": None, "run_dir": str(root),
         **_phase_one_columns(s.get("phase_one")),
     }
     results = pd.DataFrame([row])
@@ -324,7 +325,7 @@ def overview(r: Report) -> str:
     res = r.results
     statuses = res["status"].fillna("unknown").value_counts()
     status_text = ", ".join(f"{n} {s}" for s, n in statuses.items())
-    datasets = sorted({str(x) for x in res.get("dataset_sha256", pd.Series(dtype=object)).dropna()})
+    datasets = sorted({str(x) for x in dataset_ids(res).dropna()})
     units = sorted({str(x) for x in res.get("privacy_unit", pd.Series(dtype=object)).dropna()})
     eps = sorted({float(x) for x in res["epsilon_target"].dropna()})
     rows = [

@@ -26,7 +26,7 @@ import torch
 from raydp import __version__
 from raydp.config import TrainConfig
 from raydp.control.policies import trained_on
-from raydp.data import load_manifest, load_texts, public_corpus, resolve_dataset
+from raydp.data import load_manifest, load_texts, manifest_id, public_corpus, resolve_dataset
 from raydp.errors import ConfigError
 from raydp.model import LoraSettings, disable_dropout, load_model
 from raydp.model.batches import TokenizedSplit
@@ -100,7 +100,7 @@ def policy_provenance(private, config: TrainConfig, manifest: dict, privacy: dic
         orders, curve = privacy["filter"]["orders"], privacy["filter"]["budget_rdp"]
     else:
         orders, curve = list(DEFAULT_ORDERS), ledger_rdp_curve(private.ledger).tolist()
-    return {"dataset_sha256": manifest.get("content_sha256"), "public_data": bool(manifest.get("public")),
+    return {"dataset_id": manifest_id(manifest), "public_data": bool(manifest.get("public")),
             "privacy_mode": private.strategy.privacy_mode,
             "privacy_unit": private.units.name, "epsilon": privacy["epsilon"], "delta": config.delta,
             "guarantee": privacy["guarantee"], "labels": privacy["labels"], "rdp_orders": list(orders),
@@ -232,7 +232,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             "resumed_from_step": resume["trainer"]["step_count"] if resume is not None else None,
             "stopped_early": trainer.stopped_early,
             "data_source": manifest.get("source"),
-            "dataset_sha256": manifest.get("content_sha256"),
+            "dataset_id": manifest_id(manifest),  # keyed: names the dataset for its owner only
             "data_note": SYNTHETIC_NOTE if manifest.get("synthetic") else None,
             "train_records": len(train),  # treated as public, like the number of units (q = B / N)
             "eval_records": len(evaluation),

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from raydp.data.identity import frame_ids as dataset_ids
 from raydp.errors import ConfigError
 
 
@@ -183,12 +184,12 @@ def combine_studies(study_dirs: list[str | Path]) -> tuple[pd.DataFrame, dict, l
     if len(columns) > 1:
         raise ConfigError("these studies select on different splits (public validation and private eval): "
                           "their perplexities do not compare")
-    datasets = [set(r["dataset_sha256"].dropna()) if "dataset_sha256" in r else set() for _, r, _ in loaded]
+    datasets = [set(dataset_ids(r).dropna()) for _, r, _ in loaded]
     datasets += [set(s["tuning_aware_epsilon"]) - {"unknown dataset"} for _, _, s in loaded  # trials may lack a hash
                  if isinstance(s.get("tuning_aware_epsilon"), dict) and "runs" in next(iter(s["tuning_aware_epsilon"].values()), {})]
     if len(set().union(*datasets)) > 1:
         raise ConfigError("these studies' trials ran on different datasets ("
-                          + ", ".join(sorted(sha[:12] for sha in set().union(*datasets))) + "): nothing to compare")
+                          + ", ".join(sorted(set().union(*datasets))) + "): nothing to compare")
     notes, frames = [], []
     for path, results, summary in loaded:
         results = results.copy()

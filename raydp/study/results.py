@@ -22,7 +22,8 @@ enforcing_accountant, within_budget, verdict   the enforcing accountant and its 
 privacy_mode, privacy_label   'strict' / 'paper' (+ the E3 label) for RLDP trials
 privacy_labels             every label of the run's epsilon ('; '-joined; E3 paper mode, E12 void
                            epsilon...), None if it has none
-dataset_sha256             the private dataset's identity (its ``content_sha256``; E14)
+dataset_id                 the dataset's identity: a keyed hash only its owner can compute
+                           (:mod:`raydp.data.identity`; E14)
 rdp_curve_source           'renyi_filter' (the run was enforced by a Renyi filter: its budget curve is its
                            guarantee) or 'ledger' (the RDP curve of its ledger)
 trial_seconds, wall_seconds   the trial's run time as Tune saw it, and the run's own wall time
@@ -41,8 +42,8 @@ Tuning-aware epsilon (ERRATA E7, E14). Every run that touched a private dataset 
 people in it, whatever its target epsilon: every trial of the study (errored ones from their last
 checkpoint), transfer stage-1 policy-training trials and transfer stages, trials sharing one policy, and
 the runs that trained a saved policy a trial starts from (its manifest's provenance, when it names the
-same dataset). The study therefore reports ONE figure per dataset identity (the dataset's
-``content_sha256``): the RDP composition of all those runs' curves (Mironov 2017, Prop. 1: RDP at order
+same dataset). The study therefore reports ONE figure per dataset identity (the dataset's keyed
+``dataset_id``, :mod:`raydp.data.identity`): the RDP composition of all those runs' curves (Mironov 2017, Prop. 1: RDP at order
 alpha adds up under adaptive composition), converted to (epsilon, delta) at the study's delta. Each run's
 curve is, on the orders :data:`raydp.privacy.accounting.rdp.DEFAULT_ORDERS`:
 
@@ -62,7 +63,7 @@ number of runs of the worst trial's mechanism), which would hold only if the num
 that way and settings were drawn independently. The figure lists the labels of every composed run (paper
 mode, void epsilon...), the trials that errored before any checkpoint ("unknown spend": not in the figure,
 never silently dropped), non-private trials on the same data, and saved policies whose provenance is
-unknown. Identity is the content hash: two different datasets of the same people (e.g. two sizes of
+unknown. Identity is the keyed content hash: two different datasets of the same people (e.g. two sizes of
 one CSV) are not recognised as such. Skipped when the study says its data is public.
 
 Selection (ERRATA E15): with the study's ``selection: public`` (default), Optuna, Tune's selection metric,
@@ -81,6 +82,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from raydp.data.identity import identity_of, manifest_id
 from raydp.evaluation.results import EVALUATION_FILE, flat_metrics
 from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve, rdp_epsilon
@@ -165,7 +167,7 @@ def _trial_row(trial: dict, run_dir: Path, status: str, result: dict, s: dict | 
         "privacy_label": privacy.get("privacy_label"), "privacy_labels": "; ".join(labels) or None,
         "epsilon": privacy.get("epsilon"), "guarantee": privacy.get("guarantee"),
         "privacy_unit": privacy.get("privacy_unit"),
-        "dataset_sha256": s.get("dataset_sha256"),
+        "dataset_id": identity_of(s),
         "rdp_curve_source": ("local" if privacy.get("guarantee") == "local" else "renyi_filter"
                              if privacy.get("filter") is not None else "ledger")
         if privacy.get("epsilon") is not None else None,
@@ -334,7 +336,7 @@ def compose_dataset(sha: str, runs: list[dict], delta: float, *, unknown_spend: 
     "curve_source" ('ledger' | 'checkpoint_ledger' | 'renyi_filter' | 'policy_provenance'),
     "curve" (RDP on :data:`ORDERS`), "epsilon_target", "labels" (list of str)}``. The repeat-and-select
     figure is over the study's own trials (kind 'trial'/'errored_trial'), labelled as such."""
-    figure: dict = {"dataset_sha256": sha, "runs": len(runs), "delta": float(delta),
+    figure: dict = {"dataset_id": sha, "runs": len(runs), "delta": float(delta),
                     "orders": "raydp.privacy.accounting.rdp.DEFAULT_ORDERS"}
     trials = [r for r in runs if r["kind"] != "policy_training_run"]
     if runs:
@@ -426,14 +428,14 @@ def trial_delta(study) -> float:
 
 
 def dataset_identity(dataset_dir: str | Path | None) -> str | None:
-    """A built dataset's identity: its manifest's ``content_sha256`` (ERRATA E14), else its path."""
+    """A built dataset's identity: its manifest's keyed ``dataset_id`` (ERRATA E14; :mod:`raydp.data.identity`),
+    else (a manifest without a content hash) its path."""
     if dataset_dir is None:
         return None
     path = Path(dataset_dir) / "manifest.json"
     if not path.exists():
         return None
-    sha = json.loads(path.read_text()).get("content_sha256")
-    return sha or f"unhashed:{Path(dataset_dir).resolve()}"
+    return manifest_id(json.loads(path.read_text())) or f"unhashed:{Path(dataset_dir).resolve()}"
 
 
 def _paper_rldp(study, trial: dict | None = None) -> bool:
@@ -480,15 +482,15 @@ def _policy_runs(study, trial: dict, study_dir: Path, sha: str | None,
         return [], labels, []
     runs, warnings = [], []
     for entry in provenance_of(manifest):
-        if entry.get("dataset_sha256") is None or entry.get("rdp_curve") is None:
+        if entry.get("dataset_id") is None or entry.get("rdp_curve") is None:
             warnings.append(f"policy {name} has a training run of unknown dataset or RDP curve "
                             f"({'legacy manifest' if entry.get('legacy') else 'incomplete provenance'}): "
                             "if it trained on this dataset, its spend is not in the figure")
             continue
-        if entry["dataset_sha256"] != sha:
+        if entry["dataset_id"] != sha:
             if not entry.get("public_data"):  # another private dataset: not composed, but said (E14)
                 warnings.append(f"policy {name} was also trained on another private dataset "
-                                f"({str(entry['dataset_sha256'])[:12]}): not composed here; if it holds the same "
+                                f"({entry['dataset_id']}): not composed here; if it holds the same "
                                 "people (e.g. the same records identified another way), their spend adds")
             continue
         key = entry.get("entry_id") or json.dumps(entry, sort_keys=True)
@@ -507,7 +509,7 @@ def _policy_runs(study, trial: dict, study_dir: Path, sha: str | None,
 def study_privacy(study, study_dir: Path, table: pd.DataFrame, unfinished: dict[str, dict],
                   dataset_sha: str | None, specs: dict[str, dict] | None = None) -> dict:
     """The tuning-aware figure of every dataset the study's runs touched (see the module docstring):
-    ``{dataset_sha256: compose_dataset(...)}``. ``unfinished``: trial name -> its checkpoint's spend
+    ``{dataset_id: compose_dataset(...)}``. ``unfinished``: trial name -> its checkpoint's spend
     (:func:`_checkpoint_spend`); ``specs``: trial name -> trial spec (its saved policy)."""
     from raydp.strategies.base import PAPER_MODE_LABEL
 
@@ -520,7 +522,7 @@ def study_privacy(study, study_dir: Path, table: pd.DataFrame, unfinished: dict[
             continue
         run_dir = Path(row["run_dir"])
         summary = _read_summary(run_dir)
-        sha = (summary or {}).get("dataset_sha256") or dataset_sha or "unknown dataset"
+        sha = identity_of(summary or {}) or dataset_sha or "unknown dataset"
         b = per.setdefault(sha, {"runs": [], "unknown": [], "nonprivate": [], "warnings": [], "seen": set()})
         if row["strategy"] == "nonprivate":
             b["nonprivate"].append(row["trial"])
@@ -586,10 +588,9 @@ def _reported(metrics: dict) -> bool:
 def collect_results(study, study_dir: Path, trials: list[dict], grid, dataset_dir: str | Path | None = None
                     ) -> pd.DataFrame:
     """Write ``results.parquet`` and return the table; ``table.attrs`` carries the tuning-aware epsilon
-    of each dataset (``tuning_aware_epsilon``: {dataset_sha256: figure}, ERRATA E7/E14) and the
+    of each dataset (``tuning_aware_epsilon``: {dataset_id: figure}, ERRATA E7/E14) and the
     selection split (``selection``, E15). ``dataset_dir``: the study's built dataset (default
-    ``study_dir/dataset``), whose ``content_sha256`` identifies runs whose summary predates
-    ``dataset_sha256``."""
+    ``study_dir/dataset``), whose id identifies runs whose summary names no dataset."""
     statuses, unfinished = {}, {}
     trials = list(trials)
     selection = getattr(study, "selection", "public")

@@ -395,6 +395,7 @@ def _save_study_policy(session, path: Path, study: StudyConfig, dataset: str, re
     episodes on which models and epsilons, and what the training cost (wall and CPU seconds)."""
     from raydp.control.policies import trained_on
     from raydp.data import load_manifest as dataset_manifest
+    from raydp.data import manifest_id
 
     manifest = dataset_manifest(dataset)
     metrics = [r.metrics or {} for r in results]
@@ -403,7 +404,7 @@ def _save_study_policy(session, path: Path, study: StudyConfig, dataset: str, re
     record = {"study": study.name, "episodes": finished, "episodes_planned": len(results),
               "models": study.models, "epsilons": study.epsilons, "seeds": study.seeds,
               "data_source": manifest.get("source"), "public_data": bool(manifest.get("public")),
-              "dataset_sha256": manifest.get("content_sha256"), "train_records": (manifest.get("sizes") or {}).get("train"),
+              "dataset_id": manifest_id(manifest), "train_records": (manifest.get("sizes") or {}).get("train"),
               "wall_seconds": round(wall, 1), "cpu_seconds": round(sum(trial_seconds) * study.resources.cpus_per_trial, 1),
               "gpu_seconds": round(sum(trial_seconds) * study.resources.gpus_per_trial, 1),
               "transitions": counters.get("transitions_trained"),
