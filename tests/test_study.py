@@ -308,6 +308,24 @@ def test_resume_restores_a_finished_study_without_rerunning(tiny_study):
     assert _trial_footprint(tiny_study) == footprint  # Tuner.restore found both trials finished: none re-ran
 
 
+def test_resume_without_tune_state_is_refused_and_writes_nothing(tmp_path):
+    """--resume on a directory whose Tune state is gone must not build a fresh Tuner over its trials: their spend
+    would drop out of the tuning-aware epsilon (E7/E14)."""
+    from raydp.study.runner import run_study
+
+    path = write_study(tmp_path)
+    trial = tmp_path / "out" / "tiny" / "trials" / "static_embedded-tiny_eps2_seed0"
+    trial.mkdir(parents=True)
+    (trial / "summary.json").write_text("{}")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(ConfigError, match="nothing to resume.*no Tune state"):
+        run_study(path, tmp_path / "out", progress=False, resume=True)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    with pytest.raises(ConfigError, match="nothing to resume"):  # nor a directory that never ran
+        run_study(path, tmp_path / "elsewhere", progress=False, resume=True)
+    assert not (tmp_path / "elsewhere").exists()
+
+
 def test_steps_to_target_measures_against_the_best_baseline(tmp_path):
     """Sec. 4.2 on hand-made runs: the target is the best final perplexity among the baselines of the
     same (model, epsilon, seed), RLDP and non-private runs excluded; step 0 never counts; the step is

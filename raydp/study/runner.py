@@ -322,6 +322,13 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
                           "it again into another --results-dir; what the stopped run spent still counts (E7/E14)")
     study_dir = (Path(results_dir) / study.name).resolve()
     trials_dir = study_dir / "trials"
+    if resume and not any(tune.Tuner.can_restore(str(study_dir / "tune" / name))
+                          for name in (f"{study.name}-source", study.name, f"{study.name}-optuna")):
+        # A fresh Tuner here would overwrite the trials already run, and their spend on the same private data
+        # would drop out of the tuning-aware epsilon (ERRATA E7/E14).
+        raise ConfigError(f"nothing to resume in {study_dir}: it has no Tune state (tune/{study.name}); --resume "
+                          "finishes a stopped study and never starts one over its trials: run without --resume into "
+                          "another --results-dir")
     if not resume and trials_dir.is_dir() and any(trials_dir.iterdir()):
         # A second fit here would overwrite the first one's trials, and its spend on the same private
         # data would drop out of the tuning-aware epsilon (ERRATA E7/E14).
