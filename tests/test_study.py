@@ -296,6 +296,22 @@ def _trial_footprint(study_dir: Path) -> tuple[dict, dict, list]:
     return files, rows, checkpoints
 
 
+def test_every_field_of_the_studys_releasable_files_is_allowlisted(tiny_study):
+    """Issue 26: results.parquet (but its private attack columns), study_summary.json and every DP trial's files
+    hold only fields that are public, charged, the keyed dataset id, or labelled unprotected (tests/releasable.py);
+    no plain digest of the records (the dataset manifest's content hashes) appears anywhere in them."""
+    from releasable import unclassified_study
+
+    assert unclassified_study(tiny_study) == []
+    manifest = json.loads((tiny_study / "dataset" / "manifest.json").read_text())
+    digests = {manifest["content_sha256"], *manifest["split_sha256"].values()}
+    released = [tiny_study / "results.parquet", tiny_study / "study_summary.json",
+                *(f for f in (tiny_study / "trials").rglob("*") if f.is_file() and "private" not in f.parts)]
+    for f in released:
+        blob = f.read_bytes()
+        assert not any(d.encode() in blob or d[:12].encode() in blob for d in digests), f
+
+
 def test_resume_restores_a_finished_study_without_rerunning(tiny_study):
     from raydp.study.runner import run_study
 

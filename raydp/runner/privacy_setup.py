@@ -294,6 +294,31 @@ def ledger_metadata(plan: PrivacyPlan, units: PrivacyUnits, randomness: PrivateR
             "randomness": randomness.source, "labels": privacy_labels(strategy, randomness)}
 
 
+#: what the released counts mean for the guarantee (issue 26): N is released, so say under which relation it is covered
+PUBLIC_COUNTS_NOTE = (
+    "the number of units in train (n_units, N), the train record count, q = B/N and the step count are released "
+    "and treated as public, as DP-SGD libraries do. epsilon is for add/remove-one unit: it bounds what the "
+    "adapters, ledger and statistics reveal about one unit given N, but N itself changes with that unit's presence, "
+    "so an adversary who knows every other unit learns membership from N. What covers N too is replace-one (one "
+    "unit's records swapped for another's, N unchanged): epsilon_replace_one at delta_replace_one")
+
+
+def replace_one_guarantee(run: PrivateRun, config: TrainConfig, epsilon: float) -> dict:
+    """The run's guarantee under replace-one neighbours (:data:`PUBLIC_COUNTS_NOTE`): a fixed schedule's ledger
+    composed by dp_accounting's PLD under REPLACE_ONE (sensitivity doubled) at the same delta; an adaptive run
+    (Renyi filter) or a PBT member gets the group-privacy bound of its add/remove guarantee: replace-one is a
+    removal then an addition, (2 eps, (1 + e^eps) delta) (Dwork & Roth 2014, Thm 2.2 with k = 2)."""
+    from raydp.privacy.accounting.pld import replace_one_epsilon
+
+    population = getattr(run.guard, "population_admit", None) is not None
+    if run.plan.adaptive or population:
+        return {"epsilon_replace_one": 2 * epsilon, "delta_replace_one": (1 + math.exp(epsilon)) * config.delta,
+                "replace_one_note": "group privacy (k = 2) of the add/remove guarantee: sigma was chosen adaptively"}
+    eps = replace_one_epsilon(run.ledger, config.delta) if len(run.ledger) else 0.0
+    return {"epsilon_replace_one": eps, "delta_replace_one": config.delta,
+            "replace_one_note": "the ledger composed by dp_accounting's PLD under REPLACE_ONE (sensitivity 2C)"}
+
+
 def privacy_summary(run: PrivateRun, config: TrainConfig) -> dict:
     """The guarantee (the enforcing accountant's, or the Renyi filter's for adaptive sigma), every
     accountant's composition of the ledger beside it, the unit and every label."""
@@ -351,4 +376,6 @@ def privacy_summary(run: PrivateRun, config: TrainConfig) -> dict:
         "epsilon_void": not run.randomness.is_secret,
         "labels": labels,
         "privacy_label": "; ".join(labels) if labels else None,
+        "public_counts": PUBLIC_COUNTS_NOTE,
+        **replace_one_guarantee(run, config, epsilon),
     }

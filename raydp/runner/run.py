@@ -7,11 +7,16 @@ Layout of a run directory (what may be released and what may not)::
     summary.json, config.json  settings, guarantee, labels, perplexities          safe, except the
     train_metrics.parquet      per-step noisy-gradient figures (DP runs)          private-eval perplexity
     eval_metrics.parquet       perplexity per evaluation                          (not a DP release, E15)
+                                                                                  and timings: unprotected
     control_trace.parquet, controller_decisions.parquet, policy/   (RLDP)        safe in strict mode
     private/                   PRIVATE: the dataset splits built for the run; never release
 
-The sampling and noise seeds are in no file (ERRATA E12); resume checkpoints (Tune's, which hold the
-RNG states and the training split's positions) are private too and live outside the run directory.
+A non-private run's directory is private as a whole. The dataset is named by its owner-keyed id
+(:mod:`raydp.data.identity`), never by a hash of the records; the number of units in train and q = B/N are
+released as public (``privacy.public_counts``; ``epsilon_replace_one`` is the guarantee that covers them too).
+tests/releasable.py lists every released field and why it may be released. The sampling and noise seeds are in
+no file (ERRATA E12); resume checkpoints (Tune's, which hold the RNG states and the training split's positions)
+are private too and live outside the run directory.
 """
 
 from __future__ import annotations

@@ -181,9 +181,15 @@ STUDY_PRIVACY_NOTE = """What in this study directory is private (ERRATA E11-E15)
 - trials/<trial>/evaluation.json, the attack and audit columns of results.parquet (mia_*, canary_*,
             exposure_*, audit_*) and report.html's attack and audit sections: computed from private records
             (`evaluate:`), not a DP release: for the data owner, keep private.
+- trials/<non-private trial>/ (strategy nonprivate): trained without DP on the private records; nothing in it is
+            protected: keep private.
+- wandb/    wandb's local run files (metrics, timings, system information): keep private.
 Releasable: the rest of results.parquet, study_summary.json and trials/<trial>/ except trials/<trial>/private/
-and evaluation.json (their private-eval perplexities, which no accountant covers, and timings are unprotected).
-No file here holds a sampling or noise seed or generator state.
+and evaluation.json. In them the private-eval perplexities (no accountant covers them, E15) and every timing
+(wall_seconds, trial_seconds, ...; they depend on the private batch sizes) are unprotected; the number of patients
+in train and q = B/N are released as public (the summary's public_counts and epsilon_replace_one say what covers
+them); the dataset is named by its owner-keyed dataset_id, which nobody without the owner's key can compute.
+No file here holds a sampling or noise seed or generator state, or a plain hash of the records.
 """
 
 

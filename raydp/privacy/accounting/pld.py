@@ -34,9 +34,10 @@ from raydp.privacy.accounting.gdp import gdp_epsilon, gdp_mu
 from raydp.privacy.accounting.grid import DEFAULT_GRID, Grid, StepHistogram
 from raydp.privacy.accounting.rdp import RDPAccountant
 
-__all__ = ["PLDAccountant", "auto_discretization", "dp_event_of_groups"]
+__all__ = ["PLDAccountant", "auto_discretization", "dp_event_of_groups", "replace_one_epsilon"]
 
 _ADD_REMOVE = pld_privacy_accountant.NeighborRel.ADD_OR_REMOVE_ONE
+_REPLACE_ONE = pld_privacy_accountant.NeighborRel.REPLACE_ONE
 MAX_SUPPORT_POINTS = 4_000_000
 RELATIVE_DISCRETIZATION = 5e-4
 
@@ -61,6 +62,30 @@ def _support_points(q: float, sigma: float, vdi: float) -> float:
     """Rough size of the single-step PLD (noise truncated at mass e^-50, i.e. ~10 sigma)."""
     hi = (1.0 + 20.0 * sigma) / (2.0 * sigma * sigma) + (math.log(q) if q < 1.0 else 0.0)
     return max(hi, 1.0) / vdi
+
+
+def replace_one_epsilon(steps, delta: float, grid: Grid | None = DEFAULT_GRID) -> float:
+    """Epsilon at ``delta`` of the steps (a ledger, or (q, sigma[, count]) items) under REPLACE-ONE neighbours: one
+    unit's records swapped for another's, so the dataset size is the same on both sides and may be public.
+
+    Each step's noise multiplier is in add/remove units (sensitivity 1); replacing a unit moves the sum by at most
+    twice that (triangle inequality), which is what dp_accounting's PLD under ``REPLACE_ONE`` composes for the
+    Poisson-subsampled Gaussian (Zhu, Dong & Wang 2022; dp_accounting ``PLDAccountant(NeighborRel.REPLACE_ONE)``,
+    pessimistic: an upper bound). Only for a schedule fixed in advance: a PLD composition is not a guarantee under
+    adaptively chosen sigma (ERRATA E13)."""
+    from raydp.privacy.accounting.base import check_delta
+    from raydp.privacy.accounting.grid import as_histogram
+
+    hist = as_histogram(steps)
+    if hist.nonprivate_steps:
+        return math.inf
+    groups = hist.groups(grid)
+    if not groups:
+        return 0.0
+    vdi = auto_discretization(2.0 * gdp_epsilon(gdp_mu(groups), check_delta(delta)))
+    acc = pld_privacy_accountant.PLDAccountant(_REPLACE_ONE, value_discretization_interval=vdi)
+    acc.compose(dp_event_of_groups(groups))
+    return float(acc.get_epsilon(delta))
 
 
 class PLDAccountant(Accountant):

@@ -1,0 +1,229 @@
+"""The allowlist of every field of every releasable file, each with why it may be released (issue 26).
+
+A field is releasable only if it is one of:
+
+* PUBLIC: configuration, code and model descriptions, public data, or the run's plan (public inputs);
+* DP: a DP release charged in the ledger, or post-processing of charged releases (the adapters, the ledger, the
+  noisy statistics, the epsilon the ledger gives, the controller's decisions from them);
+* COUNT: the number of units and records in train and what follows from it (q = B/N, steps per epoch), which
+  the summary says are released and treated as public, with the replace-one guarantee that covers them;
+* ID: the dataset's owner-keyed id (raydp.data.identity), which nobody without the key can compute;
+* UNPROTECTED: computed from private records without a DP release, and labelled so in the file or in the
+  directory's PRIVACY.txt (perplexities on the private eval split, E15; timings, which depend on private batch
+  sizes).
+
+:func:`unclassified` walks a run or study directory's releasable files and returns every field path that is not
+in the allowlist: a new field must be classified here before it can be written, or the test fails. Paths are
+dotted JSON paths with ``[]`` for list items and ``<id>`` for a dataset-id key; Parquet files contribute their
+columns and the keys of their schema metadata (the ledger's metadata JSON is walked like a JSON file).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+PUBLIC, DP, COUNT, ID, UNPROTECTED = "public", "dp", "count", "id", "unprotected"
+
+_PRIVACY_BLOCK = {
+    **{f"privacy.{k}": PUBLIC for k in (
+        "mechanism", "neighbouring_relation", "privacy_unit", "unit_note", "epsilon_target", "delta", "sigma_0",
+        "releases_per_step[]", "schedule.kind", "schedule.per_epoch[]", "guarantee", "guarantee_note",
+        "calibration_accountant", "enforcing_accountant", "gdp_note", "edgeworth_note", "privacy_mode", "randomness",
+        "epsilon_void", "labels[]", "privacy_label", "public_counts", "replace_one_note", "epsilon_by_accountant_note",
+        "planned_steps", "sigma_eff_0", "filter", "filter.name", "filter.theorem", "filter.orders[]",
+        "filter.budget_rdp[]", "filter.delta", "filter.epsilon")},
+    # the strategy's description: its settings (public configuration) and declared releases
+    **{f"privacy.strategy.{k}": PUBLIC for k in (
+        "name", "clip_mode", "allocation", "gradient_source", "privacy_mode", "releases[]", "releases[].name",
+        "releases[].noise.relative", "schedule.kind", "schedule.per_epoch[]", "settings.clip", "action_decoding",
+        "architecture", "b_sac", "frozen", "k", "noise_control", "policy", "r_max", "t_rl", "t_warm",
+        "strict_releases[].name", "strict_releases[].noise_multiplier")},
+    # from the ledger: charged releases and their accounting
+    **{f"privacy.{k}": DP for k in (
+        "epsilon", "epsilon_by_accountant.pld", "epsilon_by_accountant.prv", "epsilon_by_accountant.rdp",
+        "epsilon_by_accountant.gdp", "epsilon_by_accountant.edgeworth", "epsilon_member_filter", "within_budget",
+        "verdict", "steps_charged", "guard_clamps", "epsilon_replace_one", "delta_replace_one")},
+    **{f"privacy.{k}": COUNT for k in ("n_units", "q")},
+}
+
+SUMMARY = {
+    **_PRIVACY_BLOCK,
+    **{k: PUBLIC for k in (
+        "model", "model_source", "model_type", "device", "n_adapter_pairs", "adapter_pairs[].index",
+        "adapter_pairs[].layer", "adapter_pairs[].module_name", "adapter_pairs[].relative_depth",
+        "adapter_pairs[].shape_a[]", "adapter_pairs[].shape_b[]", "strategy", "dropout", "data_source", "data_note",
+        "eval_note", "public_eval_records", "max_length", "task.kind", "task.metric", "raydp_version",
+        "resumed_from_step", "phase_one", "controller",
+        # public validation split: public records
+        "initial_public_perplexity", "final_public_perplexity", "best_public_perplexity")},
+    "dataset_id": ID,
+    **{k: COUNT for k in ("train_records", "steps_per_epoch")},
+    **{k: DP for k in ("steps", "stopped_early")},  # the guard stops on the ledger
+    # the private eval split (E15: labelled by eval_note) and timings (labelled in PRIVACY.txt)
+    **{k: UNPROTECTED for k in ("initial_eval_perplexity", "final_eval_perplexity", "best_eval_perplexity",
+                                "eval_records", "wall_seconds", "train_loop_seconds")},
+    # RLDP's controller: post-processing of charged releases and public randomness (strict mode)
+    **{f"controller.{k}": DP for k in (
+        "decisions", "transitions", "mean_reward", "final_sigma", "final_clip[]")},
+    **{f"controller.{k}": PUBLIC for k in (
+        "histogram_log10_range[]", "loss_clip", "action_decoding", "pair_reference[]")},  # placed on public records
+}
+
+LEDGER_METADATA = {
+    **{k: PUBLIC for k in ("accountant", "delta", "epsilon_target", "format_version", "guarantee", "guarantee_note",
+                           "labels[]", "neighbouring_relation", "privacy_unit", "randomness", "unit_note",
+                           "filter", "filter.name", "filter.theorem", "filter.orders[]", "filter.budget_rdp[]",
+                           "filter.delta", "filter.epsilon", "sigma_eff")},
+    "n_units": COUNT,
+    "num_steps": DP,
+}
+
+POLICY_MANIFEST = {
+    **{k: PUBLIC for k in (
+        "architecture", "created", "format", "name", "raydp_version", "layout.architecture", "layout.f_adapter",
+        "layout.g_global", "layout.n_slots", "layout.version", "sac.actor_lr", "sac.alpha", "sac.b_sac",
+        "sac.critic_lr", "sac.gamma", "sac.hidden", "sac.k", "sac.replay_capacity", "sac.seed", "sac.tau",
+        "trained_on.action_decoding", "trained_on.epsilon", "trained_on.model", "trained_on.n_adapter_pairs",
+        "trained_on.privacy_mode", "provenance[].privacy_mode", "provenance[].privacy_unit", "provenance[].delta",
+        "provenance[].guarantee", "provenance[].labels[]", "provenance[].public_data", "provenance[].rdp_orders[]",
+        "provenance[].entry_id", "results.best_public_perplexity", "results.final_public_perplexity",
+        "results.labels[]")},
+    **{k: DP for k in ("transitions", "sac_updates", "trained_on.decisions", "trained_on.steps", "results.epsilon",
+                       "provenance[].epsilon", "provenance[].rdp_curve[]")},
+    "provenance[].dataset_id": ID,
+}
+
+RESULTS = {
+    **{k: PUBLIC for k in (
+        "trial", "status", "model", "strategy", "epsilon_target", "seed", "t_rl", "b_sac", "k", "frozen_policy",
+        "variant", "run_dir", "config", "initial_public_perplexity", "final_public_perplexity",
+        "best_public_perplexity", "planned_steps", "enforcing_accountant", "privacy_mode", "privacy_label",
+        "privacy_labels", "guarantee", "privacy_unit", "rdp_curve_source", "selection_split", "steps_to_target")},
+    **{k: DP for k in ("steps", "epsilon_pld", "epsilon_prv", "epsilon_rdp", "epsilon_gdp", "epsilon_edgeworth",
+                       "within_budget", "verdict", "epsilon")},
+    "dataset_id": ID,
+    **{k: UNPROTECTED for k in ("initial_eval_perplexity", "final_eval_perplexity", "best_eval_perplexity",
+                                "trial_seconds", "wall_seconds")},
+}
+#: results.parquet's attack and audit columns are private (PRIVACY.txt): never part of a release
+RESULTS_PRIVATE_PREFIXES = ("mia_", "canary_", "exposure_", "audit_", "eval_seconds", "evaluation_error")
+
+_FIGURE = "tuning_aware_epsilon.<id>."
+STUDY_SUMMARY = {
+    **{k: PUBLIC for k in ("study", "trials", "results", "selection.note", "selection.requested", "selection.split")},
+    **{k: UNPROTECTED for k in ("wall_seconds", "per_trial_overhead_seconds", "first_trial_start_latency_seconds")},
+    "tuning_aware_epsilon": PUBLIC,  # the 'not applicable' note of a public study
+    **{_FIGURE + k: DP for k in (
+        "composed[].curve", "composed[].epsilon_rdp", "composition_epsilon_rdp", "max_single_trial_epsilon_rdp",
+        "repeat_and_select_epsilon_rdp", "trials_composition_epsilon_rdp", "tuning_aware_epsilon", "runs", "trials",
+        "unknown_spend[]", "unknown_spend[].trial", "unknown_spend[].status", "unknown_spend[].reason",
+        "unknown_spend[].labels[]")},
+    **{_FIGURE + k: PUBLIC for k in (
+        "composed[].epsilon_target", "composed[].kind", "composed[].name", "delta", "labels[]",
+        "neighbouring_relations[]", "nonprivate_trials[]", "note", "orders", "privacy_units[]", "target_epsilons[]",
+        "warnings[]")},
+    _FIGURE + "dataset_id": ID,
+}
+
+TRAIN_METRICS_DP = {**{k: DP for k in ("sigma", "sigma_eff", "clamped", "clip_mean", "noisy_grad_norm")},
+                    **{k: PUBLIC for k in ("step", "lr", "epoch")}}
+EVAL_METRICS = {**{k: PUBLIC for k in ("step", "epoch", "public_perplexity", "public_accuracy")},
+                **{k: UNPROTECTED for k in ("perplexity", "nll_per_token", "utility", "n_tokens", "accuracy")}}
+LEDGER = {k: DP for k in ("step", "q", "sigma_eff", "clip", "allocation", "releases")}
+CONTROL_TRACE = {"step": PUBLIC, "decision": PUBLIC, **{k: DP for k in ("sigma", "sigma_eff", "clamped")}}
+DECISIONS = {**{k: DP for k in ("step", "epsilon", "utility", "reward", "action", "sigma_next", "sigma_proposed",
+                                "step_size", "clip_next")},
+             **{k: PUBLIC for k in ("privacy_mode", "privacy_label")}}
+SAFETENSORS_ADAPTER = DP  # the trained adapters: the DP release itself
+
+#: files released as a whole for what they are (their every field is configuration)
+WHOLE_FILES = {"config.json": PUBLIC, "adapter/adapter_config.json": PUBLIC, "adapter/README.md": PUBLIC,
+               "adapter/adapter_model.safetensors": DP, "policy/module/metadata.json": PUBLIC,
+               "policy/module/class_and_ctor_args.pkl": PUBLIC, "policy/module/module_state.pkl": DP,
+               "policy/replay.npz": DP}
+
+
+def field_paths(value, prefix: str = ""):
+    """Dotted paths of a JSON value's leaves (list items as ``[]``, dataset-id keys as ``<id>``)."""
+    if isinstance(value, dict):
+        if not value and prefix:
+            yield prefix
+        for key, item in value.items():
+            key = "<id>" if re.match(r"^(rdi1|public):", str(key)) else str(key)
+            yield from field_paths(item, f"{prefix}.{key}" if prefix else key)
+    elif isinstance(value, list):
+        if not value or not any(isinstance(v, (dict, list)) for v in value):
+            yield prefix + "[]"
+        for item in value:
+            if isinstance(item, (dict, list)):
+                yield from field_paths(item, prefix + "[]")
+    else:
+        yield prefix
+
+
+def _check_json(path: Path, allowed: dict, out: list) -> None:
+    for field in set(field_paths(json.loads(path.read_text()))):
+        if field not in allowed:
+            out.append(f"{path}: {field}")
+
+
+def _check_columns(path: Path, allowed: dict, out: list, private_prefixes=()) -> None:
+    for column in pq.read_schema(path).names:
+        if column not in allowed and not column.startswith(private_prefixes):
+            out.append(f"{path}: column {column}")
+
+
+def unclassified_run(run_dir: Path) -> list[str]:
+    """Every field of a DP run directory's releasable files (all but ``private/`` and ``evaluation.json``) that
+    the allowlist does not classify; also any file it does not know."""
+    run_dir = Path(run_dir)
+    out: list[str] = []
+    for f in sorted(run_dir.rglob("*")):
+        rel = f.relative_to(run_dir).as_posix()
+        if f.is_dir() or rel.startswith("private/") or rel == "evaluation.json":
+            continue
+        if rel in WHOLE_FILES:
+            continue
+        if rel == "summary.json":
+            _check_json(f, SUMMARY, out)
+        elif rel == "policy/manifest.json":
+            _check_json(f, POLICY_MANIFEST, out)
+        elif rel == "train_metrics.parquet":
+            _check_columns(f, TRAIN_METRICS_DP, out)
+        elif rel == "eval_metrics.parquet":
+            _check_columns(f, EVAL_METRICS, out)
+        elif rel == "privacy_ledger.parquet":
+            _check_columns(f, LEDGER, out)
+            metadata = pq.read_schema(f).metadata or {}
+            for key, raw in metadata.items():
+                if key == b"raydp.privacy_ledger":
+                    for field in set(field_paths(json.loads(raw))):
+                        if field not in LEDGER_METADATA:
+                            out.append(f"{f}: metadata {field}")
+                elif key.decode() not in LEDGER_METADATA:
+                    out.append(f"{f}: metadata key {key.decode()}")
+        elif rel == "control_trace.parquet":
+            _check_columns(f, {**CONTROL_TRACE, **{c: DP for c in pq.read_schema(f).names if re.match(r"clip_\d+$", c)}},
+                           out)
+        elif rel == "controller_decisions.parquet":
+            _check_columns(f, DECISIONS, out)
+        else:
+            out.append(f"{f}: a file the allowlist does not know")
+    return out
+
+
+def unclassified_study(study_dir: Path, nonprivate_trials=()) -> list[str]:
+    """The same for a study directory: ``results.parquet`` (but its private attack columns),
+    ``study_summary.json`` and every DP trial's run directory (non-private trials are not releasable)."""
+    study_dir = Path(study_dir)
+    out: list[str] = []
+    _check_columns(study_dir / "results.parquet", RESULTS, out, RESULTS_PRIVATE_PREFIXES)
+    _check_json(study_dir / "study_summary.json", STUDY_SUMMARY, out)
+    for trial in sorted((study_dir / "trials").iterdir()):
+        if trial.name not in nonprivate_trials:
+            out.extend(unclassified_run(trial))
+    return out
