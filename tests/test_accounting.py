@@ -257,3 +257,33 @@ def test_planned_steps():
     for bad in (dict(epochs=0, q=0.1), dict(epochs=1, q=0.0), dict(epochs=1, q=2.0), dict(epochs=1)):
         with pytest.raises(ConfigError):
             planned_steps(**bad)
+
+
+def _gaussian_epsilon(sensitivity: float, std: float, delta: float) -> float:
+    """The exact epsilon of one Gaussian mechanism (Balle & Wang 2018, Thm 8): the root in epsilon of
+    Phi(D/(2s) - eps s/D) - e^eps Phi(-D/(2s) - eps s/D) = delta."""
+    def excess(eps):
+        a, b = sensitivity / (2 * std), eps * std / sensitivity
+        return norm.cdf(a - b) - math.exp(eps) * norm.cdf(-a - b) - delta
+    return optimize.brentq(excess, 0.0, 100.0)
+
+
+@pytest.mark.parametrize("sigma", [1.5, 3.0])
+def test_replace_one_epsilon_doubles_the_sensitivity_of_an_unsampled_step(sigma):
+    """Issue 26 (N public): replace-one neighbours move the sum by up to 2C; with q = 1 that is a Gaussian of
+    sensitivity 2, whose exact epsilon the analytic formula gives (an independent computation)."""
+    from raydp.privacy.accounting.pld import replace_one_epsilon
+
+    exact = _gaussian_epsilon(2.0, sigma, 1e-5)
+    got = replace_one_epsilon([(1.0, sigma, 1)], 1e-5)
+    assert exact <= got <= exact * 1.01  # a pessimistic PLD: an upper bound, tight
+    assert got > PLDAccountant().epsilon([(1.0, sigma, 1)], 1e-5)
+
+
+def test_replace_one_epsilon_of_a_subsampled_run_lies_between_add_remove_and_group_privacy():
+    from raydp.privacy.accounting.pld import replace_one_epsilon
+
+    steps, delta = [(0.02, 1.0, 300)], 1e-5
+    add_remove = PLDAccountant().epsilon(steps, delta)
+    got = replace_one_epsilon(steps, delta)
+    assert add_remove < got < 2 * add_remove  # at the same delta; group privacy needs (1 + e^eps) delta too
