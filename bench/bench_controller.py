@@ -102,7 +102,6 @@ def main() -> None:
     print(f"RLDP loop / static-pairwise loop           {loop['rldp'] / loop['static-pairwise']:.3f}")
     print(f"policy start-up (broker + SAC service)     {statistics.median(x['startup'] for x in results['rldp']):.1f} s "
           "(once per policy)")
-    print(f"action round trip in the RLDP run (median) {last['controller']['action_latency_ms_median']:.1f} ms")
     med, p95 = action_round_trip()
     print(f"action round trip, 290 calls               median {med:.2f} ms, p95 {p95:.2f} ms")
 

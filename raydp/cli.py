@@ -328,7 +328,7 @@ def cmd_train(args) -> int:
     controller = summary.get("controller")
     if controller and "decisions" in controller:  # RLDP's controller summary
         print(f"  controller                 {controller['decisions']} decisions, {controller['transitions']} "
-              f"transitions, median action round trip {controller['action_latency_ms_median'] or 0:.1f} ms")
+              "transitions")
         service = summary.get("policy_service") or {}
         if service:
             print(f"  SAC                        {service['train_calls']} train() calls, "

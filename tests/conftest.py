@@ -18,8 +18,8 @@ os.environ.setdefault("RAYDP_OWNER_KEY", str(Path(tempfile.mkdtemp(prefix="raydp
 SLOW = {
     # ~2.5-5 min: two Ray actor runs sharing one policy service is test_study.py::
     # test_rldp_trials_can_share_one_policy; a run killed mid-training is test_study.py::
-    # test_a_killed_trial_resumes_with_exactly_the_planned_ledger; the broker dropping a dead run's open
-    # decision is test_broker.py::test_a_run_that_dies_leaves_only_an_open_decision_dropped_after_its_ttl
+    # test_a_killed_trial_resumes_with_exactly_the_planned_ledger; a dead run's open decision (kept, never
+    # a transition) is test_broker.py::test_a_run_that_dies_leaves_only_an_open_decision
     "tests/test_rldp.py::test_two_runs_share_a_policy_and_one_can_die",
     # ~80 s: Optuna over the SAC grid; the same study runner, trial grid and results table with grid
     # search are test_study.py::test_study_results_table (tiny_study)

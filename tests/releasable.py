@@ -84,7 +84,7 @@ LEDGER_METADATA = {
 
 POLICY_MANIFEST = {
     **{k: PUBLIC for k in (
-        "architecture", "created", "format", "name", "raydp_version", "layout.architecture", "layout.f_adapter",
+        "architecture", "format", "name", "raydp_version", "layout.architecture", "layout.f_adapter",
         "layout.g_global", "layout.n_slots", "layout.version", "sac.actor_lr", "sac.alpha", "sac.b_sac",
         "sac.critic_lr", "sac.gamma", "sac.hidden", "sac.k", "sac.replay_capacity", "sac.seed", "sac.tau",
         "trained_on.action_decoding", "trained_on.epsilon", "trained_on.model", "trained_on.n_adapter_pairs",
@@ -95,6 +95,7 @@ POLICY_MANIFEST = {
     **{k: DP for k in ("transitions", "sac_updates", "trained_on.decisions", "trained_on.steps", "results.epsilon",
                        "provenance[].epsilon", "provenance[].rdp_curve[]")},
     "provenance[].dataset_id": ID,
+    "created": UNPROTECTED,  # a wall-clock time: when the run that saved it ended (timing, labelled in PRIVACY.txt)
 }
 
 RESULTS = {

@@ -116,6 +116,9 @@ def test_rldp_run_is_within_budget_with_its_traces(rldp_run):
     assert list(decisions["step"]) == [8, 12, 16, 20, 24]  # t > T_warm and t mod T_RL == 0
     controller = summary["controller"]
     assert controller["decisions"] == 5 and controller["transitions"] == 4
+    # no timing in releasable files: it depends on the private batch sizes (the decisions do not)
+    assert not {"action_latency_ms_median", "weights_versions_seen"} & set(controller)
+    assert "latency_s" not in decisions.columns
     assert summary["policy_service"]["transitions_trained"] == 4
     assert summary["policy_service"]["module_steps_trained"] == 4 * 2 * 4
     assert json.loads((run / "summary.json").read_text())["policy_service"]["transitions_trained"] == 4
@@ -125,7 +128,7 @@ def test_rldp_run_is_within_budget_with_its_traces(rldp_run):
     assert set(decisions["privacy_mode"]) == {"strict"} and decisions["privacy_label"].isna().all()
     saved = json.loads((root / "policies" / "tiny" / "manifest.json").read_text())
     assert saved["trained_on"]["n_adapter_pairs"] == 2 and saved["architecture"] == "shared"
-    assert saved["provenance"][-1]["dataset_sha256"] == summary["dataset_sha256"]  # E14
+    assert saved["provenance"][-1]["dataset_id"] == summary["dataset_id"]  # E14
     assert saved["provenance"][-1]["privacy_mode"] == "strict"
 
 
@@ -187,6 +190,7 @@ def test_policy_cli_lists_shows_and_exports(rldp_run, tmp_path, capsys):
     import tarfile
 
     from raydp.cli import main
+    from raydp.control.store import POLICY_FORMAT
 
     root, _ = rldp_run
     policies = str(root / "policies")
@@ -194,7 +198,7 @@ def test_policy_cli_lists_shows_and_exports(rldp_run, tmp_path, capsys):
     listing = capsys.readouterr().out
     assert "tiny" in listing and "embedded-tiny (2 pairs, eps 2)" in listing
     assert main(["policy", "show", "tiny", "--policy-dir", policies]) == 0
-    assert json.loads(capsys.readouterr().out)["format"] == "raydp-policy-v1"
+    assert json.loads(capsys.readouterr().out)["format"] == POLICY_FORMAT
     archive = tmp_path / "tiny.tar.gz"
     assert main(["policy", "export", "tiny", "--policy-dir", policies, "--to", str(archive)]) == 0
     with tarfile.open(archive) as tar:

@@ -197,3 +197,25 @@ def test_clip_only_control_keeps_sigma_on_the_plan():
     dials = strategy.dials(1)
     assert dials.sigma is None and dials.clip == pytest.approx((0.3, 1.0))
     assert strategy.decisions[-1]["sigma_next"] == SIGMA_0
+
+
+def test_no_timing_reaches_the_decisions_file_or_the_summary(tmp_path):
+    """Timing depends on the private batch sizes: the client's in-memory latencies and weight versions never
+    reach controller_decisions.parquet or the strategy's summary (both releasable)."""
+    import pandas as pd
+
+    from raydp.strategies.rldp import DECISIONS_FILE
+
+    strategy, client = make_rldp([0.0] * 5, [0.0], t_warm=0, t_rl=1)
+    counts = np.zeros((N_PAIRS, BINS))
+    counts[:, 3] = 10.0
+    for t in range(3):
+        strategy.observe(release(t, counts, 1.0), ledger=None)
+        strategy.between_steps(t + 1)
+    client.weights_seen = [0, 1, 2]
+    summary = strategy.finish(tmp_path)
+    decisions = pd.read_parquet(tmp_path / DECISIONS_FILE)
+    assert len(decisions) == summary["decisions"] == 3 and summary["transitions"] == 2
+    assert not {"latency_s", "weights_seq"} & set(decisions.columns)
+    assert not {"action_latency_ms_median", "weights_versions_seen"} & set(summary)
+    assert not any("latenc" in key or "seconds" in key or "weights_vers" in key for key in summary)

@@ -88,7 +88,9 @@ def test_an_rldp_run_driven_over_rllink(server, tmp_path):
     assert list(decisions["step"]) == [4, 6, 8, 10, 12]  # t > T_warm and t mod T_RL == 0, as via the broker
     controller = summary["controller"]
     assert controller["decisions"] == 5 and controller["transitions"] == 4
-    assert controller["action_latency_ms_median"] > 0 and controller["weights_versions_seen"]
+    # no timing in the run's files: it depends on the private batch sizes (the decisions do not)
+    assert not {"action_latency_ms_median", "weights_versions_seen"} & set(controller)
+    assert "latency_s" not in decisions.columns
     # the server's RLlib algorithm got the run's 4 transitions and trained K x B_SAC on each
     assert server.wait_idle(60)
     counters = server.counters()
@@ -99,7 +101,7 @@ def test_an_rldp_run_driven_over_rllink(server, tmp_path):
     # the run's provenance entry (ERRATA E14) reached the server with its final upload: nothing unattributed
     assert counters["provenance_received"] == 1 and counters["unattributed_transitions"] == 0
     entry = server.runner.provenance[0]
-    assert entry["dataset_sha256"] == summary["dataset_sha256"] and entry["privacy_mode"] == "strict"
+    assert entry["dataset_id"] == summary["dataset_id"] and entry["privacy_mode"] == "strict"
     assert entry["epsilon"] == pytest.approx(summary["privacy"]["epsilon"])
     # the privacy guarantee is the broker path's: same ledger, the Renyi filter (E13), within budget
     privacy = summary["privacy"]
@@ -376,6 +378,11 @@ def test_the_training_loop_trains_once_per_pending_transition_and_survives_an_er
     assert algo.calls == 11 and algo.consumed == 10
     assert loop.counters() == {"train_calls": 10, "transitions_trained": 10, "module_steps_trained": 80,
                                "env_steps_sampled": 10, "errors": ["RuntimeError('learner hiccup')"]}
+    # a decision waits for training on every earlier transition: met at once when trained; a failed train()
+    # may have lost the transition it took, so a wait still short of its count fails instead of hanging
+    loop.wait_trained(10)
+    with pytest.raises(RuntimeError, match="training failed"):
+        loop.wait_trained(11)
     # both transports train through it: neither keeps a loop of its own
     assert not hasattr(rllink.RLlinkPolicyServer, "_loop")
     assert not hasattr(service.PolicyService.__ray_metadata__.modified_class, "_loop")
@@ -384,7 +391,7 @@ def test_the_training_loop_trains_once_per_pending_transition_and_survives_an_er
 # -- a policy server restores, freezes and saves its policy -------------------------------------------
 def provenance(tag: str) -> dict:
     """A run's provenance entry, as ``raydp.runner.run.policy_provenance`` builds it (ERRATA E14)."""
-    return {"dataset_sha256": "ab" * 32, "public_data": False, "privacy_mode": "strict", "privacy_unit": "record",
+    return {"dataset_id": "rdi1:" + "ab" * 16, "public_data": False, "privacy_mode": "strict", "privacy_unit": "record",
             "epsilon": 1.5, "delta": 1e-5, "guarantee": "renyi-filter", "labels": [], "rdp_orders": [2.0, 8.0],
             "rdp_curve": [0.05, 0.4], "entry_id": f"test-{tag}"}
 
@@ -475,7 +482,7 @@ def test_a_policy_server_saves_its_policy_with_the_provenance_of_the_runs_that_t
     first, unknown = manifest["provenance"]
     expected = {k: v for k, v in provenance("run-a").items() if k != "entry_id"}
     assert first["entry_id"] != "test-run-a" and {k: first[k] for k in expected} == expected
-    assert unknown["unattributed_transitions"] == 2 and unknown["dataset_sha256"] is None
+    assert unknown["unattributed_transitions"] == 2 and unknown["dataset_id"] is None
     assert unknown["rdp_curve"] is None and unknown["privacy_mode"] == "strict"
     assert policy_privacy_mode(manifest) == "strict"
     # the replay buffer holds exactly the rewards the runs sent; the module loads with RLlib's own loader
@@ -776,7 +783,7 @@ def test_wire_entries_get_fresh_ids_and_malformed_messages_leave_the_server_serv
         run_b = connect(srv, "run-b")
         drive(run_b, 4, seed=4)
         run_b.end()  # its entry reuses an inherited entry's id: it must not make its 3 transitions vanish
-        reused = {**provenance("x"), "entry_id": inherited[0]["entry_id"], "dataset_sha256": "cd" * 32}
+        reused = {**provenance("x"), "entry_id": inherited[0]["entry_id"], "dataset_id": "rdi1:" + "cd" * 16}
         run_b.save_policy(Path("ignored"), {}, {}, provenance=reused)
         run_b.close()
         run_c = connect(srv, "run-c")
@@ -801,7 +808,7 @@ def test_wire_entries_get_fresh_ids_and_malformed_messages_leave_the_server_serv
     entries = manifest["provenance"]
     assert [e["entry_id"] for e in entries[: len(inherited)]] == [e["entry_id"] for e in inherited]
     (new,) = entries[len(inherited):]
-    assert new["dataset_sha256"] == "cd" * 32 and new["entry_id"] not in {e["entry_id"] for e in inherited}
+    assert new["dataset_id"] == "rdi1:" + "cd" * 16 and new["entry_id"] not in {e["entry_id"] for e in inherited}
     assert manifest["transitions"] == 3 and not new.get("unattributed_transitions")
     assert json.loads((tmp_path / "continued" / "manifest.json").read_text()) == manifest
 
@@ -841,3 +848,30 @@ def test_the_handshake_binds_the_address_so_a_relay_to_another_server_fails(serv
         server_end.close()
         client_end.close()
     assert outcome["ok"] is proves  # the server, too, accepts only a proof for its own address
+
+
+def test_speaking_rllink_leaves_rays_own_serialization_of_numpy_arguments_alone(local_ray):
+    """RLlib's RLlink helpers patch msgpack with msgpack_numpy for the whole process, after which Ray sends a numpy
+    array inside a dict argument as msgpack_numpy's dict (the worker sees a dict). raydp gives the wire functions
+    their own numpy-aware msgpack instead: arrays still cross RLlink, and Ray's arguments stay arrays."""
+    import socket as socket_module
+
+    import ray
+    from ray.rllib.env.external import RLlink, get_rllink_message, send_rllink_message
+
+    import raydp.control.rllink  # noqa: F401  (installs the wire functions' msgpack)
+
+    left, right = socket_module.socketpair()
+    try:
+        send_rllink_message(left, {"type": RLlink.PING.name, "array": np.arange(3.0)})
+        kind, body = get_rllink_message(right)
+    finally:
+        left.close()
+        right.close()
+    assert kind == RLlink.PING and isinstance(body["array"], np.ndarray)
+
+    @ray.remote
+    def kind_of(value):
+        return type(value["a"]).__name__
+
+    assert ray.get(kind_of.remote({"a": np.arange(3.0)})) == "ndarray"

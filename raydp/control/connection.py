@@ -5,7 +5,11 @@ a :class:`raydp.control.service.PolicyClient` on the named broker actor) or ``"r
 (:func:`raydp.control.rllink.rllink_connection`: a :class:`raydp.control.rllink.RLlinkPolicyClient`
 on a policy server). A dict without ``kind`` is a broker's (connections made before the key existed).
 Both clients have the same interface (``layout``, ``decide``, ``end``, ``save_policy``, ``latencies``,
-``weights_seen``, ``service``); the RLlink one also holds a socket, released by ``close()``.
+``weights_seen``, ``service``); the RLlink one also holds a socket, released by ``close()``. Both decide
+deterministically given the run's releases and public seeds: a decision waits until the policy has trained
+on every transition the run reported before it, and explores with the run's own generator, seeded from the
+policy's SAC seed and ``connection["seed"]`` (the run's public config seed, when the launcher passes it;
+else a hash of ``run_id``: :func:`raydp.control.broker.run_seed`).
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ def client_from_connection(connection: dict, run_id: str):
         from raydp.control.service import PolicyClient
 
         broker = ray.get_actor(connection["broker_name"], namespace=connection["namespace"])
-        return PolicyClient(broker, run_id, explore=connection["explore"], service=connection.get("service"))
+        return PolicyClient(broker, run_id, explore=connection["explore"], service=connection.get("service"),
+                            seed=connection.get("seed"))
     if kind == "rllink":
         from raydp.control.rllink import RLlinkPolicyClient
 
         return RLlinkPolicyClient(connection["host"], connection["port"], run_id, secret=connection.get("secret"),
-                                  expect=connection.get("expect"))
+                                  expect=connection.get("expect"), seed=connection.get("seed"))
     raise ValueError(f"unknown policy connection kind {kind!r} (expected one of {', '.join(KINDS)})")

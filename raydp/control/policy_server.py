@@ -5,7 +5,10 @@ layout, :func:`raydp.control.policies.policy_layout_for`, and SAC settings,
 :func:`raydp.control.policies.sac_settings`), listens on ``--host`` (127.0.0.1 unless given; only an IPv4
 loopback host is accepted, ``localhost`` meaning 127.0.0.1: RLlink is plaintext after the handshake, so a
 remote server is reached through an SSH tunnel, e.g. ``ssh -L 5555:127.0.0.1:5555 server``) and trains
-once per transition a run uploads, until interrupted. Runs reach it with ``raydp train --strategy rldp
+once per transition a run uploads, until interrupted. It sends a run the weights (GET_STATE) only once it
+has trained on every transition received, with training randomness from the config's public seed, so a
+run's decisions are deterministic given its releases and public seeds, whatever the server's speed
+(:mod:`raydp.control.rllink`). Runs reach it with ``raydp train --strategy rldp
 --controller rllink://HOST:PORT``. The secret is ``RAYDP_RLLINK_SECRET`` or Ray's auth token
 (:func:`raydp.control.rllink.resolve_secret`); without one it refuses to start.
 

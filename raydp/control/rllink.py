@@ -54,10 +54,22 @@ holds the (single) accept loop for up to the 5 s handshake timeout, delaying the
 Training semantics are the broker path's (:mod:`raydp.control.service`): the algorithm is
 :func:`raydp.control.sac.sac_config` with this server as its EnvRunner, each transition is stored as
 its own 1-step episode and ``algo.train()`` runs once per transition (K updates of B_SAC), by the same
-:class:`raydp.control.training.TrainingLoop` as the broker's service. The client uploads each transition
-with EPISODES right after acting and fetches the weights with GET_STATE before its next decision (never
-EPISODES_AND_GET_STATE, which blocks until learning starts), so a decision sees weights trained on every
-earlier transition, as through the broker.
+:class:`raydp.control.training.TrainingLoop` as the broker's service, with its randomness (SAC loss,
+replay sampling) from the public SAC seed.
+
+Decisions are deterministic given the run's releases and public seeds, as through the broker: the
+actions set the DP clips, so they must be post-processing of DP releases plus public randomness, and how
+far training got at any moment depends on timing, which depends on the private batch sizes. At each
+decision the client closes its previous decision into a transition, uploads it (EPISODES), then fetches
+the weights (GET_STATE), which the server answers only once it has trained on every transition it
+received (:meth:`raydp.control.training.TrainingLoop.wait_trained`: the listener waits; never
+EPISODES_AND_GET_STATE, which Ray's server blocks until a training step). The client then acts locally,
+exploring with its own generator (:func:`raydp.control.broker.exploration_generator`: the policy's SAC seed
+and the run's public seed, else a hash of its run id; the run's global RNG is not touched). So a decision's
+weights are exactly those trained on every transition the run uploaded so far, and its action a function
+of the restored policy, the run's transitions and the public seeds, however slow the learner. A server
+serves one run at a time (below), so no other run's transitions interleave. Timings the client keeps
+(``latencies``, ``timings``) are in-memory diagnostics for benchmarks, never written to a run's files.
 
 The policy (:class:`RLlinkPolicyServer`): a new one, or a saved policy directory restored before the
 server listens (``restore``: module, replay buffer and provenance, :func:`raydp.control.training.
@@ -85,6 +97,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import functools
 import logging
 import os
 import pickle
@@ -94,12 +107,14 @@ import sys
 import threading
 import time
 import uuid
-import zlib
 from collections import deque
 from pathlib import Path
 
+import msgpack
+import msgpack_numpy
 import numpy as np
 import torch
+import ray.rllib.env.external.rllink as _rllib_rllink
 from ray.rllib.core import COMPONENT_RL_MODULE
 from ray.rllib.env.external import RLlink, get_rllink_message, send_rllink_message
 from ray.rllib.env.external.env_runner_server_for_external_inference import EnvRunnerServerForExternalInference
@@ -107,7 +122,7 @@ from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
 from raydp.control.address import LOOPBACK, RLlinkAddress, Secret, loopback_host, loopback_refusal, require_loopback
-from raydp.control.broker import log_sampled
+from raydp.control.broker import exploration_generator, explore_sample, log_sampled, run_seed
 from raydp.control.decoding import DECODINGS
 from raydp.control.features import ObservationLayout
 from raydp.control.policies import check_policy_decoding
@@ -124,6 +139,25 @@ from raydp.control.store import (
 )
 from raydp.control.training import TrainingLoop, restore_policy, transition_episodes, write_policy
 from raydp.errors import ConfigError
+
+
+class _NumpyMsgpack:
+    """msgpack with numpy arrays (msgpack_numpy's encode/decode hooks), without patching msgpack process-wide.
+
+    RLlib's RLlink wire functions get their msgpack from ``try_import_msgpack``, which calls
+    ``msgpack_numpy.patch()``: that replaces ``msgpack.packb``/``unpackb`` for the whole process, and Ray's own
+    task-argument serialization then encodes a numpy array inside a dict as msgpack_numpy's dict, which an
+    unpatched worker decodes as a dict (measured: ``ray.get(f.remote({"a": np.arange(3.)}))`` sees a dict after
+    the patch). Every process that speaks RLlink (a run's actor, the policy server) also makes Ray calls, so the
+    wire functions get this object instead (the module global they use, set before their first call), and
+    msgpack stays unpatched."""
+
+    packb = staticmethod(functools.partial(msgpack.packb, default=msgpack_numpy.encode))
+    unpackb = staticmethod(functools.partial(msgpack.unpackb, object_hook=msgpack_numpy.decode))
+
+
+_rllib_rllink.msgpack = _NumpyMsgpack
+
 
 logger = logging.getLogger("raydp.rllink")
 
@@ -270,6 +304,9 @@ class AuthenticatedRLlinkServer(EnvRunnerServerForExternalInference):
         self.unattributed: dict[str, int] = {}  # declared mode -> transitions of ended connections without an entry
         self._connection_transitions = 0  # the current connection's, not yet attributed
         self._connection_mode: str | None = None  # what the current connection's uploads declared
+        #: called with the number of transitions received before the weights are sent (SET_STATE): returns
+        #: once training has caught up (:class:`RLlinkPolicyServer` sets it to its loop's ``wait_trained``)
+        self.await_training = None
         super().__init__(config=config, **kwargs)
 
     # connection handling ------------------------------------------------------------------------
@@ -473,6 +510,22 @@ class AuthenticatedRLlinkServer(EnvRunnerServerForExternalInference):
         return episodes
 
     # weights: RLlib's sync (training thread) and GET_STATE (listener thread) never interleave ----------
+    def _send_set_state_message(self):
+        """The weights, once training has caught up with every transition received (module docstring): the
+        listener waits (the client is waiting for the answer anyway). If training failed or the server
+        stops, the client's connection is dropped (ConnectionError: Ray's listener recycles the socket): its
+        run cannot get the weights its decision must see."""
+        await_training = self.await_training
+        if await_training is not None:
+            with self._pending_lock:
+                received = self.transitions_received
+            try:
+                await_training(received)
+            except Exception as exc:  # noqa: BLE001 - the run fails; the listener keeps serving
+                logger.error("RLlink client dropped: %s", str(exc).splitlines()[0][:200] if str(exc) else exc)
+                raise ConnectionError(f"no weights trained on every received transition ({exc})") from None
+        super()._send_set_state_message()
+
     def get_state(self, components=None, *, not_components=None, **kwargs):
         with self._state_lock:
             return super().get_state(components, not_components=not_components, **kwargs)
@@ -495,10 +548,11 @@ class RLlinkPolicyServer:
     policy_privacy_mode`, :func:`~raydp.control.store.policy_action_decoding`), and a policy whose mode or
     decoding differs from ``trained_on``'s is refused (one-line ConfigError, before anything is built).
     ``frozen``: serve the restored weights without training them. :meth:`stop` can save the policy (see
-    the module docstring)."""
+    the module docstring). ``train_delay_s``: a test hook, the learner sleeps this long before every
+    ``train()`` (the weights a client gets are the same, later)."""
 
     def __init__(self, layout: ObservationLayout, settings: SACSettings, host: str = LOOPBACK, port: int = 5555,
-                 *, trained_on: dict, restore: Path | None = None, frozen: bool = False):
+                 *, trained_on: dict, restore: Path | None = None, frozen: bool = False, train_delay_s: float = 0.0):
         resolve_secret()  # the one-line refusals before anything is built
         host = require_loopback(host, "listen on")  # the IPv4 literal: localhost is never resolved
         if frozen and restore is None:
@@ -524,7 +578,9 @@ class RLlinkPolicyServer:
         except BaseException:
             self._stop_algo()
             raise
-        self.training = TrainingLoop(self.algo, self.runner.num_pending, name="rllink-sac-train")
+        self.training = TrainingLoop(self.algo, self.runner.num_pending, name="rllink-sac-train",
+                                     seed=settings.seed, train_delay_s=train_delay_s)
+        self.runner.await_training = self.training.wait_trained  # GET_STATE answers with trained weights only
 
     @property
     def url(self) -> str:
@@ -631,10 +687,14 @@ class RLlinkPolicyClient:
     greedily and upload nothing.
 
     ``decide(obs, reward)``: ``reward`` is the reward of the previous action (None at the first decision),
-    as through the broker. It closes the open (obs, action) into a transition, refreshes the weights
-    (GET_STATE, every ``weights_every`` decisions), acts locally (a Gaussian sample from its own torch
-    generator: the run's global RNG is not touched) and uploads pending transitions (EPISODES, every
-    ``upload_every``). ``latencies`` time the whole call. ``end()`` leaves the decision loop (final upload,
+    as through the broker. It closes the open (obs, action) into a transition, uploads pending transitions
+    (EPISODES, every ``upload_every``), refreshes the weights (GET_STATE, every ``weights_every`` decisions;
+    the server answers once it has trained on every transition it received) and acts locally (a Gaussian
+    sample from its own torch generator, :func:`raydp.control.broker.exploration_generator` of the server's
+    SAC seed and ``seed``, the run's public seed, else a hash of ``run_id``: the run's global RNG is not
+    touched). With the defaults (1 and 1) a decision acts with the weights trained on every transition
+    before it, as through the broker. ``latencies`` time the whole call, ``timings`` its parts (in-memory
+    diagnostics for benchmarks: never written to a run's files). ``end()`` leaves the decision loop (final upload,
     answered PING); the socket stays open until ``close()`` so that ``save_policy`` can still send the run's
     provenance entry. ``save_policy`` returns None: the policy server owns and saves the policy; it records
     the run's entry (ERRATA E14), sent with the final upload (now, if the run has ended). ``service`` is the
@@ -674,15 +734,15 @@ class RLlinkPolicyClient:
             self.service = None if self.frozen else url
             self.layout = ObservationLayout(**env_config["layout"])
             self.server_settings = dict(env_config.get("sac") or {})
-            self.module = self.config.get_rl_module_spec(inference_only=True).build()
+            with torch.random.fork_rng(devices=[]):  # building draws initial weights: not from the run's RNG
+                self.module = self.config.get_rl_module_spec(inference_only=True).build()
             self.module.eval()
             self.weights_seq = -1
             self._refresh_weights()
         except BaseException:
             self.sock.close()
             raise
-        self.generator = torch.Generator().manual_seed(
-            int(seed) if seed is not None else zlib.crc32(run_id.encode()))
+        self.generator = exploration_generator(int(self.server_settings.get("seed", 0)), run_seed(run_id, seed))
         self.latencies: list[float] = []
         self.weights_seen: list[int] = []
         self.timings: dict[str, list[float]] = {"weights": [], "act": [], "upload": []}
@@ -730,17 +790,13 @@ class RLlinkPolicyClient:
         self.weights_seq = int(state.get(WEIGHTS_SEQ_NO, 0))
 
     def _act(self, obs: np.ndarray) -> np.ndarray:
-        from raydp.control.modules import MaskedGaussian, greedy_action
+        from raydp.control.modules import greedy_action
 
         with torch.no_grad():
             logits = self.module.forward_inference({self._columns.OBS: torch.as_tensor(obs[None])})[
                 self._columns.ACTION_DIST_INPUTS]
-            if self.explore:  # the broker's MaskedGaussian sample, drawn from this client's generator
-                dist = MaskedGaussian.from_logits(logits)
-                noise = torch.randn(dist.loc.shape, generator=self.generator, dtype=dist.loc.dtype)
-                action = dist.loc + dist._dist.scale * noise
-            else:
-                action = greedy_action(logits)
+            # the broker's sample, drawn from this client's generator
+            action = explore_sample(logits, self.generator) if self.explore else greedy_action(logits)
         return action[0].numpy().astype(np.float32)
 
     def _chunk(self) -> SingleAgentEpisode:
@@ -771,19 +827,19 @@ class RLlinkPolicyClient:
             self._upload()
             self._episode_id, self._t = uuid.uuid4().hex, 0
         t0 = time.perf_counter()
-        if self._decisions > 0 and self._decisions % self.weights_every == 0 and not self.frozen:
-            self._refresh_weights()  # trained on every transition uploaded so far (if training kept up)
-        t1 = time.perf_counter()
-        action = self._act(obs)
-        t2 = time.perf_counter()
-        self._open = (obs, action)
         if len(self._pending) >= self.upload_every:
-            self._upload()
+            self._upload()  # before GET_STATE: the weights below are trained on this transition too
+        t1 = time.perf_counter()
+        if self._decisions > 0 and self._decisions % self.weights_every == 0 and not self.frozen:
+            self._refresh_weights()  # the server answers once trained on every transition uploaded so far
+        t2 = time.perf_counter()
+        action = self._act(obs)
         t3 = time.perf_counter()
+        self._open = (obs, action)
         self._decisions += 1
-        self.timings["weights"].append(t1 - t0)
-        self.timings["act"].append(t2 - t1)
-        self.timings["upload"].append(t3 - t2)
+        self.timings["upload"].append(t1 - t0)
+        self.timings["weights"].append(t2 - t1)
+        self.timings["act"].append(t3 - t2)
         self.latencies.append(t3 - started)
         self.weights_seen.append(self.weights_seq)
         return action
@@ -925,14 +981,18 @@ def served_policy(manifest: dict, expect: dict, name: str) -> dict:
     return {"privacy_mode": mode, "action_decoding": policy_action_decoding(manifest)}
 
 
-def rllink_connection(address: RLlinkAddress, secret: bytes, expect: dict) -> dict:
+def rllink_connection(address: RLlinkAddress, secret: bytes, expect: dict, seed: int | None = None) -> dict:
     """What a run actor needs to reach the policy server (the secret travels inside Ray, which already
     runs arbitrary code in that actor; it prints as ``Secret(<hidden>)``); ``expect``: the run's privacy
     mode and clip decoding, which its client checks against the served policy (:func:`check_served_policy`)
-    and declares with every upload. :func:`raydp.control.connection.client_from_connection` builds the
+    and declares with every upload; ``seed``: the run's public exploration seed (its config's ``seed``;
+    None: the client hashes its run id). :func:`raydp.control.connection.client_from_connection` builds the
     client."""
     host = require_loopback(address.host, "connect to")
     declared = run_declaration(expect)
     if declared is None:
         raise ConfigError("a run's RLlink connection declares its privacy_mode and action_decoding (expect)")
-    return {"kind": "rllink", "host": host, "port": address.port, "secret": Secret(secret), "expect": declared}
+    out = {"kind": "rllink", "host": host, "port": address.port, "secret": Secret(secret), "expect": declared}
+    if seed is not None:
+        out["seed"] = int(seed)
+    return out

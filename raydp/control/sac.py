@@ -7,6 +7,13 @@ reporting thresholds are 0 so ``train()`` runs one training step. The policy ser
 once per transition a run reports (the broker runner hands out one transition per ``sample()``).
 Replay is a uniform FIFO (``EpisodeReplayBuffer``) of 1-step episodes; temperature alpha is fixed
 (``alpha_lr=0``); targets are Polyak-averaged after every update (tau).
+
+Seeds: ``SACSettings.seed`` is the run's public config seed. ``debugging(seed=...)`` makes RLlib seed the
+process's global generators when it builds the algorithm (the networks' initial weights); the randomness of
+training after that (the SAC loss's action samples, the replay buffer's sampler, which RLlib 2.60 creates
+from OS entropy) is seeded from the same value by :class:`raydp.control.training.TrainingLoop`, and each
+run's exploration by :func:`raydp.control.broker.exploration_generator`: the policy's decisions are
+deterministic given the runs' releases and these public seeds.
 """
 
 from __future__ import annotations

@@ -3,10 +3,26 @@
 :class:`PolicyService` is a Ray actor that owns the algorithm; a background thread
 (:class:`raydp.control.training.TrainingLoop`, shared with the RLlink policy server) calls
 ``algo.train()`` once for every transition the runs report through the broker (K updates of B_SAC
-each, :mod:`raydp.control.sac`) and RLlib's weight sync pushes the new weights to the broker. It never
-waits on a run: with no transition pending it sleeps. :class:`PolicySession` is the driver-side handle:
-it starts the broker (and, unless the policy is frozen, the service), hands out :class:`PolicyClient`\\ s
-to runs, saves the policy and shuts everything down.
+each, :mod:`raydp.control.sac`) and RLlib's weight sync pushes the new weights to the broker inside each
+``train()``. :class:`PolicySession` is the driver-side handle: it starts the broker (and, unless the policy
+is frozen, the service), hands out :class:`PolicyClient`\\ s to runs, saves the policy and shuts everything
+down.
+
+Decisions are synchronous: deterministic given the run's releases and public seeds (the actions set the DP
+clips, so they must be post-processing of DP releases plus public randomness; training speed follows the
+step times, which depend on the private batch sizes). A :class:`PolicyClient` decision is three calls:
+the broker closes the run's previous decision into a transition and says how many it has queued
+(:meth:`raydp.control.broker.Broker.report`), the service waits until its training loop has trained on
+that many (:meth:`PolicyService.wait_trained`; the weights reached the broker inside ``train()``), and the
+broker acts with those weights and the run's own public-seeded generator
+(:meth:`~raydp.control.broker.Broker.act`). No actor waits on another while holding the broker (its actor
+runs one call at a time and the learner's EnvRunner calls it from inside ``train()``): the wait is the
+service's, on a thread of its own. The learner's randomness (SAC loss, replay sampling) comes from the
+public SAC seed (:mod:`raydp.control.training`), so with one run per policy a decision is a function of the
+restored policy, the run's transitions so far and the public seeds, however slow the learner is. A policy
+shared by concurrent runs trains on their transitions in arrival order, which timing decides: a study
+shares one on public data only (:mod:`raydp.study.config`). A frozen policy has no learner: the broker acts
+greedily in one call.
 
 Provenance (ERRATA E14): the service keeps the list of runs that trained its policy: the restored
 policy's list (inherited), plus one entry for each run that saves the policy with
@@ -33,12 +49,14 @@ from raydp.control.store import MODULE_DIR, append_provenance, load_manifest, po
 from raydp.control.training import TrainingLoop, restore_policy, write_policy
 
 
-@ray.remote(num_cpus=0, max_concurrency=4)
+@ray.remote(num_cpus=0, max_concurrency=16)
 class PolicyService:
-    """Owns the SAC Algorithm; trains while transitions are pending (see the module docstring)."""
+    """Owns the SAC Algorithm; trains while transitions are pending (see the module docstring). Its calls run
+    on up to 16 threads: decisions waiting in :meth:`wait_trained` do not hold up the others.
+    ``train_delay_s``: a test hook, a sleep before every ``train()`` (a slow learner)."""
 
     def __init__(self, layout: dict, settings: dict, broker_name: str, namespace: str,
-                 restore: str | None = None):
+                 restore: str | None = None, train_delay_s: float = 0.0):
         torch.set_num_threads(1)
         self.layout = ObservationLayout(**layout)
         self.settings = SACSettings(**settings)
@@ -48,7 +66,8 @@ class PolicyService:
         # runs that trained this policy (ERRATA E14), inherited first; restoring also syncs the broker
         self.provenance: list[dict] = restore_policy(self.algo, Path(restore)) if restore else []
         self.training = TrainingLoop(self.algo, lambda: ray.get(self.broker.num_pending.remote()),
-                                     name="broker-sac-train").start()
+                                     name="broker-sac-train", seed=self.settings.seed,
+                                     train_delay_s=train_delay_s).start()
 
     def counters(self) -> dict:
         learner = self.algo.learner_group._learner
@@ -59,6 +78,13 @@ class PolicyService:
     def wait_idle(self, timeout_s: float = 120.0) -> bool:
         """Wait until every reported transition has been trained on."""
         return self.training.wait_idle(timeout_s)
+
+    def wait_trained(self, n: int) -> int:
+        """Return once the policy has trained on the first ``n`` transitions the broker queued (the broker
+        then holds the weights trained on them); however long that takes. RuntimeError if training failed
+        (:meth:`raydp.control.training.TrainingLoop.wait_trained`). Returns the count trained."""
+        self.training.wait_trained(int(n))
+        return self.training.transitions_trained
 
     def save(self, path: str, trained_on: dict, results: dict, name: str | None = None,
              provenance: dict | None = None) -> dict:
@@ -84,17 +110,30 @@ class PolicyService:
 
 
 class PolicyClient:
-    """A run's connection to the broker: one round trip per decision (``decide``), ``end`` to leave."""
+    """A run's connection to the broker (``decide``; ``end`` to leave).
 
-    def __init__(self, broker, run_id: str, explore: bool, service=None):
+    ``decide`` waits for the learner (see the module docstring): the broker closes the previous decision into
+    a transition (``report``), the service trains on every transition queued so far (``wait_trained``), and
+    the broker acts with those weights and this run's own generator (``act``); without a service (a frozen
+    policy) the broker acts in one call. ``seed``: the run's public exploration seed (its config's ``seed``;
+    None: a hash of ``run_id``, :func:`raydp.control.broker.run_seed`). ``latencies`` and ``weights_seen``
+    are in-memory diagnostics for benchmarks: timing depends on the private batch sizes, so a run never
+    writes them to its files."""
+
+    def __init__(self, broker, run_id: str, explore: bool, service=None, seed: int | None = None):
         self.broker, self.run_id, self.explore, self.service = broker, run_id, explore, service
-        self.layout = ObservationLayout(**ray.get(broker.register.remote(run_id, explore)))
+        self.layout = ObservationLayout(**ray.get(broker.register.remote(run_id, explore, seed)))
         self.latencies: list[float] = []
         self.weights_seen: list[int] = []
 
     def decide(self, obs: np.ndarray, reward: float | None) -> np.ndarray:
         started = time.perf_counter()
-        action, seq = ray.get(self.broker.decide.remote(self.run_id, obs, reward))
+        if self.service is None:  # frozen: nothing trains, nothing to wait for
+            action, seq = ray.get(self.broker.decide.remote(self.run_id, obs, reward))
+        else:
+            queued = ray.get(self.broker.report.remote(self.run_id, obs, reward))
+            ray.get(self.service.wait_trained.remote(queued))
+            action, seq = ray.get(self.broker.act.remote(self.run_id, obs))
         self.latencies.append(time.perf_counter() - started)
         self.weights_seen.append(seq)
         return np.asarray(action)
@@ -124,11 +163,13 @@ class PolicySession:
     """Driver-side: broker (+ service unless frozen) for one policy; runs connect with :meth:`client`.
 
     ``restore``: a saved policy directory (its layout wins); ``frozen``: act greedily with its weights,
-    no training.
+    no training. ``train_delay_s``: a test hook, the learner sleeps this long before every ``train()``
+    (decisions wait for it: they come later, never different).
     """
 
     def __init__(self, layout: ObservationLayout, settings: SACSettings, *, restore: Path | None = None,
-                 frozen: bool = False, namespace: str = "raydp", name: str | None = None):
+                 frozen: bool = False, namespace: str = "raydp", name: str | None = None,
+                 train_delay_s: float = 0.0):
         if frozen and restore is None:
             raise ValueError("a frozen policy needs a saved policy to restore")
         if restore is not None:
@@ -142,17 +183,22 @@ class PolicySession:
         self.service = None
         if not frozen:
             self.service = PolicyService.remote(layout.as_dict(), settings.as_dict(), self.name, namespace,
-                                                str(restore) if restore else None)
+                                                str(restore) if restore else None, train_delay_s)
             ray.get(self.service.counters.remote())
 
-    def client(self, run_id: str) -> PolicyClient:
-        return PolicyClient(self.broker, run_id, explore=not self.frozen, service=self.service)
+    def client(self, run_id: str, seed: int | None = None) -> PolicyClient:
+        """Run ``run_id``'s client; ``seed``: its public exploration seed (None: a hash of ``run_id``)."""
+        return PolicyClient(self.broker, run_id, explore=not self.frozen, service=self.service, seed=seed)
 
-    def connection(self) -> dict:
+    def connection(self, seed: int | None = None) -> dict:
         """What a run actor needs to build its client (picklable; :func:`raydp.control.connection.
-        client_from_connection` builds it)."""
-        return {"kind": "broker", "broker_name": self.name, "namespace": self.namespace,
-                "explore": not self.frozen, "service": self.service}
+        client_from_connection` builds it); ``seed``: the run's public exploration seed (its config's
+        ``seed``; None: the client hashes its run id)."""
+        out = {"kind": "broker", "broker_name": self.name, "namespace": self.namespace,
+               "explore": not self.frozen, "service": self.service}
+        if seed is not None:
+            out["seed"] = int(seed)
+        return out
 
     def counters(self) -> dict:
         return ray.get(self.service.counters.remote()) if self.service is not None else {}

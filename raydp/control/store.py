@@ -270,7 +270,7 @@ def write_manifest(path: Path, *, layout: ObservationLayout, sac: dict, trained_
         "transitions": transitions,
         "sac_updates": updates,
         "provenance": [provenance_entry(e) for e in (provenance or [])],
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),  # timing: unprotected, like a run's wall_seconds
         "raydp_version": __version__,
     }
     (path / MANIFEST).write_text(json.dumps(manifest, indent=2))

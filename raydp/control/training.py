@@ -6,10 +6,25 @@ a background thread (:class:`TrainingLoop`), and a policy restored from or writt
 :class:`raydp.control.rllink.RLlinkPolicyServer` (transitions from RLlink clients) both use them; they
 differ only in how pending transitions are counted (the ``pending`` callable) and where the algorithm's
 EnvRunner takes them from in ``sample()``.
+
+Determinism (a privacy requirement): a run's clip radii must be post-processing of its DP releases and of
+public randomness only. How fast the learner trains depends on the machine and on the runs' step times,
+which grow with their private (Poisson) batch sizes; so no decision may depend on how far training got.
+Both transports therefore make a decision wait until the learner has trained on every transition reported
+before it (:meth:`TrainingLoop.wait_trained`), and the training is itself a function of the sequence of
+transitions and the public SAC seed: the loop keeps its own global-RNG state (torch, numpy, random: what
+RLlib's SAC loss draws its reparameterized actions from), seeded from the SAC seed and swapped in around
+every ``train()``, and the replay buffer's sampler (RLlib 2.60's ``EpisodeReplayBuffer`` draws from
+``np.random.default_rng(seed=None)``, i.e. OS entropy, unless reseeded) is seeded from it too
+(:func:`seed_replay`). One ``train()`` per transition, in the order the transitions arrived, with the
+weights synced to the acting side inside ``train()`` (RLlib's ``sync_weights`` at the end of SAC's
+``training_step``), so when ``wait_trained(n)`` returns the acting side holds the weights trained on the
+first ``n`` transitions, whatever the learner's speed.
 """
 
 from __future__ import annotations
 
+import random
 import shutil
 import threading
 import time
@@ -32,6 +47,48 @@ from raydp.control.store import (
 LEARNER_MODULE = "learner_group/learner/rl_module/default_policy"
 POLL_MIN_S, POLL_MAX_S = 0.02, 0.5
 ERROR_PAUSE_S = 0.5
+#: SeedSequence streams derived from the public SAC seed (the exploration stream is the acting side's,
+#: :func:`raydp.control.broker.exploration_generator`)
+TRAINING_STREAM, REPLAY_STREAM = 1, 2
+
+
+def _seed_sequence(*values: int) -> np.random.SeedSequence:
+    return np.random.SeedSequence([int(v) & 0xFFFFFFFFFFFFFFFF for v in values])
+
+
+def training_rng_state(seed: int) -> tuple:
+    """The global-RNG state (torch CPU, numpy, random) the learner's ``train()`` calls run under, from the
+    public SAC seed: RLlib's SAC loss samples its actions from torch's global generator."""
+    import torch
+
+    torch_seed, np_seed, py_seed = (int(x) for x in _seed_sequence(TRAINING_STREAM, seed).generate_state(3))
+    return (torch.Generator().manual_seed(torch_seed).get_state(), np.random.RandomState(np_seed).get_state(),
+            random.Random(py_seed).getstate())
+
+
+def _global_rng_state() -> tuple:
+    import torch
+
+    return torch.get_rng_state(), np.random.get_state(), random.getstate()
+
+
+def _set_global_rng_state(state: tuple) -> None:
+    import torch
+
+    torch.set_rng_state(state[0])
+    np.random.set_state(state[1])
+    random.setstate(state[2])
+
+
+def seed_replay(algo, seed: int) -> None:
+    """Seed the replay buffer's sampler from the public SAC seed: RLlib 2.60's ``EpisodeReplayBuffer`` samples
+    with ``self.rng``, created as ``np.random.default_rng(seed=None)`` (OS entropy) whatever
+    ``config.debugging(seed=...)`` says."""
+    buffer = algo.local_replay_buffer
+    if not hasattr(buffer, "rng"):
+        raise TypeError(f"{type(buffer).__name__} has no rng to seed: the policy's training would not be "
+                        "deterministic")
+    buffer.rng = np.random.default_rng(_seed_sequence(REPLAY_STREAM, seed))
 
 
 class TrainingLoop:
@@ -39,19 +96,37 @@ class TrainingLoop:
     thread, and counts what it trained.
 
     Each ``train()`` samples one transition from the algorithm's EnvRunner and makes K updates of B_SAC
-    (:mod:`raydp.control.sac`). Idle polling backs off from 20 ms to 0.5 s: decisions are T_RL steps
-    (seconds) apart, and a tight poll would take CPU from the runs on a small machine. An exception (from
-    ``pending()`` or ``train()``) is recorded in ``errors`` and the loop keeps serving after a pause.
-    ``lock`` is held around every ``train()``: hold it to read or write the algorithm between them."""
+    (:mod:`raydp.control.sac`). Idle polling backs off from 20 ms to 0.5 s (decisions are T_RL steps, seconds,
+    apart, and a tight poll would take CPU from the runs on a small machine); :meth:`wait_trained` wakes it at
+    once. An exception (from ``pending()`` or ``train()``) is recorded in ``errors`` and the loop keeps
+    serving after a pause; a failed ``train()`` also fails every :meth:`wait_trained` still short of its
+    count (the transition it took may be lost: waiting for it would never end, and acting without it would
+    not be deterministic). ``lock`` is held around every ``train()``: hold it to read or write the algorithm
+    between them.
+
+    ``seed`` (the public SAC seed; None leaves the RNGs alone, for an algorithm without a replay buffer): the
+    loop's own global-RNG state, swapped in around every ``train()``, and the replay buffer's sampler are
+    seeded from it (module docstring: training is a function of the transitions and the seed).
+    ``train_delay_s``: a test hook, a sleep before every ``train()`` (a slow learner): it changes when
+    decisions are answered, never what they are."""
 
     def __init__(self, algo, pending: Callable[[], int], name: str = "sac-train",
-                 poll_s: tuple[float, float] = (POLL_MIN_S, POLL_MAX_S), error_pause_s: float = ERROR_PAUSE_S):
+                 poll_s: tuple[float, float] = (POLL_MIN_S, POLL_MAX_S), error_pause_s: float = ERROR_PAUSE_S,
+                 *, seed: int | None = None, train_delay_s: float = 0.0):
         self.algo, self.pending, self.name = algo, pending, name
         self.poll_min_s, self.poll_max_s = poll_s
         self.error_pause_s = error_pause_s
+        self.train_delay_s = float(train_delay_s)
         self.lock = threading.Lock()
         self.train_calls = self.transitions_trained = self.module_steps_trained = self.env_steps_sampled = 0
         self.errors: list[str] = []
+        self.failed: str | None = None  # the first failed train(): fails the waits it left short
+        self._rng = None
+        if seed is not None:
+            seed_replay(algo, seed)
+            self._rng = training_rng_state(seed)
+        self._trained = threading.Condition()
+        self._wake = threading.Event()
         self._stop = threading.Event()
         self._busy = False
         self.thread: threading.Thread | None = None
@@ -65,15 +140,23 @@ class TrainingLoop:
         idle = self.poll_min_s
         while not self._stop.is_set():
             try:
+                self._wake.clear()  # cleared before pending() is read: a wake-up after it is never lost
                 if self.pending() == 0:
-                    self._stop.wait(idle)
+                    self._wake.wait(idle)
                     idle = min(2 * idle, self.poll_max_s)
                     continue
                 idle = self.poll_min_s
+                if self.train_delay_s:
+                    time.sleep(self.train_delay_s)
                 with self.lock:
                     self._busy = True
                     try:
                         self._train_once()
+                    except Exception as exc:
+                        with self._trained:
+                            self.failed = self.failed or repr(exc)
+                            self._trained.notify_all()
+                        raise
                     finally:
                         self._busy = False
             except Exception as exc:  # keep serving; counters() reports it
@@ -83,18 +166,49 @@ class TrainingLoop:
     def _train_once(self) -> None:
         from ray.rllib.utils.metrics import ENV_RUNNER_RESULTS, NUM_ENV_STEPS_SAMPLED_LIFETIME
 
-        result = self.algo.train()
+        if self._rng is None:
+            result = self.algo.train()
+        else:  # the loop's own RNG stream: whatever else in this process draws from the global generators
+            outer = _global_rng_state()
+            _set_global_rng_state(self._rng)
+            try:
+                result = self.algo.train()
+            finally:
+                self._rng = _global_rng_state()
+                _set_global_rng_state(outer)
         self.train_calls += 1
-        self.transitions_trained += 1
         self.module_steps_trained += module_steps(result)
         lifetime = result.get(ENV_RUNNER_RESULTS, {}).get(NUM_ENV_STEPS_SAMPLED_LIFETIME)
         if lifetime is not None:  # RLlib's own count of the env steps its runner sampled
             self.env_steps_sampled = int(getattr(lifetime, "peek", lambda: lifetime)())
+        with self._trained:
+            self.transitions_trained += 1
+            self._trained.notify_all()
 
     def counters(self) -> dict:
         return {"train_calls": self.train_calls, "transitions_trained": self.transitions_trained,
                 "module_steps_trained": self.module_steps_trained, "env_steps_sampled": self.env_steps_sampled,
                 "errors": list(self.errors)}
+
+    def wait_trained(self, n: int, timeout_s: float | None = None) -> None:
+        """Return once ``train()`` has run on the first ``n`` transitions (so the acting side holds the weights
+        trained on them: RLlib syncs them inside ``train()``). It waits however long training takes (a decision
+        never acts on older weights); RuntimeError if a ``train()`` failed or the loop stopped before, or
+        TimeoutError after ``timeout_s`` (None: no limit)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._trained:
+            while self.transitions_trained < n:
+                if self.failed is not None:
+                    raise RuntimeError(f"the policy's training failed ({self.failed[:200]}): the decision cannot "
+                                       "wait for weights trained on every earlier transition")
+                if self._stop.is_set():
+                    raise RuntimeError("the policy's training stopped before it trained on every earlier transition")
+                self._wake.set()
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"the policy trained on {self.transitions_trained} of {n} transitions in "
+                                       f"{timeout_s} s")
+                self._trained.wait(0.5 if remaining is None else min(remaining, 0.5))
 
     def wait_idle(self, timeout_s: float = 60.0) -> bool:
         """Wait until every pending transition has been trained on (False on timeout)."""
@@ -107,8 +221,11 @@ class TrainingLoop:
 
     def stop(self, timeout_s: float = 60.0) -> None:
         self._stop.set()
+        self._wake.set()
         if self.thread is not None:
             self.thread.join(timeout=timeout_s)
+        with self._trained:
+            self._trained.notify_all()
 
 
 def module_steps(result: dict) -> int:

@@ -1,5 +1,7 @@
 """A fine-tuning run as a Ray actor: it owns its training loop and reaches the policy through the broker or,
-over RLlink, a policy server (the client comes from :func:`raydp.control.connection.client_from_connection`)."""
+over RLlink, a policy server (the client comes from :func:`raydp.control.connection.client_from_connection`;
+either client decides deterministically given the run's releases and public seeds: it waits for the policy
+to have trained on the run's earlier transitions and explores from the connection's public ``seed``)."""
 
 from __future__ import annotations
 

@@ -7,6 +7,11 @@ rllink://HOST:PORT`` (an IPv4 loopback host: a remote server is reached through 
 running policy server (:mod:`raydp.control.policy_server`) and the same run actor reaches it over RLlink
 (:mod:`raydp.control.rllink`): nothing is started on the policy's side, and the run's provenance entry goes
 to the server, which saves the policy if it was started with ``--save``.
+
+Either way the run's client explores from the run's public ``seed`` (with the policy's SAC seed) and
+waits, at every decision, for the policy to have trained on all of the run's earlier transitions: its
+decisions are deterministic given its releases and public seeds (:mod:`raydp.control.broker`), never
+dependent on timing, which depends on the private batch sizes.
 """
 
 from __future__ import annotations
@@ -24,7 +29,13 @@ RAY_NAMESPACE = "raydp"
 
 
 def ensure_ray(num_cpus: int | None = None) -> None:
-    """Join the Ray cluster in RAY_ADDRESS (e.g. under ``ray job submit``) or start a local one."""
+    """Join the Ray cluster in RAY_ADDRESS (e.g. under ``ray job submit``) or start a local one.
+
+    Ray's own processes (GCS, raylets, workers) listen on every interface of the host, whatever the node address.
+    What protects them is Ray's token authentication, on by default for a local cluster since Ray 2.60 (the
+    pinned minimum; ``RAY_AUTH_MODE=disabled`` turns it off: don't): a process without the token (kept in
+    ``~/.ray/auth_token``) can neither connect nor submit work (tests/test_ray_auth.py). A remote cluster must
+    enable it on every node (README, "Ray's ports")."""
     import ray
 
     if ray.is_initialized():
@@ -81,7 +92,7 @@ def train(config: TrainConfig, output: str | Path, overwrite: bool = False, prog
     ensure_ray()
     session = start_policy(config)
     try:
-        summary = _run_actor(config, output, overwrite, session.connection(), progress)
+        summary = _run_actor(config, output, overwrite, session.connection(seed=config.seed), progress)
         summary["policy_service"] = session.counters()
         if named is not None:
             copy_policy(Path(output) / "policy", named, overwrite=overwrite_policy)
@@ -122,7 +133,8 @@ def _train_over_rllink(config: TrainConfig, output: str | Path, overwrite: bool 
     expect = {"privacy_mode": config.rldp.privacy_mode, "action_decoding": config.rldp.action_decoding}
     check_policy_server(address, secret, expect)  # a one-line error now rather than a failed run actor later
     ensure_ray()
-    summary = _run_actor(config, output, overwrite, rllink_connection(address, secret, expect), progress)
+    summary = _run_actor(config, output, overwrite, rllink_connection(address, secret, expect, seed=config.seed),
+                         progress)
     summary["controller_transport"] = {"kind": "rllink", "address": address.url}
     _rewrite_json(Path(output) / "summary.json", summary)
     return summary

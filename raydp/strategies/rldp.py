@@ -22,6 +22,15 @@ strict mode: every step releases a noisy per-pair histogram of log per-sample no
 clipped per-sequence losses, charged with the gradient (:mod:`raydp.privacy.statistics`); the state is
 post-processing of their sums over the interval. paper mode: the exact statistics of the last
 micro-batch (labelled; the epsilon does not cover them).
+
+The actions are post-processing of the DP releases plus public randomness only: the policy's decisions
+are deterministic given the run's releases and public seeds (the restored policy, the SAC seed and the
+run's seed). Both transports make a decision wait until the policy has trained on every transition the run
+reported before it, and explore with the run's own public-seeded generator
+(:mod:`raydp.control.broker`, :mod:`raydp.control.rllink`): how fast the learner trains depends on timing,
+and timing depends on the private batch sizes, so no action may depend on it. For the same reason no timing
+reaches the run's files: ``controller_decisions.parquet`` and the summary hold no round-trip latency and no
+weight version (the clients keep those in memory, for benchmarks).
 """
 
 from __future__ import annotations
@@ -221,7 +230,6 @@ class RLDPStrategy(Strategy):
                                "action": [float(a) for a in action], "sigma_next": float(self.sigma),
                                "sigma_proposed": decoded.sigma_proposed, "step_size": decoded.step_size,
                                "clip_next": list(decoded.clip),
-                               "latency_s": self.client.latencies[-1] if self.client.latencies else None,
                                "privacy_mode": self.privacy_mode,
                                "privacy_label": PAPER_MODE_LABEL if self.privacy_mode == "paper" else None})
         self._interval = _Interval(ctx.n_pairs, self.settings.histogram_bins)
@@ -259,14 +267,11 @@ class RLDPStrategy(Strategy):
         pq.write_table(pa.table(trace), output_dir / TRACE_FILE)
         if self.decisions:
             pq.write_table(pa.Table.from_pylist(self.decisions), output_dir / DECISIONS_FILE)
-        latencies = self.client.latencies if self.client is not None else []
         rewards = [d["reward"] for d in self.decisions if d["reward"] is not None]
-        return {
+        return {  # no timing (latencies, weight versions): it depends on the private batch sizes
             "decisions": len(self.decisions),
             "transitions": len(rewards),
             "mean_reward": float(np.mean(rewards)) if rewards else None,
-            "action_latency_ms_median": 1000 * float(np.median(latencies)) if latencies else None,
-            "weights_versions_seen": sorted(set(self.client.weights_seen)) if self.client is not None else [],
             "final_sigma": float(self.sigma),
             "final_clip": [float(c) for c in self.clips],
             "histogram_log10_range": [self.histogram.log10_low, self.histogram.log10_high],

@@ -145,7 +145,8 @@ class StudyConfig(StrictModel):
     optuna: OptunaSettings = OptunaSettings()
     pbt: PBTStudySettings = PBTStudySettings()
     policy: Literal["per-trial", "shared"] = Field(
-        "per-trial", description="each RLDP trial trains its own policy, or all share one policy service")
+        "per-trial", description="each RLDP trial trains its own policy, or all share one policy service (shared: "
+        "public data only, since concurrent runs' transitions reach it in an order timing decides)")
     save_policy: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$", description=(
         "policy: shared only: when the study ends, save the shared policy as policy_dir/NAME with its training "
         "record (trials, wall time, the data it saw): pre-training a policy on public data (trials/pretrain.yaml)"))
@@ -224,6 +225,11 @@ class StudyConfig(StrictModel):
             if len(self.sac_grid.b_sac) > 1 or len(self.sac_grid.k) > 1 or self.search == "optuna":
                 raise ValueError("a shared policy has one B_SAC and one K (they are the policy service's "
                                  "settings): give single sac_grid.b_sac and sac_grid.k values and search: grid")
+            if source != "public":
+                # concurrent trials feed one learner in the order their transitions arrive, which timing (so
+                # the private batch sizes) decides: their actions would not be post-processing of DP releases
+                raise ValueError("policy: shared trains one policy on concurrent trials in an order timing decides: "
+                                 "it is for public data only (base.data.source: public); use policy: per-trial")
         return self
 
     def _check_controller(self) -> None:

@@ -186,7 +186,8 @@ STUDY_PRIVACY_NOTE = """What in this study directory is private (ERRATA E11-E15)
 - wandb/    wandb's local run files (metrics, timings, system information): keep private.
 Releasable: the rest of results.parquet, study_summary.json and trials/<trial>/ except trials/<trial>/private/
 and evaluation.json. In them the private-eval perplexities (no accountant covers them, E15) and every timing
-(wall_seconds, trial_seconds, ...; they depend on the private batch sizes) are unprotected; the number of patients
+(wall_seconds, trial_seconds, a saved policy's creation time...; they depend on the private batch sizes) are
+unprotected; the number of patients
 in train and q = B/N are released as public (the summary's public_counts and epsilon_replace_one say what covers
 them); the dataset is named by its owner-keyed dataset_id, which nobody without the owner's key can compute.
 No file here holds a sampling or noise seed or generator state, or a plain hash of the records.
@@ -226,6 +227,7 @@ def run_trial(params: dict) -> None:
     from ray.tune import Checkpoint
 
     from raydp.control.policies import trained_on
+    from raydp.control.broker import run_seed
     from raydp.control.connection import client_from_connection
     from raydp.runner.launch import start_policy
     from raydp.runner.run import run_training
@@ -263,7 +265,9 @@ def run_trial(params: dict) -> None:
     try:
         if config.strategy == "rldp":
             if params.get("connection"):
-                client = client_from_connection(params["connection"], f"{trial['name']}-{os.getpid()}")
+                # exploration seeded from the trial's name (public), not the process id
+                client = client_from_connection({**params["connection"], "seed": run_seed(trial["name"])},
+                                                f"{trial['name']}-{os.getpid()}")
             else:
                 session = start_policy(config, restore=policy_snapshot)
                 client = session.client(trial["name"])
