@@ -31,12 +31,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raydp.control.store import LEGACY_FORMATS, POLICY_FORMAT
-from raydp.data.identity import identity_of, manifest_id, public_id
+from raydp.data.identity import keyed_id, manifest_id, owner_key, public_id
 from raydp.errors import ConfigError
 
 LEGACY_FIELD = "dataset_sha256"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-TEXT_SUFFIXES = (".json", ".html", ".txt", ".csv", ".md", ".log", ".yaml")
+TEXT_SUFFIXES = (".json", ".jsonl", ".html", ".htm", ".svg", ".txt", ".csv", ".md", ".log", ".yaml")
 
 
 @dataclass
@@ -110,9 +110,11 @@ def _rewrite_json(value, mapping: dict[str, str]):
 
 
 def _replace_text(text: str, mapping: dict[str, str]) -> str:
+    """Every run of hex digits that starts with a known hash's first 12 digits (the whole hash, or an abbreviation
+    of any length a report printed) becomes the id."""
     for sha, new in mapping.items():
         if sha[:12] in text:
-            text = text.replace(sha, new).replace(sha[:12], new)
+            text = re.sub(re.escape(sha[:12]) + r"[0-9a-f]*", new, text)
     return text
 
 
@@ -167,7 +169,14 @@ def _rewrite_parquet(path: Path, mapping: dict[str, str]) -> bool:
     return changed
 
 
+#: what a plain content hash looks like standing on its own (not inside an id, a path or a name): all 64 hex digits,
+#: or an abbreviation of 12-16 (what reports and terminals printed). 32 digits are left alone: a uuid (an entry id)
+_HEX_RUN = re.compile(r"(?<![0-9a-zA-Z:_\-/.])(?:[0-9a-f]{64}|[0-9a-f]{12,16})(?![0-9a-zA-Z_\-])")
+
+
 def _holds(path: Path, mapping: dict[str, str]) -> bool:
+    """Whether a file names a dataset by a plain hash: a legacy field, a known hash's prefix, or (a file checked on
+    its own, whose hashes were never collected) any bare run of 12+ hex digits."""
     prefixes = [sha[:12] for sha in mapping]
     if path.suffix == ".parquet":
         try:
@@ -184,7 +193,7 @@ def _holds(path: Path, mapping: dict[str, str]) -> bool:
             return False
         if f'"{LEGACY_FIELD}"' in blob:
             return True
-    return any(p in blob for p in prefixes)
+    return any(p in blob for p in prefixes) or bool(_HEX_RUN.search(blob))
 
 
 def migrate(paths, check: bool = False) -> Migration:
@@ -212,13 +221,13 @@ def migrate(paths, check: bool = False) -> Migration:
     for d in datasets:  # a study's own dataset names the same hash its runs carry
         manifest = json.loads((d / "manifest.json").read_text())
         found.setdefault(manifest["content_sha256"], bool(manifest.get("public")))
-    result = Migration(mapping={sha: (public_id(sha) if public else identity_of({LEGACY_FIELD: sha}))
-                                for sha, public in found.items()})
+    result = Migration(mapping={sha: (public_id(sha) if public else keyed_id(sha, owner_key(create=False)))
+                                for sha, public in found.items()} if not check else {sha: "" for sha in found})
     for f in _files(roots):
         if private(f):
             continue
         if check:
-            if result.mapping and _holds(f, result.mapping) or f.suffix == ".json" and _legacy_field(f):
+            if (f.suffix in TEXT_SUFFIXES or f.suffix == ".parquet") and _holds(f, result.mapping):
                 result.remaining.append(f)
             continue
         if f.suffix == ".parquet":
@@ -232,14 +241,18 @@ def migrate(paths, check: bool = False) -> Migration:
             if f.suffix == ".json":
                 try:
                     data = json.loads(text)
-                except json.JSONDecodeError:
+                except json.JSONDecodeError:  # not one JSON document (JSON lines, say): rewritten as text
+                    new = _replace_text(text.replace(f'"{LEGACY_FIELD}"', '"dataset_id"'), result.mapping)
+                    if new != text:
+                        _atomic_write(f, new.encode())
+                        result.rewritten.append(f)
                     continue
                 new = json.dumps(_rewrite_json(data, result.mapping), indent=2)
                 if json.loads(new) != data:
                     _atomic_write(f, (new + "\n").encode())
                     result.rewritten.append(f)
             else:
-                new = _replace_text(text, result.mapping)
+                new = _replace_text(text.replace(f'"{LEGACY_FIELD}"', '"dataset_id"'), result.mapping)
                 if new != text:
                     _atomic_write(f, new.encode())
                     result.rewritten.append(f)
@@ -247,7 +260,8 @@ def migrate(paths, check: bool = False) -> Migration:
         for d in sorted(datasets):
             manifest = json.loads((d / "manifest.json").read_text())
             if manifest.get("dataset_id") is None:
-                manifest["dataset_id"] = manifest_id(manifest)
+                manifest["dataset_id"] = manifest_id(manifest, None if manifest.get("public")
+                                                     else owner_key(create=False))
                 _atomic_write(d / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
                 result.datasets.append(d)
     return result

@@ -105,6 +105,10 @@ def test_trainer_logs_no_training_loss_and_no_private_counts(trained):
     assert all(0 < entry["dp_epsilon_spent"] <= PRIVACY["epsilon"] for entry in steps)
     assert result.training_loss == 0.0  # a constant: the DP step computes no reportable loss
     assert trainer.state.total_flos == 0  # flops would count the Poisson sample's (private) tokens
+    # timings follow the private batch sizes: labelled in the log AND in what train() returns (save_metrics)
+    for entry in [*history, result.metrics]:
+        assert not {"train_runtime", "train_samples_per_second", "train_steps_per_second"} & set(entry), entry
+    assert "unprotected_train_runtime" in result.metrics
 
 
 class Capture(TrainerCallback):
@@ -168,6 +172,7 @@ def unattached(texts):
         ({"bf16": True}, "fp16/bf16 mixed precision"),
         ({"max_steps": 5}, "calibrated sigma for exactly 4 steps"),
         ({"neftune_noise_alpha": 5.0}, "neftune_noise_alpha"),
+        ({"include_num_input_tokens_seen": True}, "include_num_input_tokens_seen"),
         ({"torch_compile": True}, "torch_compile"),
         ({"gradient_checkpointing": True}, "gradient_checkpointing"),
         ({"load_best_model_at_end": True, "metric_for_best_model": "eval_loss"}, "ERRATA E15"),
@@ -184,6 +189,20 @@ def test_unsafe_training_arguments_are_refused_in_one_line(unattached, tmp_path,
         dp.attach(trainer)
     assert message in str(refused.value) and "\n" not in str(refused.value)
     assert dp.run is None and dp.trainer is None  # nothing set up, nothing spent
+
+
+def test_low_precision_trainable_parameters_are_refused(tmp_path, texts):
+    """Issue 26: clipping in bf16 let a clipped contribution reach 1.0072 C; a LoRA adapter in bf16 is refused."""
+    loaded = fresh_model()
+    dp = DPTraining(loaded.model, texts, loaded.tokenizer, **PRIVACY, max_steps=4)
+    for p in loaded.model.parameters():
+        if p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
+    trainer = Trainer(model=loaded.model, args=training_args(tmp_path, dp.planned_steps), train_dataset=texts,
+                      callbacks=[dp.callback])
+    with pytest.raises(ConfigError, match="bfloat16: DP clipping needs float32") as refused:
+        dp.attach(trainer)
+    assert "\n" not in str(refused.value) and dp.run is None
 
 
 def test_trainers_that_would_bypass_the_dp_step_are_refused(unattached, tmp_path):

@@ -21,7 +21,11 @@ for, and what it is not for:
   different ids, as they were different hashes (the report says so);
 * it does not survive a lost key: runs made under a new key no longer match older ones, and their spend
   would no longer be composed. Keep the key with the data (back it up; copy it to every machine that builds
-  datasets for the same owner, e.g. a cluster's head node, with ``RAYDP_OWNER_KEY``).
+  datasets for the same owner, e.g. a cluster's head node, with ``RAYDP_OWNER_KEY``). A key is created only when
+  a dataset is built; reading or migrating old files needs the existing one;
+* it is a function of the content: two releases with the same id were trained on the same records (an unchanged
+  id across periodic retrains says nobody joined or left), and a dataset one patient larger has another id
+  (its runs are not recognised as the same people's: compose them yourself).
 
 The key lives at ``$RAYDP_OWNER_KEY`` if set (a file path), else ``~/.config/raydp/owner.key``; it is
 created (mode 0600) the first time a private dataset is identified. Public data (``source: public``, the
@@ -52,6 +56,7 @@ KEY_ENV = "RAYDP_OWNER_KEY"
 _DOMAIN = b"raydp dataset id v1\0"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _KEY = re.compile(r"^[0-9a-f]{64}$")
+_ID = re.compile(r"^(rdi1:[0-9a-f]{32}|public:[0-9a-f]{64})$")
 
 
 def owner_key_path() -> Path:
@@ -69,9 +74,14 @@ def owner_key(create: bool = True) -> bytes:
     path = owner_key_path()
     if not path.exists():
         if not create:
-            raise DataError(f"no dataset owner key at {path} (set {KEY_ENV} to the owner's key file)")
+            raise DataError(f"no dataset owner key at {path}: old files name their datasets by hashes that only the "
+                            f"owner's key turns into ids (set {KEY_ENV} to the owner's key file)")
         _create_key(path)
     try:
+        info = path.stat()
+        if info.st_mode & 0o077 or (hasattr(os, "getuid") and info.st_uid != os.getuid()):
+            raise DataError(f"dataset owner key {path} must be owned by this user and readable by nobody else "
+                            f"(chmod 600 {path})")
         text = path.read_text().strip()
     except OSError as exc:
         raise DataError(f"cannot read the dataset owner key {path}: {exc.strerror or exc}") from None
@@ -111,8 +121,9 @@ def public_id(content_sha256: str) -> str:
 
 
 def is_dataset_id(value) -> bool:
-    """Whether ``value`` is an id in this format (keyed or public), as opposed to a plain hash."""
-    return isinstance(value, str) and (value.startswith(f"{ID_VERSION}:") or value.startswith(PUBLIC_PREFIX))
+    """Whether ``value`` is an id in this format (``rdi1:`` and 32 hex digits, or ``public:`` and a 64-digit hash),
+    as opposed to a plain hash or anything else."""
+    return isinstance(value, str) and bool(_ID.match(value))
 
 
 def manifest_id(manifest: dict, key: bytes | None = None) -> str | None:
@@ -137,7 +148,8 @@ def identity_of(record: dict, key: bytes | None = None) -> str | None:
     if is_dataset_id(legacy) or not _SHA256.match(str(legacy)):
         return str(legacy)  # already an id, or a path-like fallback (``unhashed:...``)
     public = record.get("public_data") or record.get("data_source") == "public"
-    return public_id(legacy) if public else keyed_id(legacy, key)
+    # reading an old file never creates a key: a new key would give ids that match nothing the owner made
+    return public_id(legacy) if public else keyed_id(legacy, key if key is not None else owner_key(create=False))
 
 
 def frame_ids(frame):

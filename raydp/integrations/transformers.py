@@ -106,7 +106,8 @@ UNPROTECTED_PREFIX = "unprotected_"
 TRAINING_LOG_KEYS = frozenset({"epoch", "step", "learning_rate", "total_flos"})
 #: the Trainer's timings: they grow with the private Poisson batch sizes (E5), so they are always labelled
 #: ``unprotected_*``, as a run directory's wall times are, whether or not the eval data is public
-TIMING_LOG_KEYS = frozenset({"train_runtime", "train_samples_per_second", "train_steps_per_second"})
+TIMING_LOG_KEYS = frozenset({"train_runtime", "train_samples_per_second", "train_steps_per_second",
+                             "train_tokens_per_second"})
 EVAL_NOTE = ("the Trainer's evaluation metrics are computed on its eval data, which no accountant covers (ERRATA E15): "
              "they reach logs, callbacks and evaluate()'s result as unprotected_* (e.g. unprotected_eval_loss); pass "
              "DPTraining(..., eval_data_is_public=True) only if that data is public")
@@ -143,6 +144,9 @@ def check_training_arguments(args, *, planned_steps: int | None = None, eval_dat
                "(the expected batch size is DPTraining's batch_size)")
     if getattr(args, "use_liger_kernel", False):
         refuse("use_liger_kernel=True replaces the model's forward; set it False")
+    if getattr(args, "include_num_input_tokens_seen", False) not in (False, "no", None):
+        refuse("include_num_input_tokens_seen counts the private batches' tokens and logs a token rate (a timing) "
+               "at every step, past the DP log; set it False")
     if args.world_size > 1 or args.n_gpu > 1 or getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
         refuse("training on several devices (DDP, DataParallel, DeepSpeed, FSDP) is not supported: it would split "
                "the Poisson sample; train on one device")
@@ -403,7 +407,8 @@ class DPTraining:
         trainer.get_train_dataloader = self._train_dataloader
         trainer.training_step = self._training_step
         original_log = trainer.log
-        trainer.log = lambda logs, start_time=None: original_log(self._released_logs(logs), start_time)
+        # the caller's dict is relabelled in place (train() returns it); the Trainer's log gets a copy to add to
+        trainer.log = lambda logs, start_time=None: original_log(dict(self._released_logs(logs)), start_time)
         handler = trainer.callback_handler
         handler.callbacks = [self.callback] + [cb for cb in handler.callbacks if cb is not self.callback]
         if trainer.eval_dataset is not None and not self.eval_data_is_public:
@@ -456,10 +461,13 @@ class DPTraining:
         """The Trainer's log without its training loss, with post-processed figures of the DP release; the
         Trainer's other metrics (its evaluations') renamed ``unprotected_*`` unless the eval data is public (E15)."""
         training = "loss" in logs or "train_loss" in logs
-        logs = {k: v for k, v in logs.items() if k not in ("loss", "train_loss")}
+        # in place: the Trainer returns this very dict from train() (TrainOutput.metrics), and save_metrics writes it
+        released = {k: v for k, v in logs.items() if k not in ("loss", "train_loss")}
         if not self.eval_data_is_public:
-            logs = {unprotected_name(k): v for k, v in logs.items()}
-        logs = {UNPROTECTED_PREFIX + k if k in TIMING_LOG_KEYS else k: v for k, v in logs.items()}
+            released = {unprotected_name(k): v for k, v in released.items()}
+        released = {UNPROTECTED_PREFIX + k if k in TIMING_LOG_KEYS else k: v for k, v in released.items()}
+        logs.clear()
+        logs.update(released)
         if training and self.run is not None:
             if self.last_metrics:
                 logs["dp_sigma_eff"] = float(self.last_metrics["sigma_eff"])

@@ -35,7 +35,12 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     What protects them is Ray's token authentication, on by default for a local cluster since Ray 2.60 (the
     pinned minimum; ``RAY_AUTH_MODE=disabled`` turns it off: don't): a process without the token (kept in
     ``~/.ray/auth_token``) can neither connect nor submit work (tests/test_ray_auth.py). A remote cluster must
-    enable it on every node (README, "Ray's ports")."""
+    enable it on every node (README, "Ray's ports"); a cluster without it is refused (one-line ConfigError).
+
+    A local cluster also runs without Ray's metrics collection: the dashboard agent would otherwise serve every
+    process's memory and CPU over time, without the token, on every interface, and those follow the private
+    Poisson batch sizes (issue 26). (Ray's autoscaler and dashboard still serve their own metrics, node launch
+    times and dashboard request durations, on two ports: no run data.)"""
     import ray
 
     if ray.is_initialized():
@@ -45,7 +50,16 @@ def ensure_ray(num_cpus: int | None = None) -> None:
         ray.init(namespace=RAY_NAMESPACE, log_to_driver=True)
     else:
         ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, namespace=RAY_NAMESPACE,
-                 log_to_driver=True)
+                 log_to_driver=True, _system_config={"enable_metrics_collection": False})
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError:  # a Ray without token authentication (below the pinned minimum)
+        is_token_auth_enabled = None
+    if is_token_auth_enabled is not None and not is_token_auth_enabled():
+        ray.shutdown()
+        raise ConfigError("Ray's token authentication is off (RAY_AUTH_MODE=disabled, or a cluster started without "
+                          "it): anyone who reaches its ports could run code beside the private data; set "
+                          "RAY_AUTH_MODE=token on every node")
 
 
 def start_policy(config: TrainConfig, restore: Path | None = None):

@@ -312,8 +312,12 @@ def replace_one_guarantee(run: PrivateRun, config: TrainConfig, epsilon: float) 
 
     population = getattr(run.guard, "population_admit", None) is not None
     if run.plan.adaptive or population:
-        return {"epsilon_replace_one": 2 * epsilon, "delta_replace_one": (1 + math.exp(epsilon)) * config.delta,
-                "replace_one_note": "group privacy (k = 2) of the add/remove guarantee: sigma was chosen adaptively"}
+        delta = (1 + math.exp(epsilon)) * config.delta
+        note = "group privacy (k = 2) of the add/remove guarantee: sigma was chosen adaptively"
+        if delta * run.units.public_count >= 1:
+            note += (f"; VACUOUS: delta_replace_one = {delta:.3g} is not below 1/N (N = {run.units.public_count}), so "
+                     "it allows revealing a patient outright")
+        return {"epsilon_replace_one": 2 * epsilon, "delta_replace_one": delta, "replace_one_note": note}
     eps = replace_one_epsilon(run.ledger, config.delta) if len(run.ledger) else 0.0
     return {"epsilon_replace_one": eps, "delta_replace_one": config.delta,
             "replace_one_note": "the ledger composed by dp_accounting's PLD under REPLACE_ONE (sensitivity 2C)"}
