@@ -30,7 +30,7 @@ def _add_data_source_args(parser: argparse.ArgumentParser, defaults: bool) -> No
     parser.add_argument("--sample-fraction", type=float, default=None,
                         help="a CSV: keep each patient with this probability, decided by its own id (default: all)")
     parser.add_argument("--split", dest="fractions", action="append", metavar="SPLIT=FRACTION",
-                        help="fraction of patients in attack (default 0.2), eval (0.08) or validation (0); train "
+                        help="fraction of patients in attack (default 0.2), eval (0.2) or validation (0.05); train "
                              "takes the rest (repeatable)")
     parser.add_argument("--data-seed", type=int, default=d(0), help="seed of generator and splits")
     parser.add_argument("--n-canary", type=int, default=d(10), help="number of secret canaries in train")
@@ -273,12 +273,14 @@ def cmd_train(args) -> int:
                     overwrite_policy=args.overwrite_policy)
     print(f"run written to {Path(args.output).absolute()}")
     keys = ("model", "strategy", "device", "n_adapter_pairs", "train_records", "steps",
+            "initial_public_value_nll", "final_public_value_nll", "initial_eval_value_nll", "final_eval_value_nll",
             "initial_public_perplexity", "final_public_perplexity", "initial_eval_perplexity",
             "final_eval_perplexity", "wall_seconds")
     if "final_eval_accuracy" in summary:  # a classification task
         keys = (*keys[:-1], "final_public_accuracy", "final_eval_accuracy", keys[-1])
     for key in keys:
-        print(f"  {key:<26} {summary[key]}")
+        if key in summary:  # a DP run releases no record count; a run without value spans no value NLL
+            print(f"  {key:<26} {summary[key]}")
     print("  (eval_*: private eval split, not a DP release; public_*: public validation; a classification "
           "task's perplexity is its label perplexity)" if "final_eval_accuracy" in summary else
           "  (eval_perplexity: private eval split, not a DP release; public_perplexity: public validation)")

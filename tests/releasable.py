@@ -56,21 +56,30 @@ SUMMARY = {
         "model", "model_source", "model_type", "device", "n_adapter_pairs", "adapter_pairs[].index",
         "adapter_pairs[].layer", "adapter_pairs[].module_name", "adapter_pairs[].relative_depth",
         "adapter_pairs[].shape_a[]", "adapter_pairs[].shape_b[]", "strategy", "dropout", "data_source", "data_note",
-        "eval_note", "public_eval_records", "max_length", "task.kind", "task.metric", "raydp_version",
-        "resumed_from_step", "phase_one", "controller",
+        "eval_note", "public_eval_records", "max_length", "task.kind", "task.metric", "raydp_version", "saved_policy",
+        "public_validation", "public_validation_note", "initial_public_value_nll", "final_public_value_nll",
+        "best_public_value_nll", "final_public_nll_per_record",
+        "phase_one", "controller",
         # public validation split: public records
         "initial_public_perplexity", "final_public_perplexity", "best_public_perplexity")},
     "dataset_id": ID,
-    **{k: COUNT for k in ("train_records", "steps_per_epoch")},
+    "steps_per_epoch": COUNT,  # (a DP run's record count is not released: issue 26)
     **{k: DP for k in ("steps", "stopped_early")},  # the guard stops on the ledger
     # the private eval split (E15: labelled by eval_note) and timings (labelled in PRIVACY.txt)
     **{k: UNPROTECTED for k in ("initial_eval_perplexity", "final_eval_perplexity", "best_eval_perplexity",
-                                "eval_records", "wall_seconds", "train_loop_seconds")},
+                                "eval_records", "wall_seconds", "train_loop_seconds", "initial_eval_value_nll",
+                                "resumed_from_step",  # when a failure happened: timing (issue 26 review)
+                                "final_eval_value_nll", "best_eval_value_nll", "final_eval_nll_per_record")},
     # RLDP's controller: post-processing of charged releases and public randomness (strict mode)
     **{f"controller.{k}": DP for k in (
         "decisions", "transitions", "mean_reward", "final_sigma", "final_clip[]")},
     **{f"controller.{k}": PUBLIC for k in (
         "histogram_log10_range[]", "loss_clip", "action_decoding", "pair_reference[]")},  # placed on public records
+    # an RLDP `raydp train`: the policy service's counters (post-processing of the transitions, which are
+    # post-processing of charged releases in strict mode), where the policy went, the transport
+    **{f"policy_service.{k}": DP for k in ("train_calls", "transitions_trained", "module_steps_trained",
+                                           "env_steps_sampled", "replay_size", "alpha", "errors[]")},
+    **{f"controller_transport.{k}": PUBLIC for k in ("kind", "address", "note")},
 }
 
 LEDGER_METADATA = {
@@ -103,19 +112,22 @@ RESULTS = {
         "trial", "status", "model", "strategy", "epsilon_target", "seed", "t_rl", "b_sac", "k", "frozen_policy",
         "variant", "run_dir", "config", "initial_public_perplexity", "final_public_perplexity",
         "best_public_perplexity", "planned_steps", "enforcing_accountant", "privacy_mode", "privacy_label",
-        "privacy_labels", "guarantee", "privacy_unit", "rdp_curve_source", "selection_split", "steps_to_target")},
+        "privacy_labels", "guarantee", "privacy_unit", "rdp_curve_source", "selection_split", "steps_to_target",
+        "selection_metric", "initial_public_value_nll", "final_public_value_nll", "best_public_value_nll")},
     **{k: DP for k in ("steps", "epsilon_pld", "epsilon_prv", "epsilon_rdp", "epsilon_gdp", "epsilon_edgeworth",
                        "within_budget", "verdict", "epsilon")},
     "dataset_id": ID,
     **{k: UNPROTECTED for k in ("initial_eval_perplexity", "final_eval_perplexity", "best_eval_perplexity",
-                                "trial_seconds", "wall_seconds")},
+                                "trial_seconds", "wall_seconds", "initial_eval_value_nll", "final_eval_value_nll",
+                                "best_eval_value_nll")},
 }
 #: results.parquet's attack and audit columns are private (PRIVACY.txt): never part of a release
 RESULTS_PRIVATE_PREFIXES = ("mia_", "canary_", "exposure_", "audit_", "eval_seconds", "evaluation_error")
 
 _FIGURE = "tuning_aware_epsilon.<id>."
 STUDY_SUMMARY = {
-    **{k: PUBLIC for k in ("study", "trials", "results", "selection.note", "selection.requested", "selection.split")},
+    **{k: PUBLIC for k in ("study", "trials", "results", "selection.note", "selection.requested", "selection.split",
+                           "selection.metric")},
     **{k: UNPROTECTED for k in ("wall_seconds", "per_trial_overhead_seconds", "first_trial_start_latency_seconds")},
     "tuning_aware_epsilon": PUBLIC,  # the 'not applicable' note of a public study
     **{_FIGURE + k: DP for k in (
@@ -132,8 +144,10 @@ STUDY_SUMMARY = {
 
 TRAIN_METRICS_DP = {**{k: DP for k in ("sigma", "sigma_eff", "clamped", "clip_mean", "noisy_grad_norm")},
                     **{k: PUBLIC for k in ("step", "lr", "epoch")}}
-EVAL_METRICS = {**{k: PUBLIC for k in ("step", "epoch", "public_perplexity", "public_accuracy")},
-                **{k: UNPROTECTED for k in ("perplexity", "nll_per_token", "utility", "n_tokens", "accuracy")}}
+EVAL_METRICS = {**{k: PUBLIC for k in ("step", "epoch", "public_perplexity", "public_accuracy", "public_value_nll",
+                                       "public_nll_per_record")},
+                **{k: UNPROTECTED for k in ("perplexity", "nll_per_token", "utility", "n_tokens", "accuracy", "value_nll",
+                                            "nll_per_record")}}
 LEDGER = {k: DP for k in ("step", "q", "sigma_eff", "clip", "allocation", "releases")}
 CONTROL_TRACE = {"step": PUBLIC, "decision": PUBLIC, **{k: DP for k in ("sigma", "sigma_eff", "clamped")}}
 DECISIONS = {**{k: DP for k in ("step", "epsilon", "utility", "reward", "action", "sigma_next", "sigma_proposed",
@@ -142,7 +156,7 @@ DECISIONS = {**{k: DP for k in ("step", "epsilon", "utility", "reward", "action"
 SAFETENSORS_ADAPTER = DP  # the trained adapters: the DP release itself
 
 #: files released as a whole for what they are (their every field is configuration)
-WHOLE_FILES = {"config.json": PUBLIC, "adapter/adapter_config.json": PUBLIC, "adapter/README.md": PUBLIC,
+WHOLE_FILES = {"config.json": PUBLIC, "PRIVACY.txt": PUBLIC, "adapter/adapter_config.json": PUBLIC, "adapter/README.md": PUBLIC,
                "adapter/adapter_model.safetensors": DP, "policy/module/metadata.json": PUBLIC,
                "policy/module/class_and_ctor_args.pkl": PUBLIC, "policy/module/module_state.pkl": DP,
                "policy/replay.npz": DP}

@@ -74,9 +74,13 @@ def test_secret_like_keeps_the_secret_field_only():
 @pytest.fixture(scope="module")
 def embedded():
     from raydp.model import disable_dropout, load_model
+    from raydp.model.loading import LoraSettings
 
     torch.manual_seed(0)  # LoRA's A matrices are drawn from the global generator: fix them for this module
-    loaded = load_model("embedded-tiny", device="cpu", progress=False)
+    # adapters on every linear layer: the capacity the constructed memorisation case below needs (the clause
+    # tokenizer leaves a 2-layer, 32-wide model little room with adapters on attention alone)
+    loaded = load_model("embedded-tiny", device="cpu", progress=False,
+                        lora=LoraSettings(target_modules=("c_attn", "c_proj", "c_fc")))
     disable_dropout(loaded.model)
     with torch.no_grad():  # move the adapters off zero so target and base differ
         generator = torch.Generator().manual_seed(0)
@@ -101,8 +105,8 @@ def test_batched_ending_scores_match_unbatched_forwards(embedded):
     from raydp.data import public_corpus
 
     texts = public_corpus(5, seed=3, progress=False)
-    texts = [texts[0][:200], texts[1], texts[2][:90] + " secret_id=AB12CD34EF.", texts[3][:400], texts[4][:50]]
-    starts_char = [100, 700, len(texts[2]) - 11, 10, 30]
+    texts = [texts[0][:200], texts[1], texts[2][:90] + " secret_id=AB12CD34EF.", texts[3][:400], texts[4][:120]]
+    starts_char = [100, 700, len(texts[2]) - 11, 50, 70]  # each after the first token (the preamble clause)
     ids, starts = ending_starts(embedded.tokenizer, texts, char_offsets=starts_char)
     got = ending_logprobs(embedded.model, ids, starts, torch.device("cpu"), embedded.tokenizer.pad_token_id,
                           batch_size=2)
@@ -143,14 +147,15 @@ def test_membership_and_exposure_on_a_model_that_memorised_its_members(embedded)
     model, tok = embedded.model, embedded.tokenizer
     rng = np.random.default_rng(5)  # short records, each ending in its own random secret
     secrets = ["".join(rng.choice(list("ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"), 10)) for _ in range(16)]
-    texts = [t[:120] + f" secret_id={s}." for t, s in zip(public_corpus(16, seed=11, progress=False), secrets)]
+    texts = [". ".join(t.split(". ")[:8]) + f". secret_id={s}." for t, s in zip(public_corpus(16, seed=11, progress=False),
+                                                                          secrets)]
     members, nonmembers = texts[:8], texts[8:]
     trainable = [p for p in model.parameters() if p.requires_grad]
     state = [p.detach().clone() for p in trainable]
     opt = torch.optim.Adam(trainable, lr=1e-2)
     enc = tok(members, return_tensors="pt", padding=True)
     model.train()
-    for _ in range(100):
+    for _ in range(300):
         out = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
                     labels=enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100))
         opt.zero_grad()
@@ -161,7 +166,7 @@ def test_membership_and_exposure_on_a_model_that_memorised_its_members(embedded)
         result = attacks.membership_inference(model, tok, members, nonmembers, torch.device("cpu"))
         contexts = [t[:-11] for t in texts]  # each text ends with its secret and '.'
         seen = attacks.exposure(model, tok, contexts[:3], secrets[:3], torch.device("cpu"), candidates=255)
-        unseen = attacks.exposure(model, tok, contexts[8:11], secrets[8:11], torch.device("cpu"), candidates=255)
+        unseen = attacks.exposure(model, tok, contexts[8:16], secrets[8:16], torch.device("cpu"), candidates=255)
     finally:
         with torch.no_grad():
             for p, s in zip(trainable, state):
@@ -172,6 +177,6 @@ def test_membership_and_exposure_on_a_model_that_memorised_its_members(embedded)
     assert result["loss"]["member_mean_logp"] > result["loss"]["nonmember_mean_logp"]
     assert result["loss"]["member_mean_ppl"] < result["loss"]["nonmember_mean_ppl"]
     # a memorised secret ranks in the top 1/16 of 256 strings of its format (>= 4 of the 8 bits 255
-    # candidates can measure; measured 4.2-6.0 here); a secret the model never saw ranks among random ones
+    # candidates can measure; measured 6.4-8.0 here); secrets the model never saw rank among random ones
     assert seen["max_measurable_bits"] == 8.0
     assert min(seen["per_canary"]) >= 4.0 and unseen["mean"] < 2.0, (seen, unseen)

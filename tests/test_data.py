@@ -292,8 +292,10 @@ def test_synthetic_is_deterministic_and_rejects_bad_sizes() -> None:
             generate_records(bad)
 
 
-def test_synthetic_marginals_match_published_table() -> None:
-    df = generate_records(20_000, seed=0, progress=False)
+def test_independent_synthetic_marginals_match_published_table() -> None:
+    """The independent generator draws each field from the published marginals. (The structured default is
+    another hospital's population on purpose; tests/test_structured.py checks it against its own model.)"""
+    df = generate_records(20_000, seed=0, progress=False, generator="independent")
     share = lambda col, v: float((df[col] == v).mean())  # noqa: E731
     # Strack et al. (2014) / UCI: readmitted NO 53.9%, >30 34.9%, <30 11.2%.
     for value, target in (("NO", 0.539), (">30", 0.349), ("<30", 0.112)):
@@ -381,14 +383,14 @@ def split_of(out: Path) -> dict[int, str]:
 
 
 def test_splits_disjoint_and_files_complete(built: Path) -> None:
-    ids = {s: set(load_split(built, s)["encounter_id"]) for s in ("train", "eval", "attack")}
+    ids = {s: set(load_split(built, s)["encounter_id"]) for s in ("train", "eval", "attack", VALIDATION)}
     assert not ids["train"] & ids["eval"] and not ids["train"] & ids["attack"]
     assert not ids["eval"] & ids["attack"]
-    assert sum(len(v) for v in ids.values()) == 1000
+    assert sum(len(v) for v in ids.values()) == 1000 + 10  # the 10 canary records join train
     train = load_split(built, "train")
-    assert list(train.columns) == ["text", *HEADER.split(","), "has_canary", "audit_canary"]
+    assert list(train.columns) == ["text", *HEADER.split(","), "has_canary", "audit_canary", "value_spans"]
     assert not train["audit_canary"].any()  # n_audit defaults to 0 here
-    assert list(load_split(built, "eval").columns) == ["text", *HEADER.split(",")]
+    assert list(load_split(built, "eval").columns) == ["text", *HEADER.split(","), "value_spans"]
     m = load_manifest(built)
     assert m["synthetic"] is True and "no real patient" in m["note"]
     assert m["source"] == "synthetic" and m["seed"] == 0 and m["canary_seed"] == 42
@@ -418,6 +420,10 @@ def test_canaries(built: Path, tmp_path: Path) -> None:
     assert len(set(can["secret"])) == 10
     assert list(np.flatnonzero(train["has_canary"])) == sorted(i for i, _ in carrying)
     assert list(train["encounter_id"].iloc[can["train_row"]]) == list(can["encounter_id"])
+    # each canary is the record of its own synthetic patient (ids apart from every split), after train's own rows
+    carriers = train.iloc[can["train_row"]]
+    assert (carriers["patient_nbr"] >= 5_000_000_000).all() and carriers["patient_nbr"].is_unique
+    assert list(can["train_row"]) == list(range(len(train) - 10, len(train)))
     for split in ("eval", "attack"):
         assert not any("secret_id" in t for t in load_texts(built, split))
     # The secrets depend on canary_seed only; a different canary_seed gives different ones.
@@ -427,15 +433,15 @@ def test_canaries(built: Path, tmp_path: Path) -> None:
     build_dataset(tmp_path / "d", n_records=500, seed=7, canary_seed=43, progress=False)
     assert not set(load_canaries(tmp_path / "d")["secret"]) & set(can["secret"])
     with pytest.raises(DataError) as exc:
-        build_dataset(tmp_path / "too_many", n_records=40, n_canary=60, progress=False)
-    assert_one_line_error(exc, "n_canary=60")
-    assert not (tmp_path / "too_many").exists()
+        build_dataset(tmp_path / "negative", n_records=40, n_canary=-1, progress=False)
+    assert_one_line_error(exc, "n_canary")
+    assert not (tmp_path / "negative").exists()
 
 
 def test_describe_dataset(built: Path) -> None:
     d = describe_dataset(built)
     m = load_manifest(built)
-    assert d["sizes"] == m["sizes"] and sum(d["sizes"].values()) == 1000
+    assert d["sizes"] == m["sizes"] and sum(d["sizes"].values()) == 1000 + 10  # and the 10 canary records
     assert d["privacy_unit"] == "patient"
     assert d["units"] == m["units"] == {
         s: len(set(load_split(built, s)["patient_nbr"])) for s in ("train", "eval", "attack", VALIDATION)}
@@ -449,7 +455,7 @@ def test_describe_dataset(built: Path) -> None:
 
 def test_public_corpus_is_disjoint_and_clean(built: Path) -> None:
     private_ids = set()
-    for s in ("train", "eval", "attack"):
+    for s in ("train", "eval", "attack", VALIDATION):
         private_ids |= set(load_split(built, s)["encounter_id"])
     pub = public_records(2000, seed=0, progress=False)
     assert not set(pub["encounter_id"]) & private_ids
@@ -472,12 +478,12 @@ def test_public_source_builds_episodes_from_the_public_population(built: Path, t
     assert manifest["n_canary"] == 0 and manifest["n_audit"] == 0  # no private-data instruments in public data
     assert not any("secret_id" in t for t in load_texts(tmp_path / "pub", "train"))
     pub = set()
-    for s in ("train", "eval", "attack"):
+    for s in ("train", "eval", "attack", VALIDATION):
         split = load_split(tmp_path / "pub", s)
         assert (split["patient_nbr"] >= 8_000_000_000).all()  # the public population's id range
         pub |= set(load_texts(tmp_path / "pub", s))
     private = set()
-    for s in ("train", "eval", "attack"):
+    for s in ("train", "eval", "attack", VALIDATION):
         private |= set(load_texts(built, s))
     assert not pub & private
     assert not pub & set(public_corpus(300, seed=PUBLIC_EVAL_SEED, progress=False))
@@ -492,7 +498,7 @@ def test_build_from_csv_source(tmp_path: Path) -> None:
     m = build_dataset(tmp_path / "out", source=tmp_path / "diabetic_data.csv", n_canary=2,
                       ids_mapping=tmp_path / "IDs_mapping.csv", progress=False)
     assert m["synthetic"] is False and m["source"].endswith("diabetic_data.csv")
-    assert sum(m["sizes"].values()) == 40
+    assert sum(m["sizes"].values()) == 40 + 2  # and the 2 canary records
     # A CSV is subsampled by patient (sample_fraction), never capped by a row count: a count-based cap lets one
     # patient's presence move others.
     with pytest.raises(DataError) as exc:
@@ -523,7 +529,7 @@ def write_patient_csv(path: Path, n: int = 150, seed: int = 5) -> pd.DataFrame:
 
 
 def split_patients(out: Path) -> dict[str, set[int]]:
-    return {s: set(load_split(out, s)["patient_nbr"]) for s in ("train", "eval", "attack")}
+    return {s: set(load_split(out, s)["patient_nbr"]) for s in ("train", "eval", "attack", VALIDATION)}
 
 
 def test_csv_splits_are_disjoint_in_patients(tmp_path: Path) -> None:
@@ -533,22 +539,23 @@ def test_csv_splits_are_disjoint_in_patients(tmp_path: Path) -> None:
     pats = split_patients(tmp_path / "out")
     assert not pats["train"] & pats["eval"] and not pats["train"] & pats["attack"]
     assert not pats["eval"] & pats["attack"]
-    assert set().union(*pats.values()) == set(src["patient_nbr"])
+    assert set().union(*pats.values()) - set(src["patient_nbr"]) == set(5_000_000_000 + np.arange(3))  # canaries
+    assert set().union(*pats.values()) >= set(src["patient_nbr"])
     assert m["privacy_unit"] == PRIVACY_UNIT == privacy_unit(m) == "patient"
     assert m["unit_column"] == UNIT_COLUMN == "patient_nbr"
-    assert m["units"] == {**{s: len(pats[s]) for s in ("train", "eval", "attack")}, VALIDATION: 0}
+    assert m["units"] == {s: len(pats[s]) for s in ("train", "eval", "attack", VALIDATION)}
     assert "patient" in m["split_rule"]
     # Every patient brings all of its encounters to its one split.
-    for split in ("train", "eval", "attack"):
+    for split in ("train", "eval", "attack", VALIDATION):
         rows = load_split(tmp_path / "out", split)
+        rows = rows[rows["patient_nbr"] < 5_000_000_000]  # the source's records (not the canaries')
         for pid, k in rows["patient_nbr"].value_counts().items():
             assert k == (src["patient_nbr"] == pid).sum()
         # Rows keep their source order inside a split.
         pos = src.reset_index().set_index("encounter_id").loc[rows["encounter_id"], "index"]
         assert pos.is_monotonic_increasing
     sizes = m["sizes"]
-    assert sum(sizes.values()) == 150 and min(sizes[s] for s in ("train", "eval", "attack")) >= 1
-    assert sizes[VALIDATION] == 0  # its fraction defaults to 0
+    assert sum(sizes.values()) == 150 + 3 and min(sizes[s] for s in ("train", "eval", "attack")) >= 1
     assert len(load_canaries(tmp_path / "out")) == 3
 
 
@@ -572,18 +579,20 @@ def test_load_units_align_with_texts_and_canaries(tmp_path: Path) -> None:
     texts_of = {}
     for rec in src.to_dict("records"):
         texts_of.setdefault(rec["patient_nbr"], set()).add(verbalise(rec))
-    for split in ("train", "eval", "attack"):
+    can = load_canaries(out)
+    train_units = load_units(out, "train")
+    carriers = set(can["train_row"])
+    for split in ("train", "eval", "attack", VALIDATION):
         units = load_units(out, split)
         texts = load_texts(out, split)
         assert units.dtype == np.int64 and len(units) == len(texts)
-        for unit, text in zip(units, texts):
-            assert SECRET_RE.sub("", text) in texts_of[int(unit)]
-    can = load_canaries(out)
-    patient_of = dict(zip(src["encounter_id"], src["patient_nbr"]))
-    train_units = load_units(out, "train")
-    assert [int(train_units[r]) for r in can["train_row"]] == [
-        patient_of[e] for e in can["encounter_id"]]
-    assert len(load_units(out, VALIDATION)) == 0 == len(load_texts(out, VALIDATION))
+        for row, (unit, text) in enumerate(zip(units, texts)):
+            if split == "train" and row in carriers:  # a canary record: its own synthetic patient
+                assert int(unit) >= 5_000_000_000 and SECRET_RE.search(text)
+            else:
+                assert SECRET_RE.sub("", text) in texts_of[int(unit)]
+    assert [int(train_units[r]) for r in can["train_row"]] == list(5_000_000_000 + np.arange(4))
+    assert len(load_units(out, VALIDATION)) == len(load_texts(out, VALIDATION))
     with pytest.raises(DataError):
         load_units(out, "holdout")
 
@@ -595,7 +604,7 @@ def test_csv_sample_fraction_keeps_whole_patients_each_on_its_own(tmp_path: Path
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):
         m = build_dataset(tmp_path / name, source=tmp_path / "diabetic_data.csv", sample_fraction=0.5,
                           seed=seed, n_canary=0, progress=False)
-        rows = pd.concat(load_split(tmp_path / name, s) for s in ("train", "eval", "attack"))
+        rows = pd.concat(load_split(tmp_path / name, s) for s in ("train", "eval", "attack", VALIDATION))
         assert m["n_records"] == len(rows) and m["sample_fraction"] == 0.5
         for pid, k in rows["patient_nbr"].value_counts().items():
             assert k == count[pid]  # all of the patient's encounters, or none
@@ -612,11 +621,11 @@ def test_csv_sample_fraction_keeps_whole_patients_each_on_its_own(tmp_path: Path
 
 def test_synthetic_build_splits_by_patient(built: Path) -> None:
     pats = split_patients(built)
-    every = pd.concat(load_split(built, s) for s in ("train", "eval", "attack"))["patient_nbr"]
+    every = pd.concat(load_split(built, s) for s in ("train", "eval", "attack", VALIDATION))["patient_nbr"]
     assert every.nunique() < 0.9 * len(every)  # the generator repeats patients
     assert not pats["train"] & pats["eval"] and not pats["train"] & pats["attack"]
     assert not pats["eval"] & pats["attack"]
-    for split in ("train", "eval", "attack"):
+    for split in ("train", "eval", "attack", VALIDATION):
         assert list(load_units(built, split)) == list(load_split(built, split)["patient_nbr"])
 
 

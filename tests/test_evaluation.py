@@ -47,7 +47,7 @@ def test_the_audit_catches_a_mechanism_with_its_noise_off(tmp_path, monkeypatch,
     assert "leak more than their claimed epsilon" in captured.err
     audit = json.loads((run / "evaluation.json").read_text())["audit"]
     assert audit["consistent"] is False and audit["claimed_epsilon"] == claimed
-    assert audit["epsilon_one_run"] > 5 * claimed  # measured 2.64 (80 of 80 guesses right)
+    assert audit["epsilon_one_run"] > 5 * claimed  # measured 1.91 (2.64 with the word tokenizer and 3 sentences)
     assert audit["epsilon_clopper_pearson"] > claimed
     assert "VIOLATION" in captured.out
 

@@ -283,7 +283,7 @@ def test_pbt_study_exploits_and_stays_within_every_budget(pbt_study):
         assert np.all(spent[INTEGER] >= sum(rdp_step(r[1], r[2]) for r in rows[name]) * (1 - 1e-9))
 
     # the study's reported (tuning-aware) epsilon is the composition of the members' budgets = the population's
-    sha = json.loads((study_dir / "dataset" / "manifest.json").read_text())["content_sha256"]
+    sha = json.loads((study_dir / "dataset" / "manifest.json").read_text())["dataset_id"]
     tuning = summary["tuning_aware_epsilon"][sha]
     assert tuning["trials"] == 2 and tuning["unknown_spend"] == []
     composed = rdp_epsilon(sum(budgets), ORDERS, filt["delta"])

@@ -277,7 +277,7 @@ def test_selection_uses_the_public_split_by_default_and_labels_the_private_one(t
     # public: the baseline's final public ppl is 1.6; RLDP reaches it (1.55) at step 5 -> 0.5
     assert public.attrs["selection"]["split"] == "public"
     assert public.set_index("trial")["steps_to_target"]["rldp"] == pytest.approx(0.5)
-    assert private.attrs["selection"] == {"requested": "private", "split": "private",
+    assert private.attrs["selection"] == {"requested": "private", "split": "private", "metric": "perplexity",
                                           "note": "selection used the private eval split: unprotected (E15)"}
     assert private.set_index("trial")["steps_to_target"]["rldp"] == pytest.approx(0.5)  # 1.4 <= 1.5 at 5
     assert list(pd.read_parquet(tmp_path / "private" / "hand" / "results.parquet")["selection_split"]) == \

@@ -76,7 +76,8 @@ def test_summary_and_ledger_state_the_patient_unit_and_the_guarantee(two_runs):
     privacy = summary["privacy"]
     manifest = load_manifest(run / "private" / "dataset")
     assert privacy["privacy_unit"] == "patient" == manifest["privacy_unit"]
-    assert privacy["n_units"] == manifest["units"]["train"] < summary["train_records"]
+    assert privacy["n_units"] == manifest["units"]["train"] < manifest["sizes"]["train"]
+    assert "train_records" not in summary  # a DP run's record count is not released (issue 26)
     assert privacy["q"] == pytest.approx(16 / privacy["n_units"])  # q = B / N_patients
     assert summary["dataset_id"] == manifest["dataset_id"] == keyed_id(manifest["content_sha256"])
     assert manifest["content_sha256"] not in json.dumps(summary)  # only the keyed id leaves the dataset
@@ -105,7 +106,8 @@ def test_record_unit_on_request(tmp_path, raydp_cache):
     summary = run_training(TrainConfig(**{**SMALL, "max_steps": 1}, privacy_unit="record"), tmp_path / "r",
                            progress=False)
     assert summary["privacy"]["privacy_unit"] == "record"
-    assert summary["privacy"]["n_units"] == summary["train_records"]
+    manifest = load_manifest(tmp_path / "r" / "private" / "dataset")
+    assert summary["privacy"]["n_units"] == manifest["sizes"]["train"]
     assert "group privacy" in summary["privacy"]["unit_note"]
 
 
@@ -115,7 +117,7 @@ def test_a_csv_source_keeps_all_rows_unless_subsampled_by_patient():
 
     assert TrainConfig(data={"source": "diabetic_data.csv"}).data.n_records is None
     assert TrainConfig(data={"source": "diabetic_data.csv", "sample_fraction": 0.5}).data.sample_fraction == 0.5
-    assert TrainConfig().data.n_records == 2000  # the embedded default's synthetic size
+    assert TrainConfig().data.n_records == 10_000  # the embedded default's synthetic size (the benchmark)
     # a row-count cap on a CSV would let one patient's presence move others (E11): refused, in one line
     with pytest.raises(ConfigError, match="sample_fraction"):
         validate_config(TrainConfig, {"data": {"source": "diabetic_data.csv", "n_records": 500}})

@@ -1,9 +1,12 @@
 """Secret canaries for memorisation audits (RLDP Sec. 2.1, Table 1, Sec. 3.3) and audit canaries.
 
-``n_canary`` distinct 10-character secrets over [A-Z0-9] are drawn with ``canary_seed``; the same
-generator then permutes the train rows once and the first ``n_canary`` rows of that permutation
-receive one secret each, appended as `` secret_id=<CANARY>.`` (the form ending Table 1's sample:
-"... days. secret_id=O119XP9N56."). The secrets depend only on ``canary_seed`` and ``n_canary``.
+``n_canary`` distinct 10-character secrets over [A-Z0-9] are drawn with ``canary_seed``; each is appended as
+`` secret_id=<CANARY>.`` (the form ending Table 1's sample: "... days. secret_id=O119XP9N56.") to the narrative
+of a synthetic record of its own patient (the ``'canary'`` population: the private parameters, ids apart from
+every split), and those records join train (:mod:`raydp.data.splits`). The secrets depend only on
+``canary_seed`` and ``n_canary``. (The paper appends them to real training records; choosing which records
+carry them from the training set's rows made one patient's presence move the canaries of others, so a
+neighbouring table gave training sets that differ in up to 2 n_canary + 1 patients: issue 26.)
 
 Audit canaries (the one-run audit of Steinke, Nasr and Jagielski 2023, Sec. 3): ``n_audit`` further
 records, each its own patient, each carrying its own secret in the same format and each included in
@@ -34,16 +37,11 @@ def suffix(secret: str) -> str:
     return f"{PREFIX}{secret}."
 
 
-def draw_canaries(n_canary: int, n_train: int, canary_seed: int) -> tuple[list[str], np.ndarray]:
-    """(secrets, train row indices), both of length ``n_canary``; deterministic in the seed."""
+def draw_canaries(n_canary: int, canary_seed: int) -> list[str]:
+    """``n_canary`` distinct secrets, deterministic in the seed."""
     if isinstance(n_canary, bool) or not isinstance(n_canary, (int, np.integer)) or n_canary < 0:
         raise DataError(f"n_canary must be an integer >= 0, got {n_canary!r}")
-    if n_canary > n_train:
-        raise DataError(f"n_canary={n_canary} exceeds the {n_train} train records")
-    rng = np.random.default_rng(canary_seed)
-    secrets = random_secrets(rng, int(n_canary))
-    rows = rng.permutation(n_train)[:n_canary].astype(np.int64)
-    return secrets, rows
+    return random_secrets(np.random.default_rng(canary_seed), int(n_canary))
 
 
 def random_secrets(rng: np.random.Generator, n: int, exclude: set[str] = frozenset()) -> list[str]:
@@ -71,15 +69,17 @@ def draw_audit_canaries(n_audit: int, canary_seed: int, exclude: set[str]) -> tu
 
 
 #: sentences of a record's narrative an audit canary keeps before its secret
-AUDIT_SENTENCES = 3
+AUDIT_SENTENCES = 6
 
 
 def audit_text(narrative: str, secret: str) -> str:
     """An audit canary's text: the first :data:`AUDIT_SENTENCES` sentences of its record and its secret.
 
-    Short on purpose: the secret is a third of the sequence's tokens, so a mechanism that leaks shows it
-    in the secret's likelihood (a full narrative would dilute a canary's gradient thirty-fold and make the
-    audit weak). DP covers any record, whatever its form, so the audit's bound applies unchanged.
+    Short on purpose: the secret is a large share of the sequence's tokens, so a mechanism that leaks shows it
+    in the secret's likelihood (a full narrative would dilute a canary's gradient many-fold and make the audit
+    weak). Six sentences rather than three: under the clause tokenizer a sentence is one token, and three left
+    many canaries with the same context (race and gender only), which weakened a noise-off run's audit from 2.6
+    to 1.3. DP covers any record, whatever its form, so the audit's bound applies unchanged.
     """
     sentences = narrative.split(". ")
     return ". ".join(sentences[:AUDIT_SENTENCES]).rstrip(".") + "." + suffix(secret)

@@ -4,7 +4,7 @@ The privacy unit is the patient (ERRATA E11), and each patient is assigned to a 
 ``patient_nbr`` is hashed with the split seed (BLAKE2b keyed with the seed and a stream tag, read as a
 uniform u in [0, 1)) and u is compared with fixed thresholds: attack for u < f_attack, eval for the next
 f_eval, validation (the private validation split, for private selection) for the next f_validation, train
-for the rest (defaults 0.2 / 0.08 / 0 / 0.72, :data:`DEFAULT_FRACTIONS`; a study or run sets them with
+for the rest (defaults 0.2 / 0.2 / 0.05 / 0.55, :data:`DEFAULT_FRACTIONS`; a study or run sets them with
 ``data.fractions``). No patient's split depends on any other patient, so adding or removing one patient
 from the source table changes that patient's membership and nothing else. The neighbouring relation this
 gives for the source table: add/remove-one patient in the table is add/remove-one patient in at most one
@@ -61,14 +61,14 @@ from raydp.data import canaries, schema
 from raydp.data.csv_source import load_diabetes_csv, load_ids_mapping
 from raydp.data.identity import keyed_id, manifest_id, public_id
 from raydp.data.schema import IdMaps
-from raydp.data.synthetic import generate_records
+from raydp.data.synthetic import DEFAULT_GENERATOR, generate_records
 from raydp.data.verbalise import verbalise_records
 
 SPLITS = ("train", "eval", "attack")  # the required splits
 VALIDATION = "validation"  # the private validation split (private selection); empty unless its fraction is set
 ALL_SPLITS = (*SPLITS, VALIDATION)
 #: the fraction of patients in each split; train takes the rest (:func:`check_fractions`)
-DEFAULT_FRACTIONS = {"attack": 0.2, "eval": 0.08, VALIDATION: 0.0}
+DEFAULT_FRACTIONS = {"attack": 0.2, "eval": 0.2, VALIDATION: 0.05}
 BUCKET_ORDER = ("attack", "eval", VALIDATION)  # [0, f_attack), then eval, then validation; train above
 SPLIT_STREAM = b"raydp-split"
 SUBSAMPLE_STREAM = b"raydp-subsample"
@@ -83,6 +83,7 @@ REAL_NOTE = ("Records come from a user-supplied CSV and may describe real patien
              "file in this directory as sensitive.")
 MANIFEST = "manifest.json"
 AUDIT_PATIENT_BASE = 6_000_000_000  # one patient per audit canary
+CANARY_PATIENT_BASE = 5_000_000_000  # one patient per secret canary
 
 
 def check_fractions(fractions: dict | None) -> dict[str, float]:
@@ -191,17 +192,19 @@ def _resolve_id_maps(ids_mapping: str | os.PathLike | IdMaps | None) -> IdMaps:
     return load_ids_mapping(ids_mapping)
 
 
-def _load_source(source, n_records, seed, ids_mapping, progress, sample_fraction=None):
+def _load_source(source, n_records, seed, ids_mapping, progress, sample_fraction=None, generator=DEFAULT_GENERATOR):
     if isinstance(source, str) and source in (PUBLIC_SOURCE, "synthetic"):
         if sample_fraction is not None:
             raise DataError("sample_fraction subsamples a CSV; n_records sizes synthetic data")
         n = DEFAULT_SYNTHETIC_SIZE if n_records is None else n_records
         if source == PUBLIC_SOURCE:
-            records = generate_records(n, PUBLIC_EPISODE_SEED + seed, population="public", progress=progress)
+            records = generate_records(n, PUBLIC_EPISODE_SEED + seed, population="public", progress=progress,
+                                       generator=generator)
             info = {"source": PUBLIC_SOURCE, "synthetic": True, "public": True, "note": PUBLIC_NOTE}
         else:
-            records = generate_records(n, seed, population="private", progress=progress)
+            records = generate_records(n, seed, population="private", progress=progress, generator=generator)
             info = {"source": "synthetic", "synthetic": True, "note": SYNTHETIC_NOTE}
+        info["generator"] = generator
         return records, _resolve_id_maps(ids_mapping), info
     if not isinstance(source, (str, os.PathLike)):
         raise DataError(f"source must be 'synthetic' or a CSV path, got {source!r}")
@@ -232,13 +235,29 @@ def _sample_patients(records: pd.DataFrame, fraction: float, seed: int) -> pd.Da
     return records.loc[kept[inverse.reshape(-1)]].reset_index(drop=True)
 
 
-def _audit_records(n: int, canary_seed: int, progress: bool) -> pd.DataFrame:
+def _canary_records(n: int, canary_seed: int, progress: bool, generator: str = DEFAULT_GENERATOR) -> pd.DataFrame:
+    """``n`` records of the canary population (private parameters), one patient each, ids never shared with any
+    split or the audit canaries; each carries one secret canary."""
+    frame = generate_records(max(n, 1), canary_seed, population="canary", progress=progress and n > 0,
+                             generator=generator).iloc[:n].reset_index(drop=True)
+    frame[UNIT_COLUMN] = CANARY_PATIENT_BASE + np.arange(n, dtype=np.int64)
+    return frame
+
+
+def _audit_records(n: int, canary_seed: int, progress: bool, generator: str = DEFAULT_GENERATOR) -> pd.DataFrame:
     """``n`` records of the audit population, one patient each (ids never shared with any split)."""
     if n == 0:
-        return generate_records(1, canary_seed, population="audit", progress=False).iloc[:0]
-    frame = generate_records(n, canary_seed, population="audit", progress=progress)
+        return generate_records(1, canary_seed, population="audit", progress=False, generator=generator).iloc[:0]
+    frame = generate_records(n, canary_seed, population="audit", progress=progress, generator=generator)
     frame[UNIT_COLUMN] = AUDIT_PATIENT_BASE + np.arange(n, dtype=np.int64)
     return frame
+
+
+VALUE_SPANS = "value_spans"  # each text's field-value character spans (raydp.data.verbalise.verbalise_spans)
+
+
+def _spans_array(spans: list[list[tuple[int, int]]]) -> pa.Array:
+    return pa.array([[[int(a), int(b)] for a, b in sp] for sp in spans], type=pa.list_(pa.list_(pa.int32(), 2)))
 
 
 def _split_table(frame: pd.DataFrame, texts: list[str], extra: dict | None = None) -> pa.Table:
@@ -295,6 +314,7 @@ def build_dataset(
     ids_mapping: str | os.PathLike | IdMaps | None = None,
     fractions: dict | None = None,
     sample_fraction: float | None = None,
+    generator: str = DEFAULT_GENERATOR,
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
@@ -304,7 +324,8 @@ def build_dataset(
     (the public population) or the path of ``diabetic_data.csv`` (``sample_fraction`` then optionally keeps
     each patient with that probability, on its own; ``None`` keeps every row). The splits are disjoint in
     patients and each patient's split depends on its own id only (ERRATA E11; module docstring);
-    ``fractions`` sets the split fractions (:data:`DEFAULT_FRACTIONS`).
+    ``fractions`` sets the split fractions (:data:`DEFAULT_FRACTIONS`); ``generator`` the synthetic generator
+    (``'structured'``, the default, or ``'independent'``; :mod:`raydp.data.synthetic`).
     ``ids_mapping`` is an ``IDs_mapping.csv`` path or :class:`IdMaps`; default the embedded tables.
     ``n_audit`` audit canaries (module docstring) are added, about half of them to train.
     """
@@ -318,23 +339,34 @@ def build_dataset(
 
     if isinstance(source, str) and source == PUBLIC_SOURCE:
         n_canary, n_audit = 0, 0  # canaries are instruments of a private dataset: public episodes carry none
-    records, id_maps, info = _load_source(source, n_records, seed, ids_mapping, progress, sample_fraction)
+    records, id_maps, info = _load_source(source, n_records, seed, ids_mapping, progress, sample_fraction, generator)
     units = records[UNIT_COLUMN].to_numpy(dtype=np.int64)
     idx = split_indices(units, seed, fractions)
-    secrets, canary_rows = canaries.draw_canaries(n_canary, len(idx["train"]), canary_seed)
+    secrets = canaries.draw_canaries(n_canary, canary_seed)
     frames = {s: records.iloc[idx[s]].reset_index(drop=True) for s in ALL_SPLITS}
-    texts = {s: verbalise_records(frames[s], id_maps, progress=progress) for s in ALL_SPLITS}
+    texts, spans = {}, {}
+    for s in ALL_SPLITS:
+        texts[s], spans[s] = verbalise_records(frames[s], id_maps, progress=progress, spans=True)
+    # the secret canaries: records of their own synthetic patients, each ending in its secret, appended to train
+    # (never a real or private record: which records carry a canary depends on no other patient)
+    canary_frame = _canary_records(len(secrets), canary_seed, progress, generator)
+    canary_texts, canary_spans = verbalise_records(canary_frame, id_maps, progress=progress, spans=True)
+    canary_rows = np.arange(len(frames["train"]), len(frames["train"]) + len(secrets), dtype=np.int64)
+    frames["train"] = pd.concat([frames["train"], canary_frame], ignore_index=True)
+    texts["train"] = texts["train"] + [t + canaries.suffix(s) for t, s in zip(canary_texts, secrets)]
+    spans["train"] = spans["train"] + canary_spans
     has_canary = np.zeros(len(frames["train"]), dtype=bool)
-    for secret, row in zip(secrets, canary_rows):
-        texts["train"][row] += canaries.suffix(secret)
-        has_canary[row] = True
+    has_canary[canary_rows] = True
     audit_secrets, audit_in = canaries.draw_audit_canaries(n_audit, canary_seed, set(secrets))
-    audit_frame = _audit_records(len(audit_secrets), canary_seed, progress)
-    audit_texts = [canaries.audit_text(t, s) for t, s in
-                   zip(verbalise_records(audit_frame, id_maps, progress=progress), audit_secrets)]
+    audit_frame = _audit_records(len(audit_secrets), canary_seed, progress, generator)
+    audit_narratives, audit_spans = verbalise_records(audit_frame, id_maps, progress=progress, spans=True)
+    audit_texts = [canaries.audit_text(t, s) for t, s in zip(audit_narratives, audit_secrets)]
+    audit_spans = [[(a, b) for a, b in sp if b <= len(text) - len(canaries.suffix(secret))]  # the kept prefix
+                   for text, secret, sp in zip(audit_texts, audit_secrets, audit_spans)]
     n_base_train = len(frames["train"])
     frames["train"] = pd.concat([frames["train"], audit_frame[audit_in]], ignore_index=True)
     texts["train"] = texts["train"] + [t for t, keep in zip(audit_texts, audit_in) if keep]
+    spans["train"] = spans["train"] + [sp for sp, keep in zip(audit_spans, audit_in) if keep]
     has_canary = np.concatenate([has_canary, np.zeros(int(audit_in.sum()), dtype=bool)])
     is_audit = np.arange(len(frames["train"])) >= n_base_train
     train_units = frames["train"][UNIT_COLUMN].to_numpy(dtype=np.int64)
@@ -342,10 +374,10 @@ def build_dataset(
     tables = {
         "train": _split_table(frames["train"], texts["train"],
                               {"has_canary": pa.array(has_canary, type=pa.bool_()),
-                               "audit_canary": pa.array(is_audit, type=pa.bool_())}),
-        "eval": _split_table(frames["eval"], texts["eval"]),
-        "attack": _split_table(frames["attack"], texts["attack"]),
-        VALIDATION: _split_table(frames[VALIDATION], texts[VALIDATION]),
+                               "audit_canary": pa.array(is_audit, type=pa.bool_()),
+                               VALUE_SPANS: _spans_array(spans["train"])}),
+        **{s: _split_table(frames[s], texts[s], {VALUE_SPANS: _spans_array(spans[s])})
+           for s in ("eval", "attack", VALIDATION)},
     }
     canary_table = pa.table({
         "secret": pa.array(secrets, type=pa.string()),
@@ -369,7 +401,8 @@ def build_dataset(
         "seed": seed,
         "canary_seed": canary_seed,
         "n_canary": int(n_canary),
-        "canary_format": "' secret_id=<10 characters of [A-Z0-9]>.' appended to a train text",
+        "canary_format": ("' secret_id=<10 characters of [A-Z0-9]>.' appended to the narrative of a synthetic "
+                          "record of its own patient, added to train"),
         "n_records": int(len(records)),
         "sizes": {s: len(texts[s]) for s in ALL_SPLITS},
         "privacy_unit": PRIVACY_UNIT,
@@ -496,6 +529,28 @@ def load_texts(dataset_dir: str | os.PathLike, split: str) -> list[str]:
         raise DataError(f"split file {f} cannot be read: {' '.join(str(e).split())}") from None
 
 
+def load_value_spans(dataset_dir: str | os.PathLike, split: str) -> list[list[tuple[int, int]]] | None:
+    """The character spans of every text's field values, in ``load_texts`` order (the value-token metric). A
+    directory built before they were stored: re-verbalised from the record fields with the embedded id tables,
+    and None if that does not give back the stored texts (another ``IDs_mapping.csv``, say)."""
+    _check_split(split)
+    f = _split_file(dataset_dir, split)
+    if f is None:
+        return []
+    try:
+        table = pq.read_table(f)
+    except (OSError, pa.ArrowException) as e:
+        raise DataError(f"split file {f} cannot be read: {' '.join(str(e).split())}") from None
+    if VALUE_SPANS in table.column_names:
+        return [[(a, b) for a, b in sp] for sp in table.column(VALUE_SPANS).to_pylist()]
+    if "text" not in table.column_names or UNIT_COLUMN not in table.column_names:
+        return None
+    frame = table.to_pandas()
+    texts, spans = verbalise_records(frame, None, progress=False, spans=True)
+    stored = [canaries.PATTERN.sub("", t) for t in frame["text"]]  # a train text may end in a canary
+    return spans if texts == stored else None
+
+
 def privacy_unit(manifest: dict[str, Any]) -> str | None:
     """The privacy unit a manifest's splits are disjoint in: ``"patient"``, or ``None`` for a
     directory built before ERRATA E11 (record-level splits that may share patients)."""
@@ -595,5 +650,6 @@ def resolve_dataset(data, build_dir: str | Path, progress: bool = True) -> Path:
         build_dataset(build_dir, source=data.source if data.source in ("synthetic", PUBLIC_SOURCE) else str(source),
                       n_records=data.n_records, seed=data.seed, n_canary=data.n_canary,
                       canary_seed=data.canary_seed, n_audit=data.n_audit, ids_mapping=data.ids_mapping,
-                      fractions=data.fractions, sample_fraction=data.sample_fraction, progress=progress)
+                      fractions=data.fractions, sample_fraction=data.sample_fraction, generator=data.generator,
+                      progress=progress)
     return build_dir.resolve()

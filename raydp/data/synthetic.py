@@ -1,6 +1,12 @@
 """Seeded synthetic records in the exact schema of ``diabetic_data.csv`` (RLDP Sec. 2.1).
 
-SYNTHETIC RECORDS DESCRIBE NO REAL PATIENT. Every value is drawn independently per record from
+SYNTHETIC RECORDS DESCRIBE NO REAL PATIENT. Two generators sit behind :func:`generate_records`:
+``'structured'`` (the default, :mod:`raydp.data.structured`: latent condition and severity per patient, fields
+that depend on each other, exact log-probabilities) and ``'independent'`` (this module's, kept as a named
+option: the benchmark before the structured records existed). The rest of this docstring describes the
+independent generator.
+
+Independent generator: every value is drawn independently per record from
 marginals that roughly follow the published UCI table (Caucasian ~75%, Female ~54%, ages 50-90,
 readmitted NO/>30/<30 = 54/35/11%, ...) plus two structural rules of the real data:
 ``diabetesMed == 'Yes'`` iff some medication is not ``'No'``, and ``change == 'Ch'`` whenever some
@@ -22,6 +28,7 @@ from tqdm.auto import tqdm
 
 from raydp.errors import DataError
 from raydp.data import schema
+from raydp.data.structured import generate
 
 # The public population is a proxy, not a copy, of the private one: every categorical marginal is
 # raised to this power and renormalised (flatter). A model pre-trained on it knows the narratives'
@@ -32,6 +39,7 @@ PUBLIC_TILT = 0.5
 PRIVATE_STREAM = 0x50524956  # "PRIV"
 PUBLIC_STREAM = 0x5055424C  # "PUBL"
 AUDIT_STREAM = 0x41554454  # "AUDT"
+PRETRAINING_STREAM = 0x50524554  # "PRET"
 # Id ranges: private ids start near the real file's smallest ids and grow by < 200 per record, so
 # they stay below the public base for any n < 4.5e7; public ids start at 9e9 (the real file's
 # largest is 4.4e8).
@@ -40,6 +48,10 @@ _ID_BASES = {
     "public": (PUBLIC_STREAM, 9_000_000_000, 8_000_000_000),
     # audit canaries (raydp.data.splits): private marginals, ids from 7e9/6e9 (one patient each there)
     "audit": (AUDIT_STREAM, 7_000_000_000, 6_000_000_000),
+    # the records that carry the secret canaries (raydp.data.splits): private parameters, ids from 5.5e9/5e9
+    "canary": (0x43414E52, 5_500_000_000, 5_000_000_000),  # "CANR"
+    # the generic pre-training corpus of the structured generator (raydp.data.structured); ids from 11e9/10e9
+    "pretraining": (PRETRAINING_STREAM, 11_000_000_000, 10_000_000_000),
 }
 
 # Marginal counts of the real table (approximate, rounded), value -> weight.
@@ -162,23 +174,34 @@ def _diag(rng: np.random.Generator, n: int, column: str, tilt: float = 1.0) -> n
     return out
 
 
+GENERATORS = ("structured", "independent")
+DEFAULT_GENERATOR = "structured"
+
+
 def generate_records(
-    n: int, seed: int = 0, *, population: str = "private", progress: bool = True
+    n: int, seed: int = 0, *, population: str = "private", progress: bool = True,
+    generator: str = DEFAULT_GENERATOR,
 ) -> pd.DataFrame:
     """``n`` synthetic encounters (rows in :data:`schema.COLUMNS` order), deterministic per seed.
 
-    ``population`` is ``'private'``, ``'public'`` or ``'audit'`` (disjoint seed streams and id ranges;
-    audit records follow the private marginals).
-    Integer columns are ``int64``; all other columns hold the CSV's strings.
+    ``population`` is ``'private'``, ``'public'``, ``'audit'`` or ``'pretraining'`` (disjoint seed streams and id
+    ranges; audit records follow the private parameters; the independent generator has one public population,
+    which ``'pretraining'`` then draws from too). ``generator``: ``'structured'`` (default) or
+    ``'independent'`` (module docstring). Integer columns are ``int64``; all other columns hold the CSV's strings.
     """
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise DataError(f"synthetic record count must be an integer >= 1, got {n!r}")
     if population not in _ID_BASES:
-        raise DataError(f"population must be 'private', 'public' or 'audit', got {population!r}")
+        raise DataError(f"population must be one of {', '.join(_ID_BASES)}, got {population!r}")
+    if generator not in GENERATORS:
+        raise DataError(f"generator must be one of {', '.join(GENERATORS)}, got {generator!r}")
     n = int(n)
     stream, encounter_base, patient_base = _ID_BASES[population]
-    tilt = PUBLIC_TILT if population == "public" else 1.0
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), stream]))
+    if generator == "structured":
+        return generate(n, rng, "private" if population in ("audit", "canary") else population, encounter_base,
+                        patient_base)
+    tilt = PUBLIC_TILT if population in ("public", "pretraining") else 1.0  # one public population before
     cols: dict[str, np.ndarray] = {}
     bar = tqdm(total=len(schema.COLUMNS), desc=f"generating {n} {population} records",
                unit="col", disable=None if progress else True, leave=False)

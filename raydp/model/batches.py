@@ -19,6 +19,8 @@ class Batch:
     unit_index: torch.Tensor | None = None
     #: class of each row (a classification task), or None (language modelling)
     labels: torch.Tensor | None = None
+    #: 1 at the tokens that overlap a field value's characters (the value-token metric), or None
+    value_mask: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -39,10 +41,21 @@ class TokenizedSplit:
     the mask (the forward local mechanism releases the whole fixed-size hidden state; EW-FT Sec. 5.3)."""
 
     def __init__(self, texts: list[str], tokenizer, max_length: int, units=None, labels=None,
-                 fixed_length: bool = False):
+                 fixed_length: bool = False, spans=None):
         """``units``: the privacy unit (patient) of every text, for unit-level DP (ERRATA E11);
-        ``labels``: the class of every text (a classification task)."""
-        encoded = tokenizer(texts, truncation=False)["input_ids"]
+        ``labels``: the class of every text (a classification task); ``spans``: the character spans of the field
+        values of every text (:func:`raydp.data.verbalise.verbalise_spans`), which mark the value tokens: a token
+        is one when its characters overlap a value's (a fast tokenizer's offsets; none for a slow tokenizer)."""
+        with_offsets = spans is not None and getattr(tokenizer, "is_fast", False) and not fixed_length
+        tokenized = (tokenizer(texts, truncation=False, return_offsets_mapping=True) if with_offsets
+                     else tokenizer(texts, truncation=False))
+        encoded = tokenized["input_ids"]
+        self.value_masks = None
+        if with_offsets:
+            if len(spans) != len(texts):
+                raise ValueError(f"spans must give the value spans of every text ({len(texts)}), got {len(spans)}")
+            self.value_masks = [value_token_mask(offsets, text_spans)[:max_length]
+                                for offsets, text_spans in zip(tokenized["offset_mapping"], spans)]
         self.units = None if units is None else np.asarray(units)
         if self.units is not None and self.units.shape != (len(texts),):
             raise ValueError(f"units must give one unit per text ({len(texts)}), got shape {self.units.shape}")
@@ -78,4 +91,21 @@ class TokenizedSplit:
         if self.labels is not None:
             labels = torch.as_tensor(self.labels[np.asarray(indices, dtype=np.int64)], dtype=torch.long,
                                      device=device).reshape(-1)
-        return Batch(list(indices), input_ids.to(device), attention_mask.to(device), unit_index, labels)
+        value_mask = None
+        if self.value_masks is not None:
+            value_mask = torch.zeros((len(indices), length), dtype=torch.bool)
+            for row, i in enumerate(indices):
+                value_mask[row, : len(self.value_masks[i])] = torch.from_numpy(self.value_masks[i])
+            value_mask = value_mask.to(device)
+        return Batch(list(indices), input_ids.to(device), attention_mask.to(device), unit_index, labels, value_mask)
+
+
+def value_token_mask(offsets, spans) -> np.ndarray:
+    """True for each token whose characters ``[a, b)`` overlap some value span ``[s, e)`` (a < e and s < b)."""
+    if spans is None or not len(spans) or not len(offsets):
+        return np.zeros(len(offsets), dtype=bool)
+    starts = np.array([a for a, _ in offsets], dtype=np.int64)[:, None]
+    ends = np.array([b for _, b in offsets], dtype=np.int64)[:, None]
+    s = np.array([a for a, _ in spans], dtype=np.int64)[None, :]
+    e = np.array([b for _, b in spans], dtype=np.int64)[None, :]
+    return ((starts < e) & (s < ends)).any(axis=1)

@@ -15,9 +15,11 @@ import torch.nn.functional as F
 from raydp.errors import ConfigError
 
 
-def class_token_ids(tokenizer, classes: tuple[str, ...]) -> tuple[int, ...]:
-    """The first token of " word" for each class word; they must differ."""
-    ids = tuple(int(tokenizer(f" {word}", add_special_tokens=False)["input_ids"][0]) for word in classes)
+def class_token_ids(tokenizer, classes: tuple[str, ...], leading_space: bool = True) -> tuple[int, ...]:
+    """The first token of " word" (``leading_space``; else of "word", after a prompt that ends in the space) for
+    each class word; they must differ."""
+    ids = tuple(int(tokenizer(f" {word}" if leading_space else word, add_special_tokens=False)["input_ids"][0])
+                for word in classes)
     if len(set(ids)) != len(ids):
         raise ConfigError(f"the class words {classes} share a first token under this tokenizer")
     return ids

@@ -1,9 +1,10 @@
 """The embedded default model: a small GPT-2 built from config, pre-trained briefly on public data.
 
-Nothing is downloaded. The tokenizer is a byte-level BPE trained on the public corpus (a synthetic
-population disjoint from every private split, see :func:`raydp.data.public_corpus`), and the model is
-a GPT-2-architecture network pre-trained non-privately on the same corpus so that private fine-tuning
-starts from a model that already speaks the narratives' language. Both are saved with
+Nothing is downloaded. The tokenizer is a byte-level BPE (clause pre-tokenisation by default,
+:mod:`raydp.model.tokenizer`) trained on the pre-training corpus (a synthetic population far from and disjoint
+from every private split, :func:`raydp.data.public.pretraining_corpus`), and the model is a GPT-2-architecture
+network pre-trained non-privately on the same corpus so that private fine-tuning starts from a model that
+already speaks the narratives' language but not the private population's. Both are saved with
 ``save_pretrained`` into a cache and loaded back through the same ``from_pretrained`` path as any
 Hugging Face model. Builds are deterministic per seed, cached by a hash of their spec, and written
 atomically (a directory appears in the cache only once complete).
@@ -20,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -29,7 +31,8 @@ from raydp.model.hf_progress import transformers_progress
 from raydp.model.loss import per_sequence_nll
 from raydp.model.tokenizer import train_bpe_tokenizer
 
-EMBEDDED_FORMAT_VERSION = 1
+EMBEDDED_FORMAT_VERSION = 2  # 2: structured public records, clause tokenizer (the structured benchmark)
+IDENTIFIER_STREAM = 0x49444E54  # "IDNT": the random identifiers of the pre-training corpus
 MARKER_FILE = "raydp_embedded.json"
 
 
@@ -41,7 +44,14 @@ class EmbeddedModelSpec:
     n_embd: int = 64
     n_head: int = 4
     n_positions: int = 512
-    vocab_size: int = 1024
+    vocab_size: int = 2048
+    pretokenize: str = "clauses"  # raydp.model.tokenizer.PRETOKENIZATIONS
+    generator: str = "structured"  # of the pre-training corpus (raydp.data.public.pretraining_corpus)
+    #: share of pre-training narratives that end in a random identifier in the canary format (" secret_id=" and 10
+    #: random [A-Z0-9]), so that character-level tokens, which the clause tokenizer otherwise rarely emits, have
+    #: trained embeddings: a model that cannot represent a random string cannot memorise a canary either, and the
+    #: extraction, exposure and audit attacks would under-state what DP has to prevent. Public, random: no canary.
+    identifier_fraction: float = 0.25
     public_records: int = 4000
     tokenizer_records: int = 800  # BPE training is superlinear in corpus size; the template is repetitive
     pretrain_steps: int = 200
@@ -59,9 +69,9 @@ class EmbeddedModelSpec:
 EMBEDDED_PRESETS: dict[str, EmbeddedModelSpec] = {
     "embedded": EmbeddedModelSpec(),
     "embedded-deep": EmbeddedModelSpec(n_layer=8),
-    "embedded-tiny": EmbeddedModelSpec(n_layer=2, n_embd=32, n_head=2, public_records=800, pretrain_steps=40),
+    "embedded-tiny": EmbeddedModelSpec(n_layer=2, n_embd=32, n_head=2, public_records=1600, pretrain_steps=200),
     # twice the adapters of embedded-tiny: tests policy transfer to a model with more adapter pairs
-    "embedded-tiny-deep": EmbeddedModelSpec(n_layer=4, n_embd=32, n_head=2, public_records=800, pretrain_steps=40),
+    "embedded-tiny-deep": EmbeddedModelSpec(n_layer=4, n_embd=32, n_head=2, public_records=1600, pretrain_steps=200),
     # GPT-2 small's width and depth (768 x 12 layers, 12 heads) on the embedded tokenizer: for benchmarks
     # at a realistic adapter size (a GPU is advised; briefly pre-trained, so its perplexity means little)
     "embedded-small": EmbeddedModelSpec(n_layer=12, n_embd=768, n_head=12, pretrain_steps=60, pretrain_lr=5e-4),
@@ -108,11 +118,19 @@ def ensure_embedded_model(
 
 
 def _build(spec: EmbeddedModelSpec, out: Path, progress: bool, name: str) -> None:
-    from raydp.data import public_corpus
+    from raydp.data.public import pretraining_corpus
 
     started = time.perf_counter()
-    texts = public_corpus(spec.public_records, seed=spec.seed)
-    tokenizer = train_bpe_tokenizer(texts[: spec.tokenizer_records], vocab_size=spec.vocab_size)
+    texts = pretraining_corpus(spec.public_records, seed=spec.seed, generator=spec.generator)
+    if spec.identifier_fraction > 0:
+        from raydp.data.canaries import random_secrets, suffix
+
+        rng = np.random.default_rng(np.random.SeedSequence([spec.seed, IDENTIFIER_STREAM]))
+        carriers = rng.random(len(texts)) < spec.identifier_fraction
+        ids = iter(random_secrets(rng, int(carriers.sum())))
+        texts = [t + suffix(next(ids)) if c else t for t, c in zip(texts, carriers)]
+    tokenizer = train_bpe_tokenizer(texts[: spec.tokenizer_records], vocab_size=spec.vocab_size,
+                                    pretokenize=spec.pretokenize)
     config = GPT2Config(
         vocab_size=len(tokenizer),
         n_positions=spec.n_positions,
@@ -141,13 +159,13 @@ def _build(spec: EmbeddedModelSpec, out: Path, progress: bool, name: str) -> Non
         "pretrain_loss_first": losses[0],
         "pretrain_loss_last": losses[-1],
         "build_seconds": round(time.perf_counter() - started, 2),
-        "note": "pre-trained on a synthetic public corpus that describes no real patient",
+        "note": "pre-trained on a synthetic pre-training corpus that describes no real patient",
     }
     (out / MARKER_FILE).write_text(json.dumps(marker, indent=2))
 
 
 def _pretrain(model, tokenizer, texts, spec: EmbeddedModelSpec, progress: bool, name: str) -> list[float]:
-    """Brief non-private pre-training on the public corpus (mean per-sequence NLL, AdamW)."""
+    """Brief non-private pre-training on the pre-training corpus (mean per-sequence NLL, AdamW)."""
     encoded = tokenizer(texts, truncation=True, max_length=spec.n_positions)["input_ids"]
     generator = torch.Generator().manual_seed(spec.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.pretrain_lr, weight_decay=0.0)
@@ -155,7 +173,7 @@ def _pretrain(model, tokenizer, texts, spec: EmbeddedModelSpec, progress: bool, 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     model.train()
     losses = []
-    bar = tqdm(range(spec.pretrain_steps), desc=f"pre-training {name} (public corpus)", disable=not progress)
+    bar = tqdm(range(spec.pretrain_steps), desc=f"pre-training {name} (pre-training corpus)", disable=not progress)
     for _ in bar:
         idx = torch.randint(len(encoded), (spec.pretrain_batch_size,), generator=generator).tolist()
         batch = tokenizer.pad({"input_ids": [encoded[i] for i in idx]}, return_tensors="pt")

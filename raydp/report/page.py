@@ -39,7 +39,19 @@ from raydp.data.identity import frame_ids as dataset_ids, identity_of
 from raydp.errors import ConfigError
 from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
 from raydp.report import figures
-from raydp.study.report import VERDICT_ALPHA, _final_column, load_results, table2, table3, verdicts
+from raydp.study.report import (
+    VERDICT_ALPHA,
+    _final_column,
+    column_split,
+    gates,
+    headroom,
+    load_results,
+    metric_label,
+    table2,
+    table3,
+    verdicts,
+)
+from raydp.study.results import METRIC_COLUMNS
 
 MAX_DIALS = 24
 EVALUATION_FILE = "evaluation.json"
@@ -148,14 +160,23 @@ class Report:
     root: Path
     results: pd.DataFrame
     summary: dict
-    column: str  # the selection split's final-perplexity column (results.parquet)
+    column: str  # the selection split's final column of the study's metric (results.parquet)
     eval_column: str  # the same split's column in eval_metrics.parquet
     note: str
     cache: dict = field(default_factory=dict)
 
     @property
     def public(self) -> bool:
-        return self.column == "final_public_perplexity"
+        return column_split(self.column) == "public"
+
+    @property
+    def metric(self) -> str:
+        """What the selection column measures: 'value-token NLL (nats/record)' or 'perplexity'."""
+        return metric_label(self.column)
+
+    @property
+    def private_column(self) -> str:
+        return self.column.replace("_public_", "_eval_")
 
     @property
     def split_name(self) -> str:
@@ -208,6 +229,15 @@ def _parquet(path: Path, columns: list[str] | None = None) -> pd.DataFrame | Non
     return pd.read_parquet(path, columns=columns)
 
 
+def _eval_column(final_column: str) -> str:
+    """The eval_metrics.parquet column of a results column (``final_public_value_nll`` -> ``public_value_nll``)."""
+    for columns in METRIC_COLUMNS.values():
+        for final, evals in columns.values():
+            if final == final_column:
+                return evals
+    raise KeyError(final_column)
+
+
 def load_report(path: str | Path) -> Report:
     root = Path(path).expanduser()
     if not root.is_dir():
@@ -216,11 +246,11 @@ def load_report(path: str | Path) -> Report:
         results, summary = load_results(root)
         column = _final_column(results, summary)
         selection = summary.get("selection") or {}
-        public = column == "final_public_perplexity"
+        public = column_split(column) == "public"
         note = selection.get("note") or ("selection used the public validation split (E15)" if public
                                          else "selection used the private eval split: unprotected (E15)")
         return Report("study", str(summary.get("study") or root.name), root, _with_arms(results), summary,
-                      column, "public_perplexity" if public else "perplexity", note)
+                      column, _eval_column(column), note)
     if (root / "summary.json").exists():
         return _single_run(root)
     raise ConfigError(f"{root} is neither a study directory (results.parquet) nor a run directory (summary.json)")
@@ -246,6 +276,8 @@ def _single_run(root: Path) -> Report:
         "frozen_policy": bool(strategy.get("frozen")) if rldp else False,
         **{f"{w}_{split}_perplexity": s.get(f"{w}_{split}_perplexity")
            for w in ("initial", "final", "best") for split in ("eval", "public")},
+        **{f"{w}_{split}_value_nll": s[f"{w}_{split}_value_nll"]
+           for w in ("initial", "final", "best") for split in ("eval", "public") if f"{w}_{split}_value_nll" in s},
         "steps": s.get("steps"), "planned_steps": privacy.get("planned_steps", s.get("steps")),
         **{f"epsilon_{a}": eps.get(a) for a in REPORTED_ACCOUNTANTS},
         "enforcing_accountant": privacy.get("enforcing_accountant"), "within_budget": privacy.get("within_budget"),
@@ -257,13 +289,13 @@ def _single_run(root: Path) -> Report:
     }
     results = pd.DataFrame([row])
     for col in ("epsilon_target", "t_rl", "b_sac", "k", "steps_to_target") + tuple(
-            c for c in row if c.endswith("_perplexity") or c.startswith("epsilon_")):
+            c for c in row if c.endswith(("_perplexity", "_value_nll")) or c.startswith("epsilon_")):
         results[col] = pd.to_numeric(results[col], errors="coerce").astype(float)
     public = not _missing(row["final_public_perplexity"])
+    column = _final_column(results, {"selection": {"split": "public" if public else "private"}})
     note = ("single run: curves and tables use the public validation split (E15)" if public else
             "single run without public validation figures: the private eval split is shown, unprotected (E15)")
-    return Report("run", root.name, root, _with_arms(results), {}, "final_public_perplexity" if public
-                  else "final_eval_perplexity", "public_perplexity" if public else "perplexity", note)
+    return Report("run", root.name, root, _with_arms(results), {}, column, _eval_column(column), note)
 
 
 def _with_arms(results: pd.DataFrame) -> pd.DataFrame:
@@ -337,13 +369,14 @@ def overview(r: Report) -> str:
         ("target epsilons", ", ".join(f"{e:g}" for e in eps) + (" + non-private" if res["epsilon_target"].isna().any()
                                                                  else "") if eps else "non-private only"),
         ("seeds", ", ".join(str(int(s)) for s in sorted(res["seed"].dropna().unique())) if "seed" in res else "n/a"),
-        ("dataset identity (content sha256)", Cell(", ".join(d[:16] + "…" for d in datasets) or "n/a",
+        ("dataset id (keyed: only its owner can compute it)", Cell(", ".join(datasets) or "n/a",
                                                    title=", ".join(datasets) or None)),
         ("privacy unit(s)", ", ".join(units) or "n/a"),
         ("selection", r.note),
     ]
     if r.kind == "study" and r.summary.get("wall_seconds") is not None:
-        rows.append(("study wall time", f"{float(r.summary['wall_seconds']):.0f} s"))
+        rows.append(("study wall time (unprotected: timings follow the private batch sizes)",
+                     f"{float(r.summary['wall_seconds']):.0f} s"))
     body = [how("what was run: one row per setting. Every figure and table below uses the selection split named "
                 "here; the private eval split is never a DP release (ERRATA E15)."),
             table("table-overview", ["", ""], [(Cell(k, "key"), v) for k, v in rows])]
@@ -365,7 +398,7 @@ def _labels(res: pd.DataFrame) -> list[str]:
 
 def utility(r: Report, colours: dict[str, str]) -> str:
     res = r.results
-    ylabel = f"{'public validation' if r.public else 'private eval'} perplexity"
+    ylabel = f"{'public validation' if r.public else 'private eval'} {r.metric}"
     panels, notes = [], []
     nonprivate = res[res["epsilon_target"].isna()]
     only_nonprivate = nonprivate.shape[0] == res.shape[0]
@@ -511,39 +544,57 @@ def tables(r: Report) -> str:
                    pm_cell(g.get(r.column.replace("final", "initial"), []), 4),
                    Cell(f"{mean_std(100 * stt, 1)} ({len(stt)}/{len(g)})" if len(stt) else "not reached / n/a", "num")]
             if r.public:
-                row.append(pm_cell(g.get("final_eval_perplexity", []), 4, "num private"))
+                row.append(pm_cell(g.get(r.private_column, []), 4, "num private"))
             rows.append(row)
-    columns = ["model", "ε target", "strategy", "seeds", f"final {split} ppl", "best", "initial",
+    columns = ["model", "ε target", "strategy", "seeds", f"final {split} {r.metric}", "best", "initial",
                "steps to target, % (seeds reaching)"]
     if r.public:
-        columns.append("final private-eval ppl (not a DP release)")
-    body = [how(f"per (model, epsilon, strategy): the {split} perplexity at the end of training, mean ± sample "
+        columns.append(f"final private-eval {r.metric} (not a DP release)")
+    body = [how(f"per (model, epsilon, strategy): the {split} {r.metric} at the end of training, mean ± sample "
                 "std over seeds (one seed: the value alone); 'seeds' counts seeds with a final value / trials. "
                 "Steps to target: the first evaluation at which a trial reached the best baseline's final "
-                "perplexity, in % of its planned steps (RLDP paper Sec. 4.2)."),
+                f"{r.metric}, in % of its planned steps (RLDP paper Sec. 4.2)."),
             table("table-seeds", columns, rows)]
+    head = headroom(res, r.column)
+    if len(head):
+        body.append(how(f"The DP gap: per model, epsilon and arm, the final {r.metric} on both splits (mean ± sd over "
+                        "seeds); 'recovered' is the share of the non-private arm's gain over the untrained model, "
+                        "'sd from non-private' the distance in pooled seed standard deviations. The private eval "
+                        "split is unprotected (E15) and shown for reference; the gates are the benchmark's (issue 27)."))
+        cols = ["model", "ε", "arm", "seeds", "public", "public recovered", "public sd from non-private",
+                "private eval", "private recovered", "private sd from non-private"]
+        body.append(table("table-headroom", cols, [
+            [rec["model"], _eps(rec["epsilon"]) if rec["epsilon"] != float("inf") else "∞ (non-private)",
+             Cell(rec["arm"], "arm"), Cell(str(rec["seeds"]), "num"),
+             Cell(f"{num(rec['public_mean'], 3)} ± {num(rec['public_sd'], 3)}", "num"),
+             Cell(num(rec["public_recovered"], 3), "num"), Cell(num(rec["public_sd_from_nonprivate"], 1), "num"),
+             Cell(f"{num(rec['eval_mean'], 3)} ± {num(rec['eval_sd'], 3)}", "num private"),
+             Cell(num(rec["eval_recovered"], 3), "num private"),
+             Cell(num(rec["eval_sd_from_nonprivate"], 1), "num private")] for rec in head.to_dict("records")],
+            caption=f"the DP gap: final {r.metric}, mean ± sd over seeds"))
+        body.extend(para(g, "gate-pass" if g.startswith("PASS") else "gate-fail") for g in gates(res, r.column))
     t2 = table2(res, r.column)
     body.append(how("Table 2 analogue: RLDP's best SAC cell (mean over seeds) against the best baseline (the "
-                    "DP strategy with the lowest mean final perplexity); change < 0 means RLDP is better."))
+                    f"DP strategy with the lowest mean final {r.metric}); change < 0 means RLDP is better."))
     if len(t2):
-        cols = [("model", "model", str), ("epsilon", "ε", _eps), ("rldp_ppl", "RLDP ppl", lambda x: num(x, 4)),
-                ("rldp_cell", "RLDP cell", str), ("rldp_frozen_ppl", "RLDP frozen-policy ppl", lambda x: num(x, 4)),
-                ("best_baseline", "best baseline", str), ("baseline_ppl", "baseline ppl", lambda x: num(x, 4)),
+        cols = [("model", "model", str), ("epsilon", "ε", _eps), ("rldp_final", "RLDP", lambda x: num(x, 4)),
+                ("rldp_cell", "RLDP cell", str), ("rldp_frozen_final", "RLDP frozen policy", lambda x: num(x, 4)),
+                ("best_baseline", "best baseline", str), ("baseline_final", "baseline", lambda x: num(x, 4)),
                 ("change_pct", "change", lambda x: "n/a" if _missing(x) else f"{x:+.1f}%")]
         cols = [c for c in cols if c[0] in t2]
         body.append(table("table2", [c[1] for c in cols],
                           [[Cell(f(rec[k]) if not _missing(rec[k]) else "n/a",
-                                 "num" if k.endswith(("ppl", "pct")) else None) for k, _, f in cols]
+                                 "num" if k.endswith(("final", "pct")) else None) for k, _, f in cols]
                            for rec in t2.to_dict("records")],
-                          caption=f"final {split} perplexity, mean over seeds"))
+                          caption=f"final {split} {r.metric}, mean over seeds"))
     else:
-        body.append(para("Table 2: no DP trials with a final perplexity", "missing"))
+        body.append(para(f"Table 2: no DP trials with a final {r.metric}", "missing"))
     v = verdicts(res, r.column)
     if len(v):
         body.append(how("RLDP against the best baseline, per model and epsilon: RLDP's best arm and the baseline arm "
                         "with the lowest mean, both chosen after the fact; Welch's t-test over seeds (two-sided, "
                         f"{VERDICT_ALPHA:g}): wins or loses when the difference is significant, ties otherwise."))
-        body.append(table("table-verdicts", ["model", "ε", "RLDP arm", "RLDP ppl", "best baseline", "baseline ppl",
+        body.append(table("table-verdicts", ["model", "ε", "RLDP arm", "RLDP", "best baseline", "baseline",
                                              "change", "p", "seeds (RLDP/baseline)", "verdict"],
                           [[rec["model"], _eps(rec["epsilon"]), Cell(rec["rldp_arm"], "arm"),
                             Cell(f"{num(rec['rldp_mean'], 4)} ± {num(rec['rldp_sd'], 4)}", "num"),
@@ -553,14 +604,14 @@ def tables(r: Report) -> str:
                             Cell("n/a" if rec["p_value"] is None else f"{rec['p_value']:.3g}", "num"),
                             Cell(rec["seeds"], "num"), Cell(rec["verdict"], "verdict")]
                            for rec in v.to_dict("records")],
-                          caption=f"final {split} perplexity, mean ± sd over seeds"))
+                          caption=f"final {split} {r.metric}, mean ± sd over seeds"))
     t3 = table3(res, r.column)
     if len(t3):
         body.append(table("table3", ["model", "ε", "RLDP steps to target (% of steps)", "seeds reaching target"],
                           [[rec["model"], _eps(rec["epsilon"]), Cell(num(rec["steps_to_target_pct"], 1), "num"),
                             Cell(rec["seeds_reaching_target"], "num")] for rec in t3.to_dict("records")],
                           caption="Table 3 analogue: RLDP's best cell, steps to reach the best baseline's "
-                                  f"final {split} perplexity"))
+                                  f"final {split} {r.metric}"))
     else:
         body.append(para("Table 3: no RLDP trials", "missing"))
     return _section("sec-tables", "Final utility (Tables 2 and 3)", "\n".join(body))

@@ -144,6 +144,10 @@ class Trainer:
                "perplexity": result.perplexity, "nll_per_token": result.nll_per_token, "utility": result.utility,
                "n_tokens": result.n_tokens,
                "public_perplexity": public.perplexity if public is not None else None}
+        if getattr(result, "value_nll_per_record", None) is not None:  # language modelling on value-spanned data
+            row.update(value_nll=result.value_nll_per_record, nll_per_record=result.nll_per_record,
+                       public_value_nll=getattr(public, "value_nll_per_record", None),
+                       public_nll_per_record=getattr(public, "nll_per_record", None))
         if hasattr(result, "accuracy"):  # a classification task
             row.update(accuracy=result.accuracy, public_accuracy=getattr(public, "accuracy", None))
         self.history.log_eval(**row)

@@ -32,6 +32,10 @@ from raydp import __version__
 from raydp.config import TrainConfig
 from raydp.control.policies import trained_on
 from raydp.data import load_manifest, load_texts, manifest_id, public_corpus, resolve_dataset
+from raydp.data.csv_source import load_diabetes_csv
+from raydp.data.splits import load_value_spans
+from raydp.data.verbalise import verbalise_records
+from raydp.data.synthetic import DEFAULT_GENERATOR
 from raydp.errors import ConfigError
 from raydp.model import LoraSettings, disable_dropout, load_model
 from raydp.model.batches import TokenizedSplit
@@ -63,11 +67,25 @@ SYNTHETIC_NOTE = "synthetic records: they describe no real patient"
 PUBLIC_PROBE_SEED = 7_777
 PUBLIC_EVAL_SEED = 8_888
 PRIVATE_DIR = "private"
+RUN_PRIVACY_NOTE = """What in this run directory is private (ERRATA E11-E15; tests/releasable.py lists every released field):
+- private/  the dataset splits the run built: never release.
+- evaluation.json (after `raydp eval`): attacks and audit computed from private records: keep private.
+- a non-private run (strategy nonprivate): nothing here is protected: keep it all private.
+- a paper-mode RLDP run (rldp.privacy_mode: paper): controller_decisions.parquet, control_trace.parquet and policy/
+  hold unprivatized statistics of the private records (E3): keep them private.
+Releasable, with their labels: summary.json, config.json, privacy_ledger.parquet, train_metrics.parquet,
+eval_metrics.parquet, adapter/, and (strict mode) the controller's files. Unprotected inside them: every eval_*
+figure (the private eval split, E15), every timing (wall_seconds, train_loop_seconds, resumed_from_step, a saved
+policy's creation time: they follow the private batch sizes). Public by convention: the number of patients in train
+and q = B/N (summary privacy.public_counts; epsilon_replace_one covers them). The dataset is named by its
+owner-keyed id. No file holds a sampling or noise seed, a generator state or a plain hash of the records.
+"""
 PRIVATE_README = ("Everything under this directory is private data (the dataset splits built for this run). "
                   "Never release it.\n")
-EVAL_NOTE = ("eval_perplexity (and a classification task's eval_accuracy) is computed on the private held-out eval "
-             "split: not a DP release (unprotected, ERRATA E15); public_perplexity (public_accuracy) is on public "
-             "validation records, and the public perplexity is what studies select on")
+EVAL_NOTE = ("every eval_* figure (perplexity, value-token NLL, NLL per record, token counts; a classification task's "
+             "eval_accuracy) is computed on the private held-out eval split: not a DP release (unprotected, ERRATA "
+             "E15); the public_* figures are on public validation records, and the public value-token NLL (else "
+             "perplexity) is what studies select on")
 
 
 def prepare_dataset(config: TrainConfig, workdir: Path, progress: bool = True) -> Path:
@@ -91,9 +109,22 @@ def public_probe_batch(tokenizer, max_length: int, n_records: int, device, task:
     return split.collate(list(range(len(split))), device)
 
 
-def public_validation_split(tokenizer, max_length: int, n_records: int, task: Task | None = None) -> TokenizedSplit:
-    """PUBLIC validation records (the public population, drawn apart from the probe and pre-training)."""
-    return (task or Task()).split(public_corpus(n_records, seed=PUBLIC_EVAL_SEED), tokenizer, max_length)
+def public_validation_split(tokenizer, max_length: int, n_records: int, task: Task | None = None,
+                            generator: str = DEFAULT_GENERATOR, source: str | None = None) -> TokenizedSplit:
+    """PUBLIC validation records with their value spans: the first ``n_records`` rows of ``source`` (a CSV of public
+    records the user supplies), else the public population of ``generator`` (drawn apart from the probe and
+    pre-training)."""
+    if source is not None:
+        records, _ = load_diabetes_csv(Path(source).expanduser())
+        texts, spans = verbalise_records(records.iloc[:n_records], progress=False, spans=True)
+    else:
+        texts, spans = public_corpus(n_records, seed=PUBLIC_EVAL_SEED, generator=generator, spans=True)
+    return (task or Task()).split(texts, tokenizer, max_length, spans=spans)
+
+
+SYNTHETIC_VALIDATION_NOTE = ("the public validation records are synthetic (raydp's public population): they say "
+                             "nothing about this real dataset's task, so selecting on them may choose wrongly; supply "
+                             "public records of the same schema with public_validation")
 
 
 def policy_provenance(private, config: TrainConfig, manifest: dict, privacy: dict) -> dict:
@@ -154,8 +185,12 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
         max_length = config.max_length or min(loaded.max_positions, 384 if task.is_classification else 512)
         train = task.split(train_texts, loaded.tokenizer, max_length, units=units.ids if units else None,
                            require_all=True)
-        evaluation = task.split(load_texts(dataset_dir, "eval"), loaded.tokenizer, max_length)
-        public_eval = public_validation_split(loaded.tokenizer, max_length, config.public_eval_records, task)
+        evaluation = task.split(load_texts(dataset_dir, "eval"), loaded.tokenizer, max_length,
+                                spans=load_value_spans(dataset_dir, "eval"))
+        public_eval = public_validation_split(  # the public population of the dataset's generator (E15)
+            loaded.tokenizer, max_length, config.public_eval_records, task,
+            generator=manifest.get("generator") or ("independent" if manifest.get("synthetic") else DEFAULT_GENERATOR),
+            source=config.public_validation)
         warm = strategy.warm_start() if config.is_private and hasattr(strategy, "warm_start") else None
         phase_one = None
         if warm is not None:  # a non-private phase before the DP phase (DualTune-GhostDP phase 1)
@@ -204,6 +239,8 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
         history.write(staging)
         evals = [row["perplexity"] for row in history.eval_rows]
         public = [row["public_perplexity"] for row in history.eval_rows]
+        value = {split: [row.get(key) for row in history.eval_rows]
+                 for split, key in (("eval", "value_nll"), ("public", "public_value_nll"))}
         controller = None
         privacy = privacy_summary(private, config) if private else {"mechanism": "none", "epsilon": None}
         if local_run is not None:
@@ -239,7 +276,9 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             "data_source": manifest.get("source"),
             "dataset_id": manifest_id(manifest),  # keyed: names the dataset for its owner only
             "data_note": SYNTHETIC_NOTE if manifest.get("synthetic") else None,
-            "train_records": len(train),  # treated as public, like the number of units (q = B / N)
+            # the record count of a DP run is not released: a patient's number of encounters would show in it
+            # (issue 26); the number of units (N, q = B/N) is, and privacy.public_counts says what covers it
+            **({"train_records": len(train)} if not config.is_private else {}),
             "eval_records": len(evaluation),
             "public_eval_records": len(public_eval),
             "max_length": max_length,
@@ -251,15 +290,25 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             "initial_eval_perplexity": evals[0],
             "final_eval_perplexity": evals[-1],
             "best_eval_perplexity": min(evals),
+            **{f"{when}_{split}_value_nll": pick(values)
+               for split, values in value.items() if None not in values
+               for when, pick in (("initial", lambda v: v[0]), ("final", lambda v: v[-1]), ("best", min))},
+            **({"final_eval_nll_per_record": history.eval_rows[-1]["nll_per_record"],
+                "final_public_nll_per_record": history.eval_rows[-1]["public_nll_per_record"]}
+               if "nll_per_record" in history.eval_rows[-1] else {}),
             "task": task.describe(),
             **({"final_eval_accuracy": history.eval_rows[-1]["accuracy"],
                 "final_public_accuracy": history.eval_rows[-1]["public_accuracy"],
                 "best_public_accuracy": max(row["public_accuracy"] for row in history.eval_rows)}
                if task.is_classification else {}),
             "eval_note": EVAL_NOTE,
+            "public_validation": config.public_validation or "synthetic public population",
+            **({"public_validation_note": SYNTHETIC_VALIDATION_NOTE}
+               if not manifest.get("synthetic") and config.public_validation is None else {}),
             "train_loop_seconds": round(trainer.train_seconds, 2),
             "wall_seconds": round(time.perf_counter() - started, 2),
         }
         (staging / "config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
+        (staging / "PRIVACY.txt").write_text(RUN_PRIVACY_NOTE)
         (staging / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -48,7 +48,10 @@ class Task:
             return cls()
         spec = classification_spec(label)
         if not encoder:
-            return cls(kind, spec, class_token_ids(tokenizer, spec.classes))
+            try:
+                return cls(kind, spec, class_token_ids(tokenizer, spec.classes))
+            except ConfigError:  # e.g. a clause tokenizer: " changed" and " not" both start with the space
+                return cls(kind, spec, class_token_ids(tokenizer, spec.classes, leading_space=False), suffix=" ")
         if tokenizer.mask_token is None:
             raise ConfigError("this encoder's tokenizer has no mask token to classify with")
         suffix = f" {tokenizer.mask_token}"
@@ -60,12 +63,13 @@ class Task:
     def is_classification(self) -> bool:
         return self.kind == "classification"
 
-    def split(self, texts: list[str], tokenizer, max_length: int, units=None, require_all: bool = False
-              ) -> TokenizedSplit:
+    def split(self, texts: list[str], tokenizer, max_length: int, units=None, require_all: bool = False,
+              spans=None) -> TokenizedSplit:
         """The tokenised split of ``texts`` (classification: prompts and labels; ``require_all``: every
-        text must have a label, e.g. the training split whose unit count is public)."""
+        text must have a label, e.g. the training split whose unit count is public; ``spans``: the texts' value
+        spans, for the value-token metric of language modelling)."""
         if not self.is_classification:
-            return TokenizedSplit(texts, tokenizer, max_length, units=units)
+            return TokenizedSplit(texts, tokenizer, max_length, units=units, spans=spans)
         inputs, labels, kept = to_classification(texts, self.spec)
         inputs = [f"{text}{self.suffix}" for text in inputs]
         if require_all and len(kept) != len(texts):

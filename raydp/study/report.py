@@ -36,13 +36,34 @@ def load_results(study_dir: str | Path) -> tuple[pd.DataFrame, dict]:
 
 
 def _final_column(results: pd.DataFrame, summary: dict | None = None) -> str:
-    """The selection split's final perplexity column (E15): public unless the study used the private one."""
-    split = ((summary or {}).get("selection") or {}).get("split")
+    """The final column of the study's metric (the value-token NLL where every run reports it, else perplexity;
+    :func:`raydp.study.results.study_metric`) on its selection split (E15): public unless the study used the
+    private one."""
+    from raydp.study.results import METRIC_COLUMNS, study_metric
+
+    selection = (summary or {}).get("selection") or {}
+    split = selection.get("split")
     if split is None and "selection_split" in results and len(results):
         split = results["selection_split"].iloc[0]
-    if split == "public" and "final_public_perplexity" in results:
-        return "final_public_perplexity"
-    return "final_eval_perplexity"
+    metric = selection.get("metric") or study_metric(results)
+    columns = METRIC_COLUMNS.get(metric, METRIC_COLUMNS["perplexity"])
+    if split == "public" and columns["public"][0] in results:
+        return columns["public"][0]
+    return columns["private"][0]
+
+
+def column_split(column: str) -> str:
+    """'public' or 'private': the split a results column is on."""
+    return "public" if "_public_" in column else "private"
+
+
+def metric_label(column: str) -> str:
+    """What a results column measures, in words (with its unit)."""
+    return "value-token NLL (nats/record)" if column.endswith("value_nll") else "perplexity"
+
+
+def split_label(column: str) -> str:
+    return "public validation" if column_split(column) == "public" else "private eval (unprotected, E15)"
 
 
 def arm_keys(results: pd.DataFrame) -> pd.Series:
@@ -65,6 +86,7 @@ def cell_arm_keys(results: pd.DataFrame) -> pd.Series:
 
 
 VERDICT_ALPHA = 0.05
+BASELINES_EXCLUDED = ("rldp", "nonprivate")  # not DP baselines at an epsilon
 
 
 def verdicts(results: pd.DataFrame, column: str = "final_public_perplexity") -> pd.DataFrame:
@@ -101,6 +123,109 @@ def verdicts(results: pd.DataFrame, column: str = "final_public_perplexity") -> 
     return pd.DataFrame(rows)
 
 
+def _cells(results: pd.DataFrame, column: str) -> pd.DataFrame:
+    """Finished trials with a value in ``column`` and both splits' columns, keyed by model, epsilon (NaN for the
+    non-private arm, whose epsilon is infinite) and arm (:func:`cell_arm_keys`)."""
+    private_col = column.replace("_public_", "_eval_")
+    public_col = column.replace("_eval_", "_public_")
+    need = [c for c in (private_col, public_col) if c in results]
+    if column not in results or not need:
+        return pd.DataFrame()
+    done = results.dropna(subset=need).copy()
+    done["_arm"] = cell_arm_keys(done)
+    done["_eps"] = done["epsilon_target"].where(done["strategy"] != "nonprivate", float("inf"))
+    return done
+
+
+def headroom(results: pd.DataFrame, column: str) -> pd.DataFrame:
+    """The DP gap (issue 27): per model, epsilon and arm, the final metric's mean and sd over seeds on both splits,
+    each arm's share of the non-private arm's gain over the untrained model (``recovered``: 1 = as good as
+    non-private, 0 = no better than not training), and its distance from non-private in pooled seed standard
+    deviations, sqrt((sd_arm^2 + sd_np^2) / 2). Empty without a non-private arm."""
+    done = _cells(results, column)
+    if done.empty or not (done["strategy"] == "nonprivate").any():
+        return pd.DataFrame()
+    rows = []
+    for model, group in done.groupby("model"):
+        nonprivate = group[group["strategy"] == "nonprivate"]
+        for split in ("public", "private"):
+            final = column.replace("_eval_", "_public_") if split == "public" else column.replace("_public_", "_eval_")
+            initial = final.replace("final_", "initial_")
+            if initial in group:
+                group[f"_init_{split}"] = group[initial].mean()
+        for (eps, arm), g in group.groupby(["_eps", "_arm"]):
+            row = {"model": model, "epsilon": eps, "arm": arm, "seeds": len(g)}
+            for split, short in (("public", "public"), ("private", "eval")):
+                final = column.replace("_eval_", "_public_") if split == "public" else column.replace("_public_", "_eval_")
+                mean, sd = float(g[final].mean()), float(g[final].std(ddof=1)) if len(g) > 1 else float("nan")
+                np_mean = float(nonprivate[final].mean())
+                np_sd = float(nonprivate[final].std(ddof=1)) if len(nonprivate) > 1 else float("nan")
+                init = group[f"_init_{split}"].iloc[0] if f"_init_{split}" in group else float("nan")
+                pooled = ((sd ** 2 + np_sd ** 2) / 2) ** 0.5
+                row.update({f"{short}_mean": mean, f"{short}_sd": sd,
+                            f"{short}_recovered": (init - mean) / (init - np_mean) if init != np_mean else float("nan"),
+                            f"{short}_sd_from_nonprivate": (mean - np_mean) / pooled if pooled > 0 else float("nan")})
+            rows.append(row)
+    return pd.DataFrame(rows).sort_values(["model", "epsilon", "public_mean"]).reset_index(drop=True)
+
+
+#: the benchmark's gates (issue 27): headroom on the primary metric, and a public selection metric that agrees
+GATE_HEADROOM_PCT, GATE_HEADROOM_SD, GATE_EPSILON_SD, GATE_SPEARMAN = 3.0, 10.0, 5.0, 0.8
+
+
+def gates(results: pd.DataFrame, column: str, reference: str = "static-pairwise") -> list[str]:
+    """The benchmark's gates as 'PASS: ...' / 'FAIL: ...' lines (issue 27), per model: on the private eval split's
+    metric, non-private vs the ``reference`` arm (else the best DP baseline) at the smallest epsilon differ by at
+    least 3% and 10 pooled seed sds, and the reference at the smallest vs the largest epsilon by 5 sds; on the cell
+    means of every (arm, epsilon), non-private included, public validation ranks like the private split (Spearman
+    >= 0.8), and non-private beats every DP arm on public validation."""
+    from scipy import stats
+
+    done = _cells(results, column)
+    if done.empty or not (done["strategy"] == "nonprivate").any():
+        return []
+    private_col, public_col = column.replace("_public_", "_eval_"), column.replace("_eval_", "_public_")
+    out = []
+    for model, group in done.groupby("model"):
+        dp = group[~group["strategy"].isin(BASELINES_EXCLUDED)]
+        if dp.empty:
+            continue
+        eps = sorted(e for e in dp["_eps"].unique())
+        ref = dp[dp["strategy"] == reference]
+        name = reference
+        if ref.empty:
+            name = dp[dp["_eps"] == eps[0]].groupby("_arm")[public_col].mean().idxmin()
+            ref = dp[dp["_arm"] == name]
+        nonprivate = group[group["strategy"] == "nonprivate"][private_col]
+        low, high = ref[ref["_eps"] == eps[0]][private_col], ref[ref["_eps"] == eps[-1]][private_col]
+
+        def pooled(a, b):
+            return float((((a.std(ddof=1) if len(a) > 1 else float("nan")) ** 2
+                           + (b.std(ddof=1) if len(b) > 1 else float("nan")) ** 2) / 2) ** 0.5)
+
+        gap = float(low.mean() - nonprivate.mean())
+        pct, sds = 100 * gap / float(low.mean()), gap / pooled(low, nonprivate)
+        ok = pct >= GATE_HEADROOM_PCT and sds >= GATE_HEADROOM_SD
+        out.append(f"{'PASS' if ok else 'FAIL'}: {model}: non-private vs {name} at epsilon {eps[0]:g} (private eval): "
+                   f"{gap:.3f} nats/record apart, {pct:.1f}% and {sds:.1f} pooled sd (needs >= {GATE_HEADROOM_PCT:g}% "
+                   f"and >= {GATE_HEADROOM_SD:g} sd)")
+        if len(eps) > 1:
+            d = float(low.mean() - high.mean())
+            sds = d / pooled(low, high)
+            out.append(f"{'PASS' if sds >= GATE_EPSILON_SD else 'FAIL'}: {model}: {name} at epsilon {eps[0]:g} vs "
+                       f"{eps[-1]:g} (private eval): {d:.3f} nats/record apart, {sds:.1f} pooled sd (needs >= "
+                       f"{GATE_EPSILON_SD:g})")
+        means = group.groupby(["_arm", "_eps"])[[public_col, private_col]].mean()
+        rho = float(stats.spearmanr(means[public_col], means[private_col]).statistic) if len(means) > 2 else float("nan")
+        out.append(f"{'PASS' if rho >= GATE_SPEARMAN else 'FAIL'}: {model}: public validation ranks the {len(means)} "
+                   f"(arm, epsilon) cells like the private split: Spearman {rho:.3f} (needs >= {GATE_SPEARMAN:g})")
+        np_public = float(group[group["strategy"] == "nonprivate"][public_col].mean())
+        best_dp = group[group["strategy"] != "nonprivate"].groupby(["_arm", "_eps"])[public_col].mean().min()
+        out.append(f"{'PASS' if np_public < best_dp else 'FAIL'}: {model}: non-private beats every DP arm on public "
+                   f"validation ({np_public:.3f} against the best DP cell's {best_dp:.3f})")
+    return out
+
+
 def table2(results: pd.DataFrame, column: str = "final_public_perplexity") -> pd.DataFrame:
     if column not in results or "epsilon_target" not in results:  # no trial finished
         return pd.DataFrame()
@@ -113,18 +238,18 @@ def table2(results: pd.DataFrame, column: str = "final_public_perplexity") -> pd
         base = group[~group["strategy"].isin(("rldp", "nonprivate"))]  # a non-private run is no baseline at an epsilon
         row = {"model": model, "epsilon": eps}
         if (group["strategy"] == "rldp").any() and getattr(frozen, "any", lambda: False)():
-            row["rldp_frozen_ppl"] = float(group[frozen][column].mean())
+            row["rldp_frozen_final"] = float(group[frozen][column].mean())
         if len(rldp):
             cells = rldp.groupby(["t_rl", "b_sac", "k", "_arm"])[column].mean()
             t_rl, b_sac, k, arm = cells.idxmin()
             variant = arm[len("rldp"):].strip()
-            row.update(rldp_ppl=float(cells.min()), rldp_cell=f"T_RL={int(t_rl)} B_SAC={int(b_sac)} K={int(k)}"
+            row.update(rldp_final=float(cells.min()), rldp_cell=f"T_RL={int(t_rl)} B_SAC={int(b_sac)} K={int(k)}"
                        + (f" {variant}" if variant else ""))
         if len(base):
             means = base.groupby("_arm")[column].mean()
-            row.update(best_baseline=means.idxmin(), baseline_ppl=float(means.min()))
-        if "rldp_ppl" in row and "baseline_ppl" in row:
-            row["change_pct"] = 100.0 * (row["rldp_ppl"] - row["baseline_ppl"]) / row["baseline_ppl"]
+            row.update(best_baseline=means.idxmin(), baseline_final=float(means.min()))
+        if "rldp_final" in row and "baseline_final" in row:
+            row["change_pct"] = 100.0 * (row["rldp_final"] - row["baseline_final"]) / row["baseline_final"]
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -182,8 +307,8 @@ def combine_studies(study_dirs: list[str | Path]) -> tuple[pd.DataFrame, dict, l
     loaded = [(Path(d), *load_results(d)) for d in study_dirs]
     columns = {_final_column(r, s) for _, r, s in loaded}
     if len(columns) > 1:
-        raise ConfigError("these studies select on different splits (public validation and private eval): "
-                          "their perplexities do not compare")
+        raise ConfigError("these studies select on different splits or metrics (public validation and private "
+                          "eval; value-token NLL and perplexity): their figures do not compare")
     datasets = [set(dataset_ids(r).dropna()) for _, r, _ in loaded]
     datasets += [set(s["tuning_aware_epsilon"]) - {"unknown dataset"} for _, _, s in loaded  # trials may lack a hash
                  if isinstance(s.get("tuning_aware_epsilon"), dict) and "runs" in next(iter(s["tuning_aware_epsilon"].values()), {})]
@@ -204,11 +329,12 @@ def combine_studies(study_dirs: list[str | Path]) -> tuple[pd.DataFrame, dict, l
         frames.append(results)
     combined = pd.concat(frames, ignore_index=True).drop(columns="_comparison_arm")
     column = columns.pop()
-    selection = "public" if column == "final_public_perplexity" else "private"
+    selection = column_split(column)
+    metric = "value_nll" if column.endswith("value_nll") else "perplexity"
     if "run_dir" in combined:
-        combined["steps_to_target"] = steps_to_target(combined, selection)
+        combined["steps_to_target"] = steps_to_target(combined, selection, metric)
     first = loaded[0][2].get("selection") or {}
-    return combined, {"selection": {"split": selection, "note": first.get("note")}}, notes
+    return combined, {"selection": {"split": selection, "note": first.get("note"), "metric": metric}}, notes
 
 
 def _combined_privacy(study_dirs: list[str | Path]) -> list[str]:
@@ -281,17 +407,24 @@ def _format_tables(results: pd.DataFrame, summary: dict) -> list[str]:
             lines.append(f"LABEL: {label}")
     column = _final_column(results, summary)
     selection = summary.get("selection") or {}
-    note = selection.get("note") or ("selection used the public validation split (E15)" if column ==
-                                     "final_public_perplexity" else
-                                     "selection used the private eval split: unprotected (E15)")
+    note = selection.get("note") or ("selection used the public validation split (E15)" if column_split(column) ==
+                                     "public" else "selection used the private eval split: unprotected (E15)")
     lines.append(f"NOTE: {note}")
-    split = "public validation" if column == "final_public_perplexity" else "private eval (unprotected, E15)"
+    split = f"{split_label(column)} {metric_label(column)}"
+    head = headroom(results, column)
+    if len(head):
+        lines.append(f"\nThe DP gap: final {metric_label(column)}, mean ± sd over seeds, on both splits (public "
+                     "validation selects; the private eval split is unprotected, E15, and shown for reference). "
+                     "'recovered' is the share of the non-private run's gain over the untrained model; 'sd from "
+                     "non-private' is the difference in pooled seed standard deviations")
+        lines.append(head.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+        lines.extend(f"  gate: {g}" for g in gates(results, column))
     t2 = table2(results, column)
-    lines.append(f"\nTable 2 analogue: final {split} perplexity (mean over seeds)")
+    lines.append(f"\nTable 2 analogue: final {split} (mean over seeds)")
     lines.append(t2.to_string(index=False, float_format=lambda x: f"{x:.4f}") if len(t2) else "  (no DP trials)")
     v = verdicts(results, column)
     if len(v):
-        lines.append(f"\nRLDP against the best baseline: final {split} perplexity, mean ± sd over seeds; Welch's "
+        lines.append(f"\nRLDP against the best baseline: final {split}, mean ± sd over seeds; Welch's "
                      f"t-test at {VERDICT_ALPHA:g} (wins/ties/loses). Both arms are chosen after the fact, the "
                      "baseline as the best of all baseline arms (which favours the baselines); 'ties' means no "
                      "significant difference over these seeds, not equality")
@@ -301,7 +434,7 @@ def _format_tables(results: pd.DataFrame, summary: dict) -> list[str]:
                          f"{rec['baseline_mean']:.4f} ± {rec['baseline_sd']:.4f}; {rec['change_pct']:+.2f}%, "
                          f"p={'n/a' if rec['p_value'] is None else format(rec['p_value'], '.3g')}, seeds {rec['seeds']})")
     t3 = table3(results, column)
-    lines.append(f"\nTable 3 analogue: RLDP steps to reach the best baseline's final {split} perplexity "
+    lines.append(f"\nTable 3 analogue: RLDP steps to reach the best baseline's final {split} "
                  "(% of its steps)")
     lines.append(t3.to_string(index=False, float_format=lambda x: f"{x:.1f}") if len(t3) else "  (no RLDP trials)")
     acc = accuracy_table(results)

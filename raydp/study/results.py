@@ -90,9 +90,27 @@ from raydp.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 
 BASELINE_EXCLUDED = ("rldp", "nonprivate")
 
-#: the selection metric's columns: (results.parquet final column, eval_metrics.parquet column)
-SELECTION_COLUMNS = {"public": ("final_public_perplexity", "public_perplexity"),
-                     "private": ("final_eval_perplexity", "perplexity")}
+#: the metrics a study selects and reports on (lower is better), by split: (results.parquet final column,
+#: eval_metrics.parquet column). ``value_nll``, the value-token NLL in nats per record (raydp.evaluation.perplexity),
+#: is the benchmark's primary metric wherever the runs report it; ``perplexity`` otherwise (runs written before it,
+#: a classification task, a split without value spans).
+METRIC_COLUMNS = {
+    "value_nll": {"public": ("final_public_value_nll", "public_value_nll"),
+                  "private": ("final_eval_value_nll", "value_nll")},
+    "perplexity": {"public": ("final_public_perplexity", "public_perplexity"),
+                   "private": ("final_eval_perplexity", "perplexity")},
+}
+METRIC_LABELS = {"value_nll": "value-token NLL (nats/record)", "perplexity": "perplexity"}
+SELECTION_COLUMNS = METRIC_COLUMNS["perplexity"]  # (the columns of perplexity, for runs written before value NLL)
+
+
+def study_metric(table: pd.DataFrame) -> str:
+    """``'value_nll'`` when every finished trial reports the value-token NLL on both splits, else ``'perplexity'``."""
+    columns = [c for pair in METRIC_COLUMNS["value_nll"].values() for c in pair[:1]]
+    if "final_eval_perplexity" not in table or not all(c in table for c in columns):
+        return "perplexity"
+    finished = table["final_eval_perplexity"].notna()
+    return "value_nll" if finished.any() and table.loc[finished, columns].notna().all().all() else "perplexity"
 SELECTION_PUBLIC_NOTE = "selection used the public validation split (E15)"
 SELECTION_PRIVATE_NOTE = "selection used the private eval split: unprotected (E15)"
 SELECTION_FALLBACK_NOTE = ("selection asked for the public validation split but the runs report none: "
@@ -113,8 +131,8 @@ def trial_labels(summary: dict | None) -> list[str]:
 
 
 def selection_value(private: float | None, public: float | None, selection: str) -> tuple[float | None, str]:
-    """The perplexity that selects (ERRATA E15) and the split it came from: the public one unless the
-    study selects on the private split or the run has no public figure (then: 'private', labelled)."""
+    """The figure that selects (ERRATA E15) and the split it came from: the public one unless the study selects
+    on the private split or the run has no public figure (then: 'private', labelled)."""
     if selection == "public" and public is not None and not _isnan(public):
         return float(public), "public"
     return (None if private is None else float(private)), "private"
@@ -159,6 +177,8 @@ def _trial_row(trial: dict, run_dir: Path, status: str, result: dict, s: dict | 
         "best_eval_perplexity": s["best_eval_perplexity"],
         **{f"{w}_public_perplexity": _float_or_nan(s.get(f"{w}_public_perplexity"))
            for w in ("initial", "final", "best")},
+        **{f"{w}_{split}_value_nll": s[f"{w}_{split}_value_nll"]  # the primary metric (nats per record)
+           for w in ("initial", "final", "best") for split in ("eval", "public") if f"{w}_{split}_value_nll" in s},
         "steps": s["steps"],
         "planned_steps": privacy.get("planned_steps", s["steps"]),
         **{f"epsilon_{a}": eps.get(a) for a in REPORTED_ACCOUNTANTS},
@@ -210,10 +230,10 @@ def selection_split(table: pd.DataFrame, selection: str) -> tuple[str, str]:
     return "private", SELECTION_FALLBACK_NOTE
 
 
-def steps_to_target(table: pd.DataFrame, selection: str = "private") -> pd.Series:
-    """Sec. 4.2: first eval step reaching the best baseline's final perplexity, over total steps, on the
-    ``selection`` split's perplexity ('public' or 'private', :data:`SELECTION_COLUMNS`)."""
-    final_col, eval_col = SELECTION_COLUMNS[selection]
+def steps_to_target(table: pd.DataFrame, selection: str = "private", metric: str | None = None) -> pd.Series:
+    """Sec. 4.2: first eval step reaching the best baseline's final figure, over total steps, on the ``selection``
+    split ('public' or 'private') of ``metric`` (:data:`METRIC_COLUMNS`; default :func:`study_metric`)."""
+    final_col, eval_col = METRIC_COLUMNS[metric or study_metric(table)][selection]
     out = pd.Series(np.nan, index=table.index)
     if final_col not in table:
         return out
@@ -621,11 +641,13 @@ def collect_results(study, study_dir: Path, trials: list[dict], grid, dataset_di
         rows.append(_trial_row(trial, study_dir / "trials" / trial["name"], status, metrics, frozen=frozen))
     table = pd.DataFrame(rows)
     split, note = selection_split(table, selection)
+    metric = study_metric(table)
     if "final_eval_perplexity" in table:
-        table["steps_to_target"] = steps_to_target(table, split)
+        table["steps_to_target"] = steps_to_target(table, split, metric)
     table["selection_split"] = split
+    table["selection_metric"] = metric
     table.to_parquet(study_dir / "results.parquet", index=False)
-    attrs = {"selection": {"requested": selection, "split": split, "note": note}}
+    attrs = {"selection": {"requested": selection, "split": split, "note": note, "metric": metric}}
     if study.private_data:
         sha = dataset_identity(dataset_dir if dataset_dir is not None else Path(study_dir) / "dataset")
         attrs["tuning_aware_epsilon"] = study_privacy(study, study_dir, table, unfinished, sha,

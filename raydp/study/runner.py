@@ -10,9 +10,10 @@ its torch threads equal its CPUs. An RLDP trial either starts its own policy (br
 zero-CPU actors that fit its placement group) or connects to the study's shared policy. Every evaluation
 reaches Tune only with its checkpoint (the training loop checkpoints an evaluation step before it calls
 ``on_evaluation``), so a reported perplexity always has the ledger that produced it; ``on_evaluation``
-logs numbers to wandb. Reports carry ``eval_perplexity`` (the PRIVATE eval split: not a DP release,
-ERRATA E15), ``public_perplexity`` (the public validation split) and ``selection_perplexity``, the one
-the study selects on (``selection``: public by default; Optuna's metric); the final report carries the
+logs numbers to wandb. Reports carry ``eval_perplexity`` and ``eval_value_nll`` (the PRIVATE eval split: not a
+DP release, ERRATA E15), ``public_perplexity`` and ``public_value_nll`` (the public validation split) and
+``selection_score``, the one the study selects on (the value-token NLL where the run reports it; ``selection``:
+public by default; Optuna's and PBT's metric); the final report carries the
 trial's results and ``privacy_label`` (every label of its epsilon, '; '-joined; E3/E12).
 
 Outputs under ``<results_dir>/<study name>/``: ``dataset/``, ``trials/<trial>/`` (each run's outputs:
@@ -108,16 +109,22 @@ WANDB_EVAL_FIELDS = {"perplexity": "eval_perplexity", "public_perplexity": "publ
 
 
 def evaluation_metrics(row: dict, selection: str) -> dict:
-    """Tune metrics of one evaluation row (``perplexity``: private eval split; ``public_perplexity``:
-    public validation split): both, and ``selection_perplexity`` from the study's ``selection`` split
-    (ERRATA E15; a run without a public figure falls back to the private one, and ``selection_split``
-    says so)."""
+    """Tune metrics of one evaluation row (``perplexity``/``value_nll``: private eval split;
+    ``public_perplexity``/``public_value_nll``: public validation split), and ``selection_score``, what Tune,
+    Optuna and PBT minimise: the value-token NLL (nats per record) where the run reports it, else perplexity
+    (``selection_metric`` says which), on the study's ``selection`` split (ERRATA E15; a run without a public
+    figure falls back to the private one, and ``selection_split`` says so)."""
     from raydp.study.results import selection_value
 
-    private, public = row.get("perplexity"), row.get("public_perplexity")
+    metric = "value_nll" if row.get("value_nll") is not None else "perplexity"
+    private, public = (row.get("value_nll"), row.get("public_value_nll")) if metric == "value_nll" else \
+        (row.get("perplexity"), row.get("public_perplexity"))
     value, split = selection_value(private, public, selection)
-    return {"eval_perplexity": private, "public_perplexity": public, "selection_perplexity": value,
-            "selection_split": split}
+    out = {"eval_perplexity": row.get("perplexity"), "public_perplexity": row.get("public_perplexity"),
+           "selection_score": value, "selection_split": split, "selection_metric": metric}
+    if metric == "value_nll":
+        out.update(eval_value_nll=private, public_value_nll=public)
+    return out
 
 
 def privacy_label_of(summary: dict) -> str:
@@ -471,7 +478,7 @@ def _fit(trainable, param_space: dict, storage: str, name: str, study: StudyConf
 
 def _fit_optuna(trainable, study: StudyConfig, common: dict, storage: str, progress: bool, resume: bool):
     """RLDP's SAC cell (T_RL, B_SAC, K) chosen by Optuna (TPE) over the study's grid values, on the
-    ``selection_perplexity`` metric: the public validation split unless ``selection: private`` (E15)."""
+    ``selection_score`` metric: the public validation split unless ``selection: private`` (E15)."""
     from ray import tune
     from ray.tune.search.optuna import OptunaSearch
 
@@ -483,7 +490,7 @@ def _fit_optuna(trainable, study: StudyConfig, common: dict, storage: str, progr
     tuner = tune.Tuner(
         trainable,
         param_space={**common, **space},
-        tune_config=tune.TuneConfig(search_alg=OptunaSearch(metric="selection_perplexity", mode="min",
+        tune_config=tune.TuneConfig(search_alg=OptunaSearch(metric="selection_score", mode="min",
                                                             seed=study.optuna.seed),
                                     num_samples=study.optuna.num_samples),
         run_config=tune.RunConfig(name=f"{study.name}-optuna", storage_path=storage,
@@ -625,7 +632,7 @@ def _fit_pbt(study: StudyConfig, members: list[dict], common: dict, storage: str
     Before ``Tuner.fit`` the population actor is created with B_pop = M * B. Each member is one Tune trial
     (a grid over the members' initial settings); Tune's time is the member's DP step (``step``, inherited
     with a checkpoint), a perturbation every ``pbt.perturbation_interval`` evaluations of ``eval_every``
-    steps; the metric is ``selection_perplexity``, the PUBLIC validation split (ERRATA E15), minimised.
+    steps; the metric is ``selection_score``, the PUBLIC validation split (ERRATA E15), minimised.
     Every reported result carries the checkpoint of its evaluation, which is what PBT copies. Afterwards
     the population's state (spent curve, exploits) goes to ``pbt_population.json``."""
     import random
@@ -645,7 +652,7 @@ def _fit_pbt(study: StudyConfig, members: list[dict], common: dict, storage: str
     eval_every = trial_config(study, members[0], common["dataset"]).eval_every
     bounds = {"clip": ranges.clip, "sigma_scale": ranges.sigma_scale}
     scheduler = _pbt_scheduler(
-        final_step=planned_steps, time_attr="step", metric="selection_perplexity", mode="min",
+        final_step=planned_steps, time_attr="step", metric="selection_score", mode="min",
         perturbation_interval=settings.perturbation_interval * eval_every,
         hyperparam_mutations={"pbt": {k: _SeededDraw(r, settings.seed + 1 + i)
                                       for i, (k, r) in enumerate(bounds.items())}},
