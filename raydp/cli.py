@@ -26,7 +26,7 @@ def _add_data_source_args(parser: argparse.ArgumentParser, defaults: bool) -> No
     parser.add_argument("--source", dest="source", default=d("synthetic"),
                         help="'synthetic' (embedded generator), a diabetic_data.csv path, or (train) a built dataset dir")
     parser.add_argument("--ids-mapping", default=None, help="IDs_mapping.csv of the real dataset")
-    parser.add_argument("--n-records", type=int, default=None, help="synthetic size (default 2000)")
+    parser.add_argument("--n-records", type=int, default=None, help="synthetic size (default 10000)")
     parser.add_argument("--sample-fraction", type=float, default=None,
                         help="a CSV: keep each patient with this probability, decided by its own id (default: all)")
     parser.add_argument("--split", dest="fractions", action="append", metavar="SPLIT=FRACTION",

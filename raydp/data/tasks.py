@@ -14,11 +14,11 @@ out. Fields:
 * ``change`` (default): medications changed or not. On the synthetic records it is a function of the
   medication clauses (a drug increased or decreased) plus noise (a started drug), so it is learnable.
 * ``diabetesMed``: any diabetes medication prescribed.
-* ``readmitted``: readmitted (in less or more than 30 days) or not, the natural target on the real CSV.
-  The synthetic generator draws it independently of every other field, so on synthetic records no model
-  can beat the majority class: use it only with the real data.
+* ``readmitted``: readmitted (in less or more than 30 days) or not, the natural target on the real CSV. The
+  structured generator makes it depend on severity and past inpatient visits; the independent generator draws it
+  on its own, so there no model can beat the majority class.
 
-Canaries. An audit canary's text is three sentences and its secret (:mod:`raydp.data.canaries`): it has
+Canaries. An audit canary's text is six sentences and its secret (:mod:`raydp.data.canaries`): it has
 no label clause. It gets a label drawn from its secret (a hash of the secret modulo the number of classes:
 as random as the secret, and fixed before training), the usual form of a canary for a classifier
 (a record with a random label), so audit canaries stay in the training set with their coins.

@@ -53,8 +53,8 @@ checkpointing, several devices and resuming from a checkpoint are refused (one-l
 :class:`~raydp.errors.ConfigError`). The optimizer and the learning-rate schedule are the Trainer's: they
 only post-process the noisy gradient.
 
-What stays the user's responsibility (the integration cannot see it) is listed in the README section
-"Bring your own loop: transformers.Trainer".
+What stays the user's responsibility (the integration cannot see it) is listed in docs/integrations.md,
+"transformers.Trainer".
 """
 
 from __future__ import annotations

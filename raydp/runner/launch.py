@@ -35,7 +35,7 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     What protects them is Ray's token authentication, on by default for a local cluster since Ray 2.60 (the
     pinned minimum; ``RAY_AUTH_MODE=disabled`` turns it off: don't): a process without the token (kept in
     ``~/.ray/auth_token``) can neither connect nor submit work (tests/test_ray_auth.py). A remote cluster must
-    enable it on every node (README, "Ray's ports"); a cluster without it is refused (one-line ConfigError).
+    enable it on every node (docs/privacy.md, "Ray's ports"); a cluster without it is refused (one-line ConfigError).
 
     A local cluster also runs without Ray's metrics collection: the dashboard agent would otherwise serve every
     process's memory and CPU over time, without the token, on every interface, and those follow the private

@@ -296,7 +296,7 @@ def ledger_metadata(plan: PrivacyPlan, units: PrivacyUnits, randomness: PrivateR
 
 #: what the released counts mean for the guarantee (issue 26): N is released, so say under which relation it is covered
 PUBLIC_COUNTS_NOTE = (
-    "the number of units in train (n_units, N), the train record count, q = B/N and the step count are released "
+    "the number of units in train (n_units, N), q = B/N and the step count are released (the record count is not) "
     "and treated as public, as DP-SGD libraries do. epsilon is for add/remove-one unit: it bounds what the "
     "adapters, ledger and statistics reveal about one unit given N, but N itself changes with that unit's presence, "
     "so an adversary who knows every other unit learns membership from N. What covers N too is replace-one (one "

@@ -1,0 +1,125 @@
+"""Benchmark: what one run of the benchmark default costs, by phase, and episodes per CPU-hour (issue 28).
+
+Prints, from one process:
+  * a profile of one DP run (static-pairwise, epsilon 2, the embedded default) by phase, as shares of the run's wall
+    time: data (build, verbalise, tokenise), model (build or load), forward, backward, per-sample norms and
+    clipping, noise, optimizer, evaluation on each split, accounting and the guard, the rest;
+  * the wall time of ``--runs`` runs of each configuration in ``--configs`` (interleaved), their median, and
+    episodes per CPU-hour (one CPU per run, as a study gives each trial);
+  * the DP / non-private step time ratio on the default.
+
+Times are CPU times on this machine (2 cores here, shared with whatever else runs); compare configurations
+within one invocation only. The phases come from cProfile's cumulative times of the functions that implement them
+(``PHASES``), so they overlap where one phase calls another (forward inside per-sample gradients); the shares say
+where time goes, not a partition.
+
+Run: python bench/bench_episode.py [--runs 2] [--threads 1] [--configs default,eval-start-end]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+#: phase -> (module suffix, function name) whose cumulative time is the phase's
+PHASES = {
+    "data: build and verbalise": ("raydp/data/splits.py", "build_dataset"),
+    "data: tokenise": ("raydp/model/batches.py", "__init__"),
+    "model: load": ("raydp/model/loading.py", "load_model"),
+    "train: per-sample gradients (forward+backward)": ("raydp/privacy/clipping.py", "compute"),
+    "train: backward": ("torch/_tensor.py", "backward"),
+    "train: clip and sum": ("raydp/privacy/engine.py", "clip"),
+    "train: noise": ("raydp/privacy/engine.py", "add_noise"),
+    "train: optimizer": ("raydp/runner/loop.py", "update"),
+    "train: accounting and guard": ("raydp/privacy/guard.py", "admit"),
+    "evaluation: private eval split": ("raydp/runner/loop.py", "evaluate"),
+    "evaluation: public validation": ("raydp/runner/loop.py", "evaluate_public"),
+}
+
+CONFIGS = {
+    "default": {},
+    # evaluation only before and after training (no intermediate curve): what a study that needs only the final
+    # figure may choose
+    "eval-start-end": {"eval_every": 100_000},
+}
+
+
+def config(name: str, strategy: str = "static-pairwise", **extra):
+    from raydp.config import TrainConfig
+
+    values = {"strategy": strategy, **({"epsilon": 2.0} if strategy != "nonprivate" else {}), **CONFIGS[name], **extra}
+    return TrainConfig(**values)
+
+
+def profile(cfg, out: Path) -> dict:
+    from raydp.runner.run import run_training
+
+    profiler = cProfile.Profile()
+    started = time.perf_counter()
+    profiler.enable()
+    summary = run_training(cfg, out, overwrite=True, progress=False)
+    profiler.disable()
+    wall = time.perf_counter() - started
+    stats = pstats.Stats(profiler).stats
+    shares = {}
+    for phase, (module, function) in PHASES.items():
+        total = sum(v[3] for (path, _, name), v in stats.items() if path.endswith(module) and name == function)
+        shares[phase] = total
+    return {"wall": wall, "train_loop": summary["train_loop_seconds"], "steps": summary["steps"], "phases": shares}
+
+
+def timed(cfg, out: Path) -> float:
+    from raydp.runner.run import run_training
+
+    started = time.perf_counter()
+    run_training(cfg, out, overwrite=True, progress=False)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run (a study gives each trial 1)")
+    parser.add_argument("--configs", default="default,eval-start-end")
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    root = Path(tempfile.mkdtemp(prefix="bench-episode-"))
+    names = args.configs.split(",")
+
+    first = profile(config(names[0]), root / "profile")
+    print(f"one DP run of the benchmark default ({first['steps']} steps, {args.threads} thread(s)): "
+          f"{first['wall']:.1f} s wall, training loop {first['train_loop']:.1f} s")
+    for phase, seconds in first["phases"].items():
+        print(f"  {phase:<48} {seconds:7.1f} s  {100 * seconds / first['wall']:5.1f}%")
+
+    walls = {name: [] for name in names}
+    for _ in range(args.runs):
+        for name in names:  # interleaved: fair under drifting load
+            walls[name].append(timed(config(name), root / name))
+    base = statistics.median(walls[names[0]])
+    print(f"\nwall per run, median of {args.runs} (episodes per CPU-hour at {args.threads} CPU per run):")
+    for name in names:
+        med = statistics.median(walls[name])
+        print(f"  {name:<20} {med:7.1f} s   {3600 / (med * args.threads):6.1f} episodes/CPU-hour   "
+              f"{med / base:5.2f}x of {names[0]}")
+
+    private = profile(config(names[0], max_steps=100, eval_every=100_000), root / "dp")
+    public = profile(config(names[0], strategy="nonprivate", max_steps=100, eval_every=100_000), root / "np")
+    print(f"\nDP / non-private training loop per step (100 steps): "
+          f"{(private['train_loop'] / private['steps']) / (public['train_loop'] / public['steps']):.2f}")
+    (root / "bench_episode.json").write_text(json.dumps({"profile": first, "walls": walls}, indent=2))
+    print(f"(raw figures in {root / 'bench_episode.json'})")
+
+
+if __name__ == "__main__":
+    main()
