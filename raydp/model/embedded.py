@@ -106,7 +106,10 @@ def ensure_embedded_model(
         raise ModelError(f"cannot create model cache {target.parent}: {exc.strerror}") from None
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _build(spec, staging, progress=progress, name=name)
+        # the build draws from torch's global generator (initialisation, pre-training batches): fork it, so that
+        # whatever the caller seeded (a run's LoRA initialisation) is the same on a cold cache as on a warm one
+        with torch.random.fork_rng(devices=[]):
+            _build(spec, staging, progress=progress, name=name)
         try:
             staging.rename(target)
         except OSError:

@@ -223,7 +223,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             gradient,
             loaded.device,
             optimizer=OptimizerSettings(lr=config.lr, warmup_steps=config.warmup_steps),
-            eval_every=config.eval_every,
+            eval_every=config.eval_every or 0,
             eval_max_sequences=config.eval_max_records,
             progress=progress,
             on_evaluation=on_evaluation,

@@ -255,6 +255,9 @@ class StudyConfig(StrictModel):
         if self.selection != "public":
             raise ValueError("search: pbt selects members on the public validation split (ERRATA E15): "
                              "selection: private is refused")
+        if not self.base.get("eval_every"):
+            raise ValueError("search: pbt perturbs every pbt.perturbation_interval evaluations: set base.eval_every "
+                             "(steps between evaluations)")
         if self.strategy_settings.get("pbt"):
             raise ValueError("the pbt members' settings are PBT's: give their ranges in pbt.hyperparam_mutations, "
                              "not strategy_settings.pbt")
