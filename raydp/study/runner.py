@@ -147,7 +147,8 @@ class _Reporter:
             self.run = wandb.init(project=study.wandb.project, entity=study.wandb.entity, mode=study.wandb.mode,
                                   group=study.name, name=trial["name"], dir=str(study_dir), reinit="create_new",
                                   # no system metrics: memory and CPU over time follow the private batch sizes
-                                  settings=wandb.Settings(x_disable_stats=True),
+                                  # quiet: no per-trial banner and summary table in a study's log
+                                  settings=wandb.Settings(x_disable_stats=True, quiet=True),
                                   config={**safe, "epochs": config.epochs, "batch_size": config.batch_size,
                                           "delta": config.delta, "accountant": config.accountant})
 
@@ -173,6 +174,11 @@ class _Reporter:
                                      "epsilon": privacy.get("epsilon"), "steps": summary["steps"],
                                      "privacy_label": privacy_label_of(summary)})
             self.run.finish()
+            import wandb
+
+            # Stop wandb's service now: left to its atexit hook it finds the service already gone when Ray
+            # ends the trial's worker and prints a ConnectionResetError traceback per trial
+            wandb.teardown()
 
 
 CHECKPOINT_STATE = "state.pt"
