@@ -158,6 +158,9 @@ class TrainConfig(StrictModel):
                             "default on data with patient ids) or record (one encounter)")
     unsafe_fixed_randomness: bool = Field(
         False, description="UNSAFE: derive DP sampling and noise from `seed` (replayable; the epsilon is void)")
+    common_random_numbers: bool = Field(False, description=(
+        "PUBLIC data only (data.source: public): DP sampling and noise from `seed`, so the candidates of a search share "
+        "them (common random numbers); refused on private data, where only unsafe_fixed_randomness does this"))
     public_eval_records: int = Field(2000, gt=0, description="PUBLIC validation records evaluated beside the "
                                      "private eval split (selection uses them, ERRATA E15)")
     public_validation: str | None = Field(None, description=(
@@ -168,6 +171,13 @@ class TrainConfig(StrictModel):
     batch_size: int = Field(16, gt=0)
     lr: float = Field(5e-4, gt=0)
     warmup_steps: int = Field(20, ge=0, description="linear learning-rate warm-up (a few % of a default run)")
+    lr_decay: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="after the warm-up: constant (the paper's), or a linear or cosine decay to lr_end x lr "
+                                "at the last planned step")
+    lr_end: float = Field(0.0, ge=0, le=1, description="the decay's final learning rate, as a fraction of lr")
+    rescale_moments: bool = Field(False, description=(
+        "when a strategy changes a pair's clip by a factor k, scale that pair's AdamW moments by k and k^2 (the step "
+        "size follows the clip instead of freezing or jumping for hundreds of steps)"))
     eval_every: int | None = Field(None, gt=0, description=(
         "steps between evaluations (beside step 0, each epoch end and the last, which are always evaluated); default: "
         "those only (evaluating 2,000 + 2,000 records is a third of a default run; issue 28)"))
@@ -199,6 +209,10 @@ class TrainConfig(StrictModel):
                 if getattr(self.rldp, key):
                     raise ValueError(f"rldp.{key} does not apply with controller {self.controller!r}: the policy "
                                      "server owns the policy")
+        if self.common_random_numbers and self.data.source != "public" and not Path(self.data.source).expanduser().is_dir():
+            # a dataset directory (a study's built dataset) is checked when the run starts: its manifest says
+            raise ValueError("common_random_numbers fixes the DP sampling and noise: it is for public data only "
+                             "(data.source: public); on private data the randomness is secret (ERRATA E12)")
         if self.strategy not in STRATEGY_CHOICES:
             raise ValueError(f"unknown strategy {self.strategy!r}; known: {', '.join(STRATEGY_CHOICES)}")
         if self.strategy != "nonprivate" and self.epsilon is None:

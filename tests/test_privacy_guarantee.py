@@ -69,7 +69,7 @@ def test_checkpoints_hold_no_sampling_or_noise_state():
                   BudgetGuard("rdp", epsilon_target=1e6, delta=1e-5, planned_steps=10, q=0.5), q=0.5,
                   expected_batch_size=2.5, planned_steps=10, device=CPU)
     state = step.state_dict()
-    assert set(state) == {"ledger", "clamp_events", "strategy", "randomness_source"}
+    assert set(state) == {"ledger", "clamp_events", "strategy", "randomness_source", "last_clip"}  # last_clip: public
 
 
 def test_samplers_and_noise_of_identical_setups_differ():

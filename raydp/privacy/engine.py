@@ -120,6 +120,8 @@ class DPStep:
         self._pending: StepRelease | None = None
         self._before_update: list[torch.Tensor] = []
         self.clamp_events: list[dict] = []
+        self._last_clip: tuple[float, ...] | None = None  # the previous step's clips (for clip_changes)
+        self._clip_change: tuple[float, ...] = ()
 
     @property
     def releases(self) -> tuple[DeclaredRelease, ...]:
@@ -230,6 +232,9 @@ class DPStep:
             self._pending.raw_losses = grads.losses.detach().cpu().numpy()
         self._before_update = [t.detach().clone() for p in self.pairs for t in (p.a, p.b)]
         self._prepared = None
+        self._clip_change = () if self._last_clip is None else tuple(
+            new / old for new, old in zip(dials.clip, self._last_clip))
+        self._last_clip = tuple(dials.clip)
         # Only post-processing of the release is reported: no raw loss, no actual batch size (E3, E5).
         return {
             "sigma": dials.sigma,
@@ -330,6 +335,16 @@ class DPStep:
             pair.b.grad = gb.to(pair.b.dtype)
         return flat.detach()
 
+    def clip_changes(self) -> list[tuple[torch.Tensor, float]]:
+        """(parameter, k) for each LoRA parameter whose clip group's radius changed by the factor k from the
+        previous step to this one (a flat clip: every parameter); the loop may rescale the parameter's
+        optimizer moments by it (:class:`raydp.runner.loop.Trainer`, ``rescale_moments``). Public: the clips
+        are the strategy's choices."""
+        if not self._clip_change:
+            return []
+        factors = self._clip_change * len(self.pairs) if len(self._clip_change) == 1 else self._clip_change
+        return [(t, k) for pair, k in zip(self.pairs, factors) if k != 1.0 for t in (pair.a, pair.b)]
+
     # -- checkpoints and controller hooks ----------------------------------------------------------
     def wants_checkpoint(self, step: int) -> bool:
         return self.strategy.wants_decision(step)
@@ -340,7 +355,8 @@ class DPStep:
     def state_dict(self) -> dict:
         # No RNG state: a resumed run draws fresh secret randomness (ERRATA E12, raydp.privacy.randomness).
         return {"ledger": self.ledger.to_arrow(), "clamp_events": list(self.clamp_events),
-                "strategy": self.strategy.state_dict(), "randomness_source": self.randomness.source}
+                "strategy": self.strategy.state_dict(), "randomness_source": self.randomness.source,
+                "last_clip": self._last_clip}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a checkpoint into a fresh run: the ledger gets exactly the checkpoint's rows."""
@@ -354,6 +370,7 @@ class DPStep:
                 raise ValueError("the checkpoint's ledger is not a prefix of this run's plan (q, sigma_t): resume "
                                  "with the configuration that produced it")
         self.clamp_events = list(state["clamp_events"])
+        self._last_clip = state.get("last_clip")
         self.strategy.load_state_dict(state["strategy"])
         self._prepared = None
 

@@ -22,6 +22,12 @@ gradient); on CUDA, torch's Philox generator, which takes the full 64-bit seed.
 ``unsafe_fixed_randomness`` derives both from the config seed instead, for debugging and tests that must
 replay a run exactly. Such a run's outputs carry :data:`VOID_LABEL`: its epsilon is void.
 
+``common_random_numbers`` derives them from the seed too, but only on PUBLIC data (``data.source: public``),
+where no record is protected and there is nothing to void: candidates of a search on public episodes then
+share batches and noise, so their difference is not drowned by sampling noise (common random numbers,
+issue 29). The run's epsilon is that of a simulation on public data either way; its source is
+:data:`PUBLIC_COMMON`.
+
 What this does not cover: the generators are fast PRNGs seeded secretly, not cryptographically secure,
 and floating-point Gaussian sampling has known attacks on its low-order bits (Mironov 2012). Opacus's
 ``secure_mode`` addresses both with a CSPRNG; that dependency is not used here.
@@ -35,10 +41,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-__all__ = ["OS_ENTROPY", "UNSAFE_FIXED_SEED", "VOID_LABEL", "GaussianNoise", "PrivateRandomness"]
+__all__ = ["OS_ENTROPY", "PUBLIC_COMMON", "UNSAFE_FIXED_SEED", "VOID_LABEL", "GaussianNoise", "PrivateRandomness"]
 
 OS_ENTROPY = "os-entropy"
 UNSAFE_FIXED_SEED = "unsafe-fixed-seed"
+PUBLIC_COMMON = "public-common-random-numbers"
 VOID_LABEL = ("epsilon is void: sampling and noise randomness came from the written-down config seed "
               "(unsafe_fixed_randomness); anyone with the seed can replay the run (ERRATA E12)")
 
@@ -70,13 +77,21 @@ class PrivateRandomness:
         as_int = lambda words: sum(int(w) << (32 * i) for i, w in enumerate(words))  # noqa: E731
         return cls(as_int(sampling), as_int(noise), UNSAFE_FIXED_SEED)
 
+    @classmethod
+    def common_on_public_data(cls, seed: int, start_step: int = 0) -> PrivateRandomness:
+        """:meth:`unsafe_from_seed`'s randomness for a run on PUBLIC data (common random numbers across the
+        candidates of a search): no record is protected, so there is no void label (the caller checks the
+        data is public)."""
+        fixed = cls.unsafe_from_seed(seed, start_step)
+        return cls(fixed.sampling_entropy, fixed.noise_seed, PUBLIC_COMMON)
+
     @property
     def is_secret(self) -> bool:
         return self.source == OS_ENTROPY
 
     @property
     def label(self) -> str | None:
-        return None if self.is_secret else VOID_LABEL
+        return VOID_LABEL if self.source == UNSAFE_FIXED_SEED else None
 
     def sampling_rng(self) -> np.random.Generator:
         return np.random.default_rng(np.random.SeedSequence(self.sampling_entropy))

@@ -1,7 +1,8 @@
 """The fine-tuning loop, as separate steps: sample, compute gradients, update, evaluate.
 
 RLDP Sec. 3.1 training setup: AdamW (betas 0.9/0.999, no weight decay), learning rate 5e-4 after a
-linear warm-up of 100 steps, then constant; held-out perplexity every 48 steps and at each epoch end
+linear warm-up of 100 steps, then constant (or, optionally, a linear or cosine decay to a fraction of the peak
+by the last planned step: :func:`lr_multiplier`); held-out perplexity every 48 steps and at each epoch end
 (Sec. 3.3). What differs between strategies is the gradient computation (and, under DP, the sampler);
 the loop is shared.
 
@@ -37,11 +38,49 @@ class OptimizerSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
     warmup_steps: int = 100
+    #: after the warm-up: "constant" (the paper's), "linear" or "cosine" decay to ``lr_end`` x the peak at
+    #: ``total_steps`` (a decay needs ``total_steps``)
+    decay: str = "constant"
+    lr_end: float = 0.0
+    total_steps: int | None = None
+    #: when a clip group's radius changes by k between steps, scale its AdamW moments by k (first) and k^2
+    #: (second), so the step size follows the new clip instead of collapsing or exploding for ~1/(1-beta2)
+    #: steps (issue 29); the clips are the strategy's (public) choices
+    rescale_moments: bool = False
+
+
+LR_DECAYS = ("constant", "linear", "cosine")
+
+
+def lr_multiplier(settings: OptimizerSettings):
+    """The learning-rate multiplier of update ``step`` (0-based): linear from 1/warmup to 1 over
+    ``warmup_steps`` updates, then 1 ("constant") or a decay from 1 to ``lr_end`` at the last planned update
+    (linear; cosine: lr_end + (1 - lr_end)(1 + cos(pi u))/2, u the fraction of the post-warm-up steps done,
+    Loshchilov & Hutter 2017, SGDR, without restarts). Fixed before training from public settings, so under
+    DP it is part of the (public) algorithm, not a choice made from the data."""
+    warmup, decay, end = settings.warmup_steps, settings.decay, float(settings.lr_end)
+    if decay not in LR_DECAYS:
+        raise ValueError(f"unknown learning-rate decay {decay!r}; choose one of {', '.join(LR_DECAYS)}")
+    if decay != "constant" and not settings.total_steps:
+        raise ValueError("a learning-rate decay needs the run's total_steps")
+    span = max(1, (settings.total_steps or 1) - warmup)
+
+    def multiplier(step: int) -> float:
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        if decay == "constant":
+            return 1.0
+        u = min(1.0, (step - warmup) / span)
+        if decay == "linear":
+            return 1.0 - (1.0 - end) * u
+        return end + (1.0 - end) * 0.5 * (1.0 + math.cos(math.pi * u))
+
+    return multiplier
 
 
 def warmup_then_constant(warmup_steps: int):
     """LR multiplier: linear from 1/warmup to 1 over ``warmup_steps`` updates, then 1."""
-    return lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+    return lr_multiplier(OptimizerSettings(warmup_steps=warmup_steps))
 
 
 def evaluation_steps(total_steps: int, steps_per_epoch: float, eval_every: int) -> set[int]:
@@ -95,7 +134,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             params, lr=optimizer.lr, betas=optimizer.betas, weight_decay=optimizer.weight_decay
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_then_constant(optimizer.warmup_steps))
+        self.optimizer_settings = optimizer
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_multiplier(optimizer))
         self.history = MetricHistory()
         self.step_count = 0
         self.train_seconds = 0.0  # sum of step times (aggregate only: per-step times leak batch sizes)
@@ -108,7 +148,18 @@ class Trainer:
     def compute_gradients(self, batch) -> dict:
         return self.gradient.compute(self.model, batch)
 
+    def rescale_moments(self) -> None:
+        """Scale AdamW's moments of each parameter whose clip changed by k: exp_avg by k, exp_avg_sq by k^2."""
+        changes = getattr(self.gradient, "clip_changes", None)
+        for param, k in (changes() if changes is not None else ()):
+            state = self.optimizer.state.get(param)
+            if state and "exp_avg" in state:
+                state["exp_avg"].mul_(k)
+                state["exp_avg_sq"].mul_(k * k)
+
     def update(self) -> None:
+        if self.optimizer_settings.rescale_moments:
+            self.rescale_moments()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

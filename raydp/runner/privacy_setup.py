@@ -93,11 +93,30 @@ def training_units(config: TrainConfig, dataset_dir: str | Path, n_records: int)
     return PrivacyUnits("patient", int(len(np.unique(ids))), ids, held_back=held_back)
 
 
+def is_public_source(source: str) -> bool:
+    """Whether a run's data source is public: the public population, or a dataset directory whose manifest
+    says it was built from it."""
+    if source == "public":
+        return True
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        return False
+    from raydp.data.splits import load_manifest
+
+    return bool(load_manifest(path).get("public"))
+
+
 def private_randomness(config: TrainConfig, start_step: int = 0) -> PrivateRandomness:
     """Fresh OS entropy per run and per resume (ERRATA E12); derived from ``seed`` (and the step a resumed
-    run starts at) only under the unsafe option."""
-    return PrivateRandomness.unsafe_from_seed(config.seed, start_step) if config.unsafe_fixed_randomness \
-        else PrivateRandomness.fresh()
+    run starts at) only under the unsafe option, or on public data with ``common_random_numbers``."""
+    if config.unsafe_fixed_randomness:
+        return PrivateRandomness.unsafe_from_seed(config.seed, start_step)
+    if config.common_random_numbers:
+        if not is_public_source(config.data.source):
+            raise ConfigError("common_random_numbers fixes the DP sampling and noise: it is for public data only "
+                              f"(data.source: public); {config.data.source} is not public (ERRATA E12)")
+        return PrivateRandomness.common_on_public_data(config.seed, start_step)
+    return PrivateRandomness.fresh()
 
 
 @dataclass(frozen=True)

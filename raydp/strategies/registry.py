@@ -40,6 +40,8 @@ _SPECS = (
                  "the paper's DP-LoRA baseline: static DP-SGD on the LoRA adapters"),
     StrategySpec("static-pairwise", "raydp.strategies.static:StaticPairwiseStrategy",
                  "pairwise clipping with C_i=0.1 per LoRA pair, constant sigma_0"),
+    StrategySpec("clip-schedule", "raydp.strategies.clipschedule:ClipScheduleStrategy",
+                 "an open-loop per-pair clip schedule (multiples of public gradient norms), searched on public data"),
     StrategySpec("ewpba", "raydp.strategies.ewpba:EWPBAStrategy",
                  "EW-FT's epoch-weighted noise schedule (EWPBA, Alg. 1) on static DP-SGD, flat clip C=1"),
     StrategySpec("ewft", "raydp.strategies.forward:EWFTStrategy",

@@ -52,10 +52,41 @@ class SACGrid(StrictModel):
 
 
 class OptunaSettings(StrictModel):
-    """Optuna (TPE) over the SAC grid's ranges instead of the full grid."""
+    """Optuna over the SAC grid's ranges instead of the full grid, or over a ``search_space`` (per cell)."""
 
-    num_samples: int = Field(8, gt=0)
+    num_samples: int = Field(8, gt=0, description="trials per search (a search_space: per strategy, model and epsilon)")
     seed: int = 0
+    sampler: Literal["tpe", "cmaes"] = Field("tpe", description="Optuna's sampler: TPE (Bayesian optimisation) or "
+                                             "CMA-ES (a search_space's numeric dimensions)")
+
+
+class SearchDimension(StrictModel):
+    """One searched value: a range (``low``, ``high``, ``log``) or a list of ``choices``."""
+
+    low: float | None = None
+    high: float | None = None
+    log: bool = Field(False, description="sample log-uniformly")
+    choices: list | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        if self.choices is not None:
+            if self.low is not None or self.high is not None:
+                raise ValueError("a search dimension is a range (low, high) or choices, not both")
+            return self
+        if self.low is None or self.high is None or not self.low < self.high:
+            raise ValueError("a search range needs low < high (or give choices)")
+        if self.log and self.low <= 0:
+            raise ValueError("a log search range needs low > 0")
+        return self
+
+    def corners(self) -> list:
+        return list(self.choices) if self.choices is not None else [self.low, self.high]
+
+
+#: TrainConfig fields a search_space may vary beside a strategy's settings (public choices of the run; the
+#: batch size and epochs are not among them: they change q and the steps, so the plan)
+SEARCHABLE_RUN_FIELDS = ("lr", "lr_decay", "lr_end", "warmup_steps", "rescale_moments")
 
 
 class MutationRange(StrictModel):
@@ -143,6 +174,11 @@ class StudyConfig(StrictModel):
     sac_grid: SACGrid = SACGrid()
     search: Literal["grid", "optuna", "pbt"] = "grid"
     optuna: OptunaSettings = OptunaSettings()
+    search_space: dict[str, dict[str, SearchDimension]] = Field(default_factory=dict, description=(
+        "search: optuna: per strategy, the settings (and run fields lr, lr_decay, lr_end, warmup_steps, "
+        "rescale_moments) Optuna searches, one search of optuna.num_samples trials per model and epsilon at the "
+        "study's one seed; e.g. {clip-schedule: {clip: {low: 0.1, high: 10, log: true}, lr: {...}}}. Without it, "
+        "search: optuna searches RLDP's SAC cell"))
     pbt: PBTStudySettings = PBTStudySettings()
     policy: Literal["per-trial", "shared"] = Field(
         "per-trial", description="each RLDP trial trains its own policy, or all share one policy service (shared: "
@@ -181,7 +217,9 @@ class StudyConfig(StrictModel):
         if self.evaluate is not None and self.evaluate.audit and not (self.base.get("data") or {}).get("n_audit"):
             raise ValueError("evaluate.audit needs audit canaries in the data: set base.data.n_audit (e.g. 100) "
                              "or evaluate: {audit: false}")
-        if self.search == "optuna":
+        if self.search_space:
+            self._check_search_space()
+        elif self.search == "optuna":
             if "rldp" not in self.strategies:
                 raise ValueError("search: optuna tunes the SAC settings; it needs 'rldp' in strategies")
             if len(self.models) * len(self.epsilons) * len(self.seeds) != 1 or self.transfer is not None:
@@ -244,6 +282,32 @@ class StudyConfig(StrictModel):
                 raise ValueError(f"{where}.controller: a study starts its own RLDP policies (controller: broker); "
                                  f"{values['controller']!r} is for one `raydp train` run: remove it")
 
+    def _check_search_space(self) -> None:
+        if self.search != "optuna":
+            raise ValueError("search_space is searched by Optuna: set search: optuna")
+        if len(self.seeds) != 1:
+            raise ValueError("a search_space search runs every candidate at the study's one seed (common random "
+                             "numbers on public data): give one seed, and run the chosen values on more seeds after")
+        from raydp.strategies.registry import strategy_class
+
+        for strategy, space in self.search_space.items():
+            if strategy not in self.strategies or strategy in ("nonprivate", "rldp", "pbt"):
+                raise ValueError(f"search_space.{strategy}: not a strategy of this study with settings to search "
+                                 "(strategies; RLDP's SAC cell is searched without a search_space)")
+            if not space:
+                raise ValueError(f"search_space.{strategy}: name at least one setting to search")
+            model = strategy_class(strategy).settings_model
+            fields = set(model.model_fields) if model is not None else set()
+            for name in space:
+                if name not in fields and name not in SEARCHABLE_RUN_FIELDS:
+                    raise ValueError(f"search_space.{strategy}.{name}: not a setting of {strategy} "
+                                     f"({', '.join(sorted(fields)) or 'none'}) nor a searchable run field "
+                                     f"({', '.join(SEARCHABLE_RUN_FIELDS)})")
+                fixed = set(self.strategy_settings.get(strategy) or {}) | set(self.settings_grid.get(strategy) or {})
+                if name in fixed:
+                    raise ValueError(f"search_space.{strategy}.{name} is also fixed in strategy_settings or "
+                                     "settings_grid: give it one place")
+
     def _check_pbt(self) -> None:
         if self.search != "pbt":
             raise ValueError("strategy 'pbt' trains a population: set search: pbt")
@@ -286,6 +350,8 @@ def trial_grid(study: StudyConfig) -> list[dict]:
     ``transfer``, the source-model RLDP trials (``stage: source``) come first and every RLDP trial gets a
     frozen twin that reuses its source trial's policy."""
     trials = _grid(study, study.models)
+    if study.search_space:  # the searched strategies' trials are Optuna's (search_cells); the rest stay a grid
+        return [t for t in trials if t["strategy"] not in study.search_space]
     if study.search == "optuna":  # the SAC cells are Optuna's to choose; the baselines stay a grid
         return [t for t in trials if t["strategy"] != "rldp"]
     if study.search == "pbt":  # the population's members (stage "pbt", run by PBT); the baselines stay a grid
@@ -322,6 +388,18 @@ def draw_in_range(bounds: MutationRange, rng) -> float:
     if bounds.log:
         return float(math.exp(rng.uniform(math.log(bounds.low), math.log(bounds.high))))
     return float(rng.uniform(bounds.low, bounds.high))
+
+
+def search_cells(study: StudyConfig) -> list[dict]:
+    """One Optuna search per (searched strategy, model, epsilon) at the study's seed: the cell's fixed fields."""
+    return [{"model": model, "epsilon": eps, "seed": study.seeds[0], "strategy": strategy}
+            for strategy in study.search_space for model in study.models for eps in study.epsilons]
+
+
+def search_trial(cell: dict, values: dict, trial_id: str) -> dict:
+    """An Optuna-sampled trial of a search cell: the cell and the sampled ``values`` (``search``)."""
+    return {**cell, "search": {k: (v.item() if hasattr(v, "item") else v) for k, v in values.items()},
+            "optuna_id": trial_id}
 
 
 def source_key(trial: dict) -> str:
@@ -366,6 +444,12 @@ def trial_config(study: StudyConfig, trial: dict, dataset_dir: str | None = None
         values["settings"] = {**values.get("settings", {}), **trial["settings"]}
     if trial.get("grid") and trial["strategy"] != "rldp":  # settings_grid
         values["settings"] = {**values.get("settings", {}), **trial["grid"]}
+    if trial.get("search"):  # an Optuna-sampled search_space trial: run fields, then the strategy's settings
+        run = {k: v for k, v in trial["search"].items() if k in SEARCHABLE_RUN_FIELDS}
+        values.update(run)
+        settings = {k: v for k, v in trial["search"].items() if k not in run}
+        if settings:
+            values["settings"] = {**values.get("settings", {}), **settings}
     if trial["strategy"] == "rldp":
         rldp = dict(values.get("rldp") or {})
         rldp.update(trial.get("grid") or {})
@@ -376,7 +460,8 @@ def trial_config(study: StudyConfig, trial: dict, dataset_dir: str | None = None
             rldp["policy"] = policy_path
         values["rldp"] = rldp
     where = ", ".join(f"{k}={v}" for k, v in trial.items()
-                      if v is not None and k not in ("frozen_from", "optuna_id", "settings", "stage", "grid", "policy_path"))
+                      if v is not None and k not in ("frozen_from", "optuna_id", "settings", "stage", "grid", "policy_path",
+                                                     "search"))
     try:
         return validate_config(TrainConfig, values)
     except ConfigError as exc:

@@ -119,6 +119,25 @@ PAPER_POLICY_LABEL = ("a policy trained in paper mode drove a run: its controlle
                       "(E3/E14); epsilon covers the gradient releases only")
 
 
+def search_best(table: pd.DataFrame, split: str, metric: str) -> list[dict]:
+    """Per search cell (strategy, model, epsilon): the finished Optuna trial with the lowest final selection
+    metric on ``split``, its sampled values and how many trials the cell finished (what a deciding study
+    copies into its strategy_settings and base)."""
+    column = METRIC_COLUMNS[metric][split][0]
+    done = table[table["search"].notna() & (table["status"] == "TERMINATED")]
+    if column not in done:
+        return []
+    out = []
+    for (strategy, model, eps), cell in done.groupby(["strategy", "model", "epsilon_target"], sort=True):
+        cell = cell[cell[column].notna()]
+        if cell.empty:
+            continue
+        best = cell.loc[cell[column].idxmin()]
+        out.append({"strategy": strategy, "model": model, "epsilon": float(eps), "trials": int(len(cell)),
+                    "best": json.loads(best["search"]), column: float(best[column]), "trial": best["trial"]})
+    return out
+
+
 # -- per-trial rows --------------------------------------------------------------------------------
 def trial_labels(summary: dict | None) -> list[str]:
     """The labels of a run's epsilon (ERRATA E3, E12...): its summary's ``privacy.labels`` plus the
@@ -139,9 +158,10 @@ def selection_value(private: float | None, public: float | None, selection: str)
 
 
 def variant_label(trial: dict) -> str | None:
-    """A settings_grid trial's settings as ``clip=0.03`` (None for a trial outside any settings grid)."""
-    grid = trial.get("grid") or {}
-    return ", ".join(f"{k}={v}" for k, v in grid.items()) or None
+    """A settings_grid trial's settings (or a search trial's sampled values) as ``clip=0.03`` (None for a
+    trial outside any settings grid or search)."""
+    grid = {**(trial.get("grid") or {}), **(trial.get("search") or {})}
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in grid.items()) or None
 
 
 def _isnan(x) -> bool:
@@ -161,6 +181,7 @@ def _trial_row(trial: dict, run_dir: Path, status: str, result: dict, s: dict | 
            "b_sac": trial.get("b_sac"), "k": trial.get("k"),
            "frozen_policy": bool(trial.get("frozen_from")) or (frozen and trial["strategy"] == "rldp"),
            "variant": variant_label(trial),
+           "search": json.dumps(trial["search"], sort_keys=True) if trial.get("search") else None,
            "run_dir": str(run_dir),
            "trial_seconds": result.get("trial_seconds")}
     if result.get("evaluation_error"):  # the study's `evaluate:` failed after training (the trial stands)
@@ -623,6 +644,9 @@ def collect_results(study, study_dir: Path, trials: list[dict], grid, dataset_di
                 continue  # never started (a stopped study's pending trial): its own spec stays NOT_RUN
             if metrics.get("trial_spec"):
                 trial = json.loads(metrics["trial_spec"])
+            elif config.get("search_cell"):  # a search_space trial that failed before its final report
+                trial = {**config["search_cell"], "search": dict(config.get("search") or {}),
+                         "name": f"{config['search_cell']['strategy']}_optuna-{Path(str(result.path)).name}"}
             else:  # it failed before its final report
                 trial = {"model": study.models[0], "epsilon": study.epsilons[0], "seed": study.seeds[0],
                          "strategy": "rldp", **{k: config.get(k) for k in ("t_rl", "b_sac", "k")},
@@ -648,6 +672,8 @@ def collect_results(study, study_dir: Path, trials: list[dict], grid, dataset_di
     table["selection_metric"] = metric
     table.to_parquet(study_dir / "results.parquet", index=False)
     attrs = {"selection": {"requested": selection, "split": split, "note": note, "metric": metric}}
+    if "search" in table and table["search"].notna().any():
+        attrs["search_best"] = search_best(table, split, metric)
     if study.private_data:
         sha = dataset_identity(dataset_dir if dataset_dir is not None else Path(study_dir) / "dataset")
         attrs["tuning_aware_epsilon"] = study_privacy(study, study_dir, table, unfinished, sha,

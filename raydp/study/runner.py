@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 
 from raydp.errors import ConfigError
-from raydp.study.config import StudyConfig, load_study, optuna_trial, source_key, trial_config, trial_grid
+from raydp.study.config import (StudyConfig, load_study, optuna_trial, search_cells, search_trial, source_key,
+                                trial_config, trial_grid)
 
 
 def trial_name(trial: dict) -> str:
@@ -64,11 +65,15 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate:  # two trials in one run directory (e.g. a settings_grid value listed twice)
         raise ConfigError(f"two trials would both be named {duplicate}: remove the repeated value")
-    probe = trial_config(study, trial_grid(study)[0])  # validates base + the first trial before building
+    # a search_space's corners (every dimension at its low, then its high end) are validated and calibrated too
+    corners = [search_trial(cell, {k: d.corners()[i if i < len(d.corners()) else -1]
+                                   for k, d in study.search_space[cell["strategy"]].items()}, f"corner{i}")
+               for cell in search_cells(study) for i in (0, 1)]
+    probe = trial_config(study, (trial_grid(study) + corners)[0])  # validates base + the first trial before building
     dataset = str(resolve_dataset(probe.data, study_dir / "dataset", progress=progress))
     n_train = len(load_texts(dataset, "train"))
     trials, plans = [], {}
-    for trial in trial_grid(study):
+    for trial in trial_grid(study) + corners:
         config = trial_config(study, trial, dataset)
         if config.strategy == "rldp" and config.rldp.policy and not trial.get("frozen_from"):
             from raydp.control.policies import check_policy_privacy
@@ -93,7 +98,8 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
                         plans[key] = plan_private_run(config, units.public_count, strategy)
                 except ConfigError as exc:
                     raise ConfigError(f"trial {trial_name(trial)}: {exc}") from None
-        trials.append({**trial, "name": trial_name(trial)})
+        if not trial.get("search"):  # a corner is only checked: Optuna's trials are named when they run
+            trials.append({**trial, "name": trial_name(trial)})
     if build_models:
         from raydp.model.embedded import ensure_embedded_model, is_embedded_name
 
@@ -250,6 +256,9 @@ def run_trial(params: dict) -> None:
         logging.getLogger(CHECKPOINT_LOGGER).setLevel(logging.WARNING)
     if "trial_name" in params:
         trial = params["trial_specs"][params["trial_name"]]
+    elif "search_cell" in params:  # an Optuna-sampled search_space trial
+        trial = search_trial(params["search_cell"], params["search"], tune.get_context().get_trial_id())
+        trial["name"] = trial_name(trial)
     else:  # an Optuna-sampled SAC cell
         trial = optuna_trial(study, params["t_rl"], params["b_sac"], params["k"], tune.get_context().get_trial_id())
         trial["name"] = trial_name(trial)
@@ -306,7 +315,10 @@ def run_trial(params: dict) -> None:
             logging.getLogger(__name__).warning("trial %s: evaluation failed: %s", trial["name"], first)
         attacks["eval_seconds"] = time.perf_counter() - started_eval
     final = evaluation_metrics({"perplexity": summary["final_eval_perplexity"],
-                                "public_perplexity": summary.get("final_public_perplexity")}, study.selection)
+                                "public_perplexity": summary.get("final_public_perplexity"),
+                                # the value-token NLL where the run reports it: the metric its evaluations had
+                                "value_nll": summary.get("final_eval_value_nll"),
+                                "public_value_nll": summary.get("final_public_value_nll")}, study.selection)
     tune.report({"step": summary["steps"], **final,
                  "final_eval_perplexity": summary["final_eval_perplexity"],
                  "best_eval_perplexity": summary["best_eval_perplexity"],
@@ -346,7 +358,8 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
     study_dir = (Path(results_dir) / study.name).resolve()
     trials_dir = study_dir / "trials"
     if resume and not any(tune.Tuner.can_restore(str(study_dir / "tune" / name))
-                          for name in (f"{study.name}-source", study.name, f"{study.name}-optuna")):
+                          for name in (f"{study.name}-source", study.name, f"{study.name}-optuna",
+                                       *(search_run_name(study, cell) for cell in search_cells(study)))):
         # A fresh Tuner here would overwrite the trials already run, and their spend on the same private data
         # would drop out of the tuning-aware epsilon (ERRATA E7/E14).
         raise ConfigError(f"nothing to resume in {study_dir}: it has no Tune state (tune/{study.name}); --resume "
@@ -395,7 +408,10 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
                     t["policy_path"] = sources[t["frozen_from"]]
             name = study.name if i == len([s for s in stages if s]) - 1 else f"{study.name}-source"
             grids.append(_fit(trainable, _param_space(study, stage, common), storage, name, study, progress, resume))
-        if study.search == "optuna":
+        if study.search_space:
+            for cell in search_cells(study):
+                grids.append(_fit_search(trainable, study, cell, common, storage, progress, resume))
+        elif study.search == "optuna":
             grids.append(_fit_optuna(trainable, study, common, storage, progress, resume))
         if study.search == "pbt":
             grids.append(_fit_pbt(study, [t for t in trials if t.get("stage") == "pbt"], common, storage, progress))
@@ -500,6 +516,55 @@ def _fit_optuna(trainable, study: StudyConfig, common: dict, storage: str, progr
                                                             seed=study.optuna.seed),
                                     num_samples=study.optuna.num_samples),
         run_config=tune.RunConfig(name=f"{study.name}-optuna", storage_path=storage,
+                                  failure_config=tune.FailureConfig(max_failures=study.max_failures),
+                                  verbose=tune_verbosity(progress)),
+    )
+    return tuner.fit()
+
+
+def search_run_name(study: StudyConfig, cell: dict) -> str:
+    """The Tune experiment (and Optuna study) of one search cell."""
+    return f"{study.name}-search-{cell['strategy']}-{cell['model'].replace('/', '_')}-eps{cell['epsilon']:g}"
+
+
+def _search_space(space: dict) -> dict:
+    """The study's search_space of one strategy as Tune domains (Optuna samples them through OptunaSearch)."""
+    from ray import tune
+
+    out = {}
+    for name, dim in space.items():
+        if dim.choices is not None:
+            out[name] = tune.choice(list(dim.choices))
+        else:
+            out[name] = (tune.loguniform if dim.log else tune.uniform)(dim.low, dim.high)
+    return out
+
+
+def _fit_search(trainable, study: StudyConfig, cell: dict, common: dict, storage: str, progress: bool, resume: bool):
+    """One search cell (strategy, model, epsilon): ``optuna.num_samples`` trials sampled by Optuna (TPE or
+    CMA-ES, seeded) over the strategy's ``search_space``, minimising ``selection_score`` (the PUBLIC validation
+    split unless ``selection: private``, E15). Optuna's trials are also kept in an SQLite storage beside Tune's
+    state (``tune/optuna.sqlite3``, one Optuna study per cell), so a stopped search resumes with its history
+    (``--resume`` restores the Tune experiment, whose searcher reloads the Optuna study)."""
+    import optuna
+    from ray import tune
+    from ray.tune.search.optuna import OptunaSearch
+
+    name = search_run_name(study, cell)
+    path = os.path.join(storage, name)
+    if resume and tune.Tuner.can_restore(path):
+        return tune.Tuner.restore(path, trainable=trainable, resume_errored=True).fit()
+    os.makedirs(storage, exist_ok=True)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sampler = (optuna.samplers.CmaEsSampler(seed=study.optuna.seed, warn_independent_sampling=False)
+               if study.optuna.sampler == "cmaes" else optuna.samplers.TPESampler(seed=study.optuna.seed))
+    searcher = OptunaSearch(metric="selection_score", mode="min", sampler=sampler, study_name=name,
+                            storage=optuna.storages.RDBStorage(f"sqlite:///{os.path.join(storage, 'optuna.sqlite3')}"))
+    tuner = tune.Tuner(
+        trainable,
+        param_space={**common, "search_cell": cell, "search": _search_space(study.search_space[cell["strategy"]])},
+        tune_config=tune.TuneConfig(search_alg=searcher, num_samples=study.optuna.num_samples),
+        run_config=tune.RunConfig(name=name, storage_path=storage,
                                   failure_config=tune.FailureConfig(max_failures=study.max_failures),
                                   verbose=tune_verbosity(progress)),
     )
