@@ -250,3 +250,118 @@ def test_an_optuna_search_over_a_strategy_runs_and_records_its_best(tmp_path):
     complete = [t for t in stored.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(complete) == 3
     assert sorted(t.value for t in complete) == pytest.approx(sorted(searched[column]))
+
+
+# -- issue 29's verdicts -----------------------------------------------------------------------------------
+def _challenge_rows(tmp_path):
+    """clip-schedule, two baselines and non-private over 5 seeds at three epsilons; each run's evaluations at
+    steps 0, 50, 100 on the private split (value_nll)."""
+    import pandas as pd
+
+    rng = np.random.default_rng(0)
+    means = {  # eps: (clip-schedule, static-pairwise, auto-clip); non-private 60
+        0.5: (66.0, 68.0, 69.0),   # better by ~2.9%, 25% of the gap: better
+        2.0: (65.9, 66.0, 67.0),   # 0.15%: not shown
+        8.0: (66.0, 65.0, 64.5),   # worse
+    }
+    rows = []
+    for eps, arms in means.items():
+        for strategy, mean in zip(("clip-schedule", "static-pairwise", "auto-clip"), arms):
+            for seed in range(5):
+                value = mean + rng.normal(0, 0.05)
+                run = tmp_path / f"{strategy}_{eps}_{seed}"
+                run.mkdir()
+                middle = value + 1.5 if strategy == "clip-schedule" else (72 + value) / 2
+                pd.DataFrame({"step": [0, 50, 100], "value_nll": [72.0, middle, value]}).to_parquet(
+                    run / "eval_metrics.parquet")
+                rows.append({"model": "m", "epsilon_target": eps, "seed": seed, "strategy": strategy, "variant": None,
+                             "final_eval_value_nll": value, "final_public_value_nll": value + 1.0,
+                             "run_dir": str(run), "planned_steps": 100, "steps": 100})
+    for seed in range(5):
+        rows.append({"model": "m", "epsilon_target": None, "seed": seed, "strategy": "nonprivate", "variant": None,
+                     "final_eval_value_nll": 60.0 + rng.normal(0, 0.05), "final_public_value_nll": 61.0,
+                     "run_dir": str(tmp_path / "none"), "planned_steps": 100, "steps": 100})
+    return pd.DataFrame(rows)
+
+
+def test_challenge_verdicts_follow_welch_holm_and_the_gap_criterion(tmp_path):
+    from scipy import stats
+
+    from raydp.study.report import challenge, challenge_success
+
+    table = _challenge_rows(tmp_path)
+    v = challenge(table, "final_public_value_nll", "clip-schedule").set_index("epsilon")
+    assert list(v["decision"]) == ["better", "not shown", "worse"]
+    assert (v["baseline"] == ["static-pairwise", "static-pairwise", "auto-clip"]).all()  # lowest PUBLIC mean
+    # Welch by hand, then Holm's step-down over the three cells by its definition
+    raw = {}
+    for eps in (0.5, 2.0, 8.0):
+        c = table[(table.epsilon_target == eps) & (table.strategy == "clip-schedule")]["final_eval_value_nll"].to_numpy()
+        b = table[(table.epsilon_target == eps) & (table.strategy == v.loc[eps, "baseline"])]["final_eval_value_nll"].to_numpy()
+        se2 = c.var(ddof=1) / 5 + b.var(ddof=1) / 5
+        t = (c.mean() - b.mean()) / np.sqrt(se2)
+        df = se2 ** 2 / ((c.var(ddof=1) / 5) ** 2 / 4 + (b.var(ddof=1) / 5) ** 2 / 4)
+        raw[eps] = 2 * stats.t.sf(abs(t), df)
+        assert v.loc[eps, "private_p"] == pytest.approx(raw[eps], rel=1e-6)
+        nonprivate = table[table.strategy == "nonprivate"]["final_eval_value_nll"].mean()
+        assert v.loc[eps, "gap_share"] == pytest.approx((b.mean() - c.mean()) / (b.mean() - nonprivate))
+    ordered = sorted(raw, key=raw.get)
+    holm, running = {}, 0.0
+    for k, eps in enumerate(ordered):
+        running = max(running, min(1.0, (3 - k) * raw[eps]))
+        holm[eps] = running
+    for eps in raw:
+        assert v.loc[eps, "private_p_holm"] == pytest.approx(holm[eps], rel=1e-6)
+    # steps to the baseline's final private mean: the schedule's midpoint (67.5) is below it at eps 0.5 (68), never
+    # at eps 8 (64.5)
+    assert v.loc[0.5, "steps_to_target_pct"] == pytest.approx(50.0) and v.loc[0.5, "seeds_reaching_target"] == "5/5"
+    assert np.isnan(v.loc[8.0, "steps_to_target_pct"]) and v.loc[8.0, "seeds_reaching_target"] == "0/5"
+    assert challenge_success(v.reset_index()).startswith("NOT MET: better in 1 of 3 cells, worse in 1")
+
+
+def _tuned_study(tmp_path, tuned_from, epsilons=(2.0,)):
+    from raydp.study.config import load_study
+
+    values = {"name": "final", "models": ["embedded-tiny"], "epsilons": list(epsilons), "seeds": [0, 1],
+              "strategies": ["nonprivate", "clip-schedule"], "tuned_from": str(tuned_from),
+              "resources": {"cpus_per_trial": 1}, "base": {"data": {"n_records": 300}, "max_steps": 8}}
+    path = tmp_path / "final.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return load_study(path)
+
+
+def _finished_search(root, private=False, best=None):
+    root.mkdir(parents=True)
+    data = {"n_records": 300} if private else {"source": "public", "n_records": 300}
+    (root / "study.json").write_text(json.dumps({"name": "s", "private_data": private, "base": {"data": data}}))
+    (root / "study_summary.json").write_text(json.dumps({"search_best": best if best is not None else [
+        {"strategy": "clip-schedule", "model": "embedded-tiny", "epsilon": 2.0, "trials": 3,
+         "best": {"clip": 0.42, "lr": 0.0011, "lr_decay": "cosine"}}]}))
+    return root
+
+
+def test_tuned_from_runs_each_cell_with_its_searched_best(tmp_path):
+    from raydp.study.config import trial_config, trial_grid
+
+    study = _tuned_study(tmp_path, _finished_search(tmp_path / "search"))
+    trials = trial_grid(study)
+    tuned = [t for t in trials if t["strategy"] == "clip-schedule"]
+    assert len(tuned) == 2 and all(t["tuned"] == {"clip": 0.42, "lr": 0.0011, "lr_decay": "cosine"} for t in tuned)
+    config = trial_config(study, tuned[0])
+    assert config.settings["clip"] == 0.42 and config.lr == 0.0011 and config.lr_decay == "cosine"
+    assert not config.common_random_numbers  # the search's public-only choices are not carried over
+    nonprivate = trial_config(study, next(t for t in trials if t["strategy"] == "nonprivate"))
+    assert nonprivate.lr == 5e-4  # a strategy the search did not tune keeps the study's own settings
+
+
+@pytest.mark.parametrize("private, best, epsilons, message", [
+    (True, None, (2.0,), "did not run on public data"),
+    (False, [], (2.0,), "has no finished search"),
+    (False, None, (2.0, 8.0), "searched clip-schedule but not on embedded-tiny at epsilon 8"),
+])
+def test_tuned_from_refuses_a_private_unfinished_or_partial_search(tmp_path, private, best, epsilons, message):
+    from raydp.study.config import trial_grid
+
+    study = _tuned_study(tmp_path, _finished_search(tmp_path / "search", private, best), epsilons)
+    with pytest.raises(ConfigError, match=message):
+        trial_grid(study)

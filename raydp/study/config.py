@@ -171,6 +171,9 @@ class StudyConfig(StrictModel):
         default_factory=dict, description="per strategy, settings to grid over: one trial per combination, e.g. "
         "{static-pairwise: {clip: [0.01, 0.1]}} (tuning a baseline's clip on public data); for rldp they are "
         "rldp settings, e.g. {rldp: {action_decoding: [paper, relative]}}")
+    tuned_from: str | None = Field(None, description=(
+        "a finished search study's directory (search_space, on PUBLIC data): each trial of a strategy it searched "
+        "runs with the best values of its (strategy, model, epsilon) cell (study_summary.json search_best)"))
     sac_grid: SACGrid = SACGrid()
     search: Literal["grid", "optuna", "pbt"] = "grid"
     optuna: OptunaSettings = OptunaSettings()
@@ -390,6 +393,37 @@ def draw_in_range(bounds: MutationRange, rng) -> float:
     return float(rng.uniform(bounds.low, bounds.high))
 
 
+def tuned_values(study: StudyConfig) -> dict[tuple[str, str, float], dict]:
+    """The ``tuned_from`` search's best values per (strategy, model, epsilon): ConfigError when the search is
+    missing, unfinished, or did not run on public data (its choices would then be a release of the private
+    data that this study does not account for, ERRATA E7)."""
+    import json
+
+    if study.tuned_from is None:
+        return {}
+    root = Path(study.tuned_from).expanduser()
+    try:
+        searched = json.loads((root / "study.json").read_text())
+        summary = json.loads((root / "study_summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        raise ConfigError(f"tuned_from: {root} is not a finished study (no readable study.json and "
+                          "study_summary.json)") from None
+    if searched.get("private_data", True) or ((searched.get("base") or {}).get("data") or {}).get("source") != "public":
+        raise ConfigError(f"tuned_from: study {searched.get('name')!r} did not run on public data (base.data.source: "
+                          "public, private_data: false): its choices are not free to reuse")
+    best = {(b["strategy"], b["model"], float(b["epsilon"])): dict(b["best"]) for b in summary.get("search_best") or []}
+    if not best:
+        raise ConfigError(f"tuned_from: study {searched.get('name')!r} has no finished search (search_best)")
+    searched_strategies = {k[0] for k in best}
+    for strategy in set(study.strategies) & searched_strategies:
+        for model in study.models:
+            for eps in study.epsilons:
+                if (strategy, model, float(eps)) not in best:
+                    raise ConfigError(f"tuned_from: study {searched.get('name')!r} searched {strategy} but not on "
+                                      f"{model} at epsilon {eps:g}")
+    return best
+
+
 def search_cells(study: StudyConfig) -> list[dict]:
     """One Optuna search per (searched strategy, model, epsilon) at the study's seed: the cell's fixed fields."""
     return [{"model": model, "epsilon": eps, "seed": study.seeds[0], "strategy": strategy}
@@ -407,6 +441,7 @@ def source_key(trial: dict) -> str:
 
 
 def _grid(study: StudyConfig, models: list[str]) -> list[dict]:
+    tuned = tuned_values(study)
     trials = []
     for model, eps, seed, strategy in itertools.product(models, study.epsilons, study.seeds, study.strategies):
         if strategy == "nonprivate":
@@ -423,6 +458,8 @@ def _grid(study: StudyConfig, models: list[str]) -> list[dict]:
                      "t_rl": t_rl, "b_sac": b_sac, "k": k}
             if variant is not None:
                 trial["grid"] = variant  # this trial's settings from settings_grid
+            if (strategy, model, float(eps)) in tuned:
+                trial["tuned"] = tuned[(strategy, model, float(eps))]  # tuned_from's best values
             trials.append(trial)
     return trials
 
@@ -444,12 +481,13 @@ def trial_config(study: StudyConfig, trial: dict, dataset_dir: str | None = None
         values["settings"] = {**values.get("settings", {}), **trial["settings"]}
     if trial.get("grid") and trial["strategy"] != "rldp":  # settings_grid
         values["settings"] = {**values.get("settings", {}), **trial["grid"]}
-    if trial.get("search"):  # an Optuna-sampled search_space trial: run fields, then the strategy's settings
-        run = {k: v for k, v in trial["search"].items() if k in SEARCHABLE_RUN_FIELDS}
-        values.update(run)
-        settings = {k: v for k, v in trial["search"].items() if k not in run}
-        if settings:
-            values["settings"] = {**values.get("settings", {}), **settings}
+    for key in ("tuned", "search"):  # tuned_from's best values; an Optuna-sampled search_space trial's values
+        if trial.get(key):  # run fields, then the strategy's settings
+            run = {k: v for k, v in trial[key].items() if k in SEARCHABLE_RUN_FIELDS}
+            values.update(run)
+            settings = {k: v for k, v in trial[key].items() if k not in run}
+            if settings:
+                values["settings"] = {**values.get("settings", {}), **settings}
     if trial["strategy"] == "rldp":
         rldp = dict(values.get("rldp") or {})
         rldp.update(trial.get("grid") or {})
@@ -461,7 +499,7 @@ def trial_config(study: StudyConfig, trial: dict, dataset_dir: str | None = None
         values["rldp"] = rldp
     where = ", ".join(f"{k}={v}" for k, v in trial.items()
                       if v is not None and k not in ("frozen_from", "optuna_id", "settings", "stage", "grid", "policy_path",
-                                                     "search"))
+                                                     "search", "tuned"))
     try:
         return validate_config(TrainConfig, values)
     except ConfigError as exc:

@@ -23,6 +23,7 @@ import pandas as pd
 
 from raydp.data.identity import frame_ids as dataset_ids
 from raydp.errors import ConfigError
+from raydp.study.results import BASELINE_EXCLUDED, CHALLENGERS
 
 
 def load_results(study_dir: str | Path) -> tuple[pd.DataFrame, dict]:
@@ -86,7 +87,7 @@ def cell_arm_keys(results: pd.DataFrame) -> pd.Series:
 
 
 VERDICT_ALPHA = 0.05
-BASELINES_EXCLUDED = ("rldp", "nonprivate")  # not DP baselines at an epsilon
+BASELINES_EXCLUDED = BASELINE_EXCLUDED  # not DP baselines at an epsilon: the challengers and non-private
 
 
 def verdicts(results: pd.DataFrame, column: str = "final_public_perplexity") -> pd.DataFrame:
@@ -101,7 +102,7 @@ def verdicts(results: pd.DataFrame, column: str = "final_public_perplexity") -> 
     data["_arm"] = cell_arm_keys(data)
     rows = []
     for (model, eps), group in data.groupby(["model", "epsilon_target"]):
-        rldp, base = group[group["strategy"] == "rldp"], group[~group["strategy"].isin(("rldp", "nonprivate"))]
+        rldp, base = group[group["strategy"] == "rldp"], group[~group["strategy"].isin(BASELINES_EXCLUDED)]
         if rldp.empty or base.empty:
             continue
         r_arm = rldp.groupby("_arm")[column].mean().idxmin()
@@ -121,6 +122,106 @@ def verdicts(results: pd.DataFrame, column: str = "final_public_perplexity") -> 
                      float("nan"), "seeds": f"{len(r)}/{len(b)}", "change_pct": 100.0 * diff / float(b.mean()),
                      "p_value": p, "verdict": verdict})
     return pd.DataFrame(rows)
+
+
+#: issue 29's success criterion for a challenger in one cell: significantly better after Holm's correction, by at
+#: least this share of the baseline's value and of the baseline's gap to non-private
+CHALLENGE_MIN_PCT, CHALLENGE_MIN_GAP_SHARE = 0.5, 0.2
+
+
+def _holm(p_values: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (Holm 1979): the k-th smallest of m is multiplied by (m - k + 1),
+    made monotone, capped at 1."""
+    order = sorted(range(len(p_values)), key=lambda i: p_values[i])
+    adjusted, running = [1.0] * len(p_values), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(p_values) - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def _welch(a, b) -> float:
+    from scipy import stats
+
+    if len(a) < 2 or len(b) < 2:
+        return float("nan")
+    p = float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+    return p if p == p else (0.0 if a.mean() != b.mean() else 1.0)  # no spread in either arm: the difference is sure
+
+
+def _first_step_reaching(run_dir, eval_column: str, target: float, total) -> float:
+    """The first evaluated step (> 0) whose ``eval_column`` is <= ``target``, over ``total`` steps (NaN: never)."""
+    path = Path(str(run_dir)) / "eval_metrics.parquet"
+    if not path.exists():
+        return float("nan")
+    evals = pd.read_parquet(path)
+    if eval_column not in evals:
+        return float("nan")
+    hit = evals[(evals["step"] > 0) & (evals[eval_column] <= target)]
+    return float(hit["step"].iloc[0]) / float(total) if len(hit) and total else float("nan")
+
+
+def challenge(results: pd.DataFrame, column: str, challenger: str) -> pd.DataFrame:
+    """Issue 29's per-cell verdicts of a learned controller (``challenger``: a strategy of :data:`CHALLENGERS`)
+    against the best tuned baseline: per model and epsilon, the challenger's arm and the baseline arm with the
+    lowest mean on PUBLIC validation (what may select), then on each split the means, sds and Welch's t-test
+    over seeds, the private split's p-values Holm-corrected over the model's cells; the baseline's gap to
+    non-private and the challenger's share of it; the steps (in % of planned) the challenger's seeds take to
+    reach the baseline's mean final private value. ``decision``: *better* (Holm p < 0.05, at least 0.5% and 20%
+    of the gap), *worse* (Holm p < 0.05 the other way) or *not shown*, on the private eval split (reference
+    only: nothing is selected on it, E15)."""
+    done = _cells(results, column)
+    if done.empty or not (done["strategy"] == challenger).any():
+        return pd.DataFrame()
+    private_col, public_col = column.replace("_public_", "_eval_"), column.replace("_eval_", "_public_")
+    eval_col = "value_nll" if column.endswith("value_nll") else "perplexity"
+    rows = []
+    for model, group in done.groupby("model"):
+        nonprivate = group[group["strategy"] == "nonprivate"]
+        for eps, cell in group[group["strategy"] != "nonprivate"].groupby("_eps"):
+            ch = cell[cell["strategy"] == challenger]
+            base = cell[~cell["strategy"].isin(BASELINES_EXCLUDED)]
+            if ch.empty or base.empty:
+                continue
+            ch_arm = ch.groupby("_arm")[public_col].mean().idxmin()
+            b_arm = base.groupby("_arm")[public_col].mean().idxmin()
+            c, b = ch[ch["_arm"] == ch_arm], base[base["_arm"] == b_arm]
+            row = {"model": model, "epsilon": eps, "challenger": ch_arm, "baseline": b_arm, "seeds": f"{len(c)}/{len(b)}"}
+            for short, col in (("private", private_col), ("public", public_col)):
+                cm, bm = float(c[col].mean()), float(b[col].mean())
+                row.update({f"{short}_challenger": cm, f"{short}_challenger_sd": float(c[col].std(ddof=1)),
+                            f"{short}_baseline": bm, f"{short}_baseline_sd": float(b[col].std(ddof=1)),
+                            f"{short}_change_pct": 100.0 * (cm - bm) / bm, f"{short}_p": _welch(c[col], b[col])})
+            np_mean = float(nonprivate[private_col].mean()) if len(nonprivate) else float("nan")
+            gap = row["private_baseline"] - np_mean
+            row.update(nonprivate=np_mean, gap=gap, gap_share=(row["private_baseline"] - row["private_challenger"]) / gap
+                       if gap == gap and gap > 0 else float("nan"))
+            total = c["planned_steps"] if "planned_steps" in c else c["steps"]
+            reached = [_first_step_reaching(d, eval_col, row["private_baseline"], t) for d, t in zip(c["run_dir"], total)]
+            row.update(steps_to_target_pct=100.0 * float(pd.Series(reached).mean()) if any(r == r for r in reached)
+                       else float("nan"), seeds_reaching_target=f"{sum(r == r for r in reached)}/{len(reached)}")
+            rows.append(row)
+    table = pd.DataFrame(rows)
+    if table.empty:
+        return table
+    table["private_p_holm"] = float("nan")
+    for model, idx in table.groupby("model").groups.items():
+        ps = table.loc[idx, "private_p"].fillna(1.0).tolist()
+        table.loc[idx, "private_p_holm"] = _holm(ps)
+    better = ((table["private_p_holm"] < VERDICT_ALPHA) & (table["private_change_pct"] <= -CHALLENGE_MIN_PCT)
+              & (table["gap_share"] >= CHALLENGE_MIN_GAP_SHARE))
+    worse = (table["private_p_holm"] < VERDICT_ALPHA) & (table["private_change_pct"] > 0)
+    table["decision"] = ["better" if b else "worse" if w else "not shown" for b, w in zip(better, worse)]
+    return table
+
+
+def challenge_success(table: pd.DataFrame) -> str:
+    """Issue 29's criterion over a model's cells: better in at least 2 of 3 and worse in none."""
+    n_better, n_worse = int((table["decision"] == "better").sum()), int((table["decision"] == "worse").sum())
+    ok = n_better >= 2 and n_worse == 0
+    return (f"{'SUCCESS' if ok else 'NOT MET'}: better in {n_better} of {len(table)} cells, worse in {n_worse} "
+            f"(needs better in >= 2, by >= {CHALLENGE_MIN_PCT:g}% and >= {100 * CHALLENGE_MIN_GAP_SHARE:g}% of the "
+            "baseline's gap to non-private, Holm-corrected Welch p < 0.05, and worse in none)")
 
 
 def _cells(results: pd.DataFrame, column: str) -> pd.DataFrame:
@@ -235,7 +336,7 @@ def table2(results: pd.DataFrame, column: str = "final_public_perplexity") -> pd
     for (model, eps), group in private.groupby(["model", "epsilon_target"]):
         frozen = group["frozen_policy"].fillna(False).astype(bool) if "frozen_policy" in group else False
         rldp = group[(group["strategy"] == "rldp") & ~frozen]
-        base = group[~group["strategy"].isin(("rldp", "nonprivate"))]  # a non-private run is no baseline at an epsilon
+        base = group[~group["strategy"].isin(BASELINES_EXCLUDED)]  # a non-private run is no baseline at an epsilon
         row = {"model": model, "epsilon": eps}
         if (group["strategy"] == "rldp").any() and getattr(frozen, "any", lambda: False)():
             row["rldp_frozen_final"] = float(group[frozen][column].mean())
@@ -433,6 +534,8 @@ def _format_tables(results: pd.DataFrame, summary: dict) -> list[str]:
                          f"({rec['rldp_arm']} {rec['rldp_mean']:.4f} ± {rec['rldp_sd']:.4f} vs {rec['best_baseline']} "
                          f"{rec['baseline_mean']:.4f} ± {rec['baseline_sd']:.4f}; {rec['change_pct']:+.2f}%, "
                          f"p={'n/a' if rec['p_value'] is None else format(rec['p_value'], '.3g')}, seeds {rec['seeds']})")
+    for challenger in CHALLENGERS:
+        lines.extend(_format_challenge(challenge(results, column, challenger), challenger))
     t3 = table3(results, column)
     lines.append(f"\nTable 3 analogue: RLDP steps to reach the best baseline's final {split} "
                  "(% of its steps)")
@@ -441,6 +544,28 @@ def _format_tables(results: pd.DataFrame, summary: dict) -> list[str]:
     if len(acc):
         lines.append("\nClassification accuracy (final; mean and sd over seeds; eval: private split, unprotected, E15)")
         lines.append(acc.to_string(index=False, float_format=lambda x: f"{x:.4f}"))
+    return lines
+
+
+def _format_challenge(table: pd.DataFrame, challenger: str) -> list[str]:
+    if table.empty:
+        return []
+    lines = [f"\n{challenger} against the best tuned baseline (issue 29): both arms chosen on PUBLIC validation; the "
+             "decision is on the private eval split (reference only, E15), Welch over seeds, Holm over the cells; "
+             "gap: the baseline's distance from non-private; steps: % of planned steps to reach the baseline's final "
+             "private mean"]
+    for model, group in table.groupby("model"):
+        for r in group.to_dict("records"):
+            lines.append(
+                f"  {model} eps {r['epsilon']:g}: {r['decision'].upper()}: private {r['private_challenger']:.3f} ± "
+                f"{r['private_challenger_sd']:.3f} vs {r['baseline']} {r['private_baseline']:.3f} ± "
+                f"{r['private_baseline_sd']:.3f} ({r['private_change_pct']:+.2f}%, Holm p={r['private_p_holm']:.3g}, "
+                f"{r['gap_share']:.0%} of the gap {r['gap']:.3f} to non-private {r['nonprivate']:.3f}); public "
+                f"{r['public_challenger']:.3f} ± {r['public_challenger_sd']:.3f} vs {r['public_baseline']:.3f} ± "
+                f"{r['public_baseline_sd']:.3f} ({r['public_change_pct']:+.2f}%, p={r['public_p']:.3g}); steps to "
+                f"target {r['steps_to_target_pct']:.0f}% ({r['seeds_reaching_target']} seeds); seeds {r['seeds']}; "
+                f"arm {r['challenger']}")
+        lines.append(f"  {model}: {challenge_success(group)}")
     return lines
 
 

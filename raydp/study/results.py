@@ -88,7 +88,9 @@ from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve, rdp_epsilon
 from raydp.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 
-BASELINE_EXCLUDED = ("rldp", "nonprivate")
+#: the learned controllers a study compares with the baselines (never a baseline themselves, issue 29)
+CHALLENGERS = ("rldp", "clip-schedule")
+BASELINE_EXCLUDED = (*CHALLENGERS, "nonprivate")
 
 #: the metrics a study selects and reports on (lower is better), by split: (results.parquet final column,
 #: eval_metrics.parquet column). ``value_nll``, the value-token NLL in nats per record (raydp.evaluation.perplexity),
@@ -158,9 +160,9 @@ def selection_value(private: float | None, public: float | None, selection: str)
 
 
 def variant_label(trial: dict) -> str | None:
-    """A settings_grid trial's settings (or a search trial's sampled values) as ``clip=0.03`` (None for a
-    trial outside any settings grid or search)."""
-    grid = {**(trial.get("grid") or {}), **(trial.get("search") or {})}
+    """A settings_grid trial's settings (or a search trial's sampled values, or a tuned_from trial's chosen ones)
+    as ``clip=0.03`` (None for a trial outside any settings grid or search)."""
+    grid = {**(trial.get("grid") or {}), **(trial.get("tuned") or {}), **(trial.get("search") or {})}
     return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in grid.items()) or None
 
 
@@ -182,6 +184,7 @@ def _trial_row(trial: dict, run_dir: Path, status: str, result: dict, s: dict | 
            "frozen_policy": bool(trial.get("frozen_from")) or (frozen and trial["strategy"] == "rldp"),
            "variant": variant_label(trial),
            "search": json.dumps(trial["search"], sort_keys=True) if trial.get("search") else None,
+           "tuned": json.dumps(trial["tuned"], sort_keys=True) if trial.get("tuned") else None,
            "run_dir": str(run_dir),
            "trial_seconds": result.get("trial_seconds")}
     if result.get("evaluation_error"):  # the study's `evaluate:` failed after training (the trial stands)
