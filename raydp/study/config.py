@@ -58,6 +58,8 @@ class OptunaSettings(StrictModel):
     seed: int = 0
     sampler: Literal["tpe", "cmaes"] = Field("tpe", description="Optuna's sampler: TPE (Bayesian optimisation) or "
                                              "CMA-ES (a search_space's numeric dimensions)")
+    startup_trials: int = Field(4, ge=1, description="a search_space's random trials before the sampler models the "
+                                "results (Optuna's TPE default, 10, would make a 10-trial search a random one)")
 
 
 class SearchDimension(StrictModel):

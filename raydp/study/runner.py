@@ -556,8 +556,13 @@ def _fit_search(trainable, study: StudyConfig, cell: dict, common: dict, storage
         return tune.Tuner.restore(path, trainable=trainable, resume_errored=True).fit()
     os.makedirs(storage, exist_ok=True)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sampler = (optuna.samplers.CmaEsSampler(seed=study.optuna.seed, warn_independent_sampling=False)
-               if study.optuna.sampler == "cmaes" else optuna.samplers.TPESampler(seed=study.optuna.seed))
+    settings = study.optuna
+    # TPE: multivariate (clip and learning rate interact), a constant liar for the trials still running in parallel
+    sampler = (optuna.samplers.CmaEsSampler(seed=settings.seed, n_startup_trials=settings.startup_trials,
+                                            warn_independent_sampling=False)
+               if settings.sampler == "cmaes" else
+               optuna.samplers.TPESampler(seed=settings.seed, n_startup_trials=settings.startup_trials,
+                                          multivariate=True, constant_liar=True))
     searcher = OptunaSearch(metric="selection_score", mode="min", sampler=sampler, study_name=name,
                             storage=optuna.storages.RDBStorage(f"sqlite:///{os.path.join(storage, 'optuna.sqlite3')}"))
     tuner = tune.Tuner(
