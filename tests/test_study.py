@@ -1,6 +1,7 @@
 """Studies: validation before anything runs, a real Tune run, results and report, ``ray job submit``."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -540,3 +541,37 @@ def test_report_over_studies_refuses_other_datasets_or_splits(tmp_path):
     unhashed = _fake_study(tmp_path, "e", {("rldp", 2.0): [1.3, 1.4]}, sha=None)
     with pytest.raises(ConfigError, match="ran on different datasets"):
         format_report(first, unhashed)
+
+
+def test_a_trial_config_holds_its_own_spec_whatever_the_study_size():
+    from ray.tune.search.variant_generator import generate_variants
+
+    from raydp.study.runner import _param_space
+
+    def first_config_size(n_trials):
+        trials = [{"name": f"static_m_eps2_seed{i}", "model": "m", "epsilon": 2.0, "seed": i, "strategy": "static"}
+                  for i in range(n_trials)]
+        _, config = next(generate_variants(_param_space(None, trials, {"study": {"name": "x"}})))
+        return len(json.dumps(config))
+
+    assert first_config_size(10) == first_config_size(5000)
+
+
+def test_tune_keeps_two_checkpoints_and_ranks_dp_trials_only(local_ray, tmp_path):
+    from ray import tune
+
+    from raydp.study.runner import CHECKPOINTS_KEPT, run_study, run_trial
+
+    path = write_study(tmp_path, name="ranked", strategies=["nonprivate", "static"], wandb={"mode": "disabled"})
+    study_dir = run_study(path, tmp_path / "out", progress=False)
+    experiment = study_dir / "tune" / "ranked"
+    for trial_dir in (d for d in experiment.iterdir() if d.is_dir()):
+        kept = list(trial_dir.glob("checkpoint_*"))
+        assert 1 <= len(kept) <= CHECKPOINTS_KEPT  # 4 evaluations each made one
+    grid = tune.Tuner.restore(str(experiment), trainable=run_trial).get_results()
+    best = grid.get_best_result()  # the study's metric and mode: the best DP trial
+    assert best.config["trial"]["strategy"] == "static"
+    static = pd.read_parquet(study_dir / "results.parquet").set_index("strategy").loc["static"]
+    assert best.metrics["dp_selection_score"] == pytest.approx(static["final_public_value_nll"])
+    nonprivate = next(r for r in grid if r.config["trial"]["strategy"] == "nonprivate")
+    assert math.isnan(nonprivate.metrics["dp_selection_score"]) and nonprivate.metrics["selection_score"] > 0

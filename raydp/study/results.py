@@ -641,7 +641,7 @@ def collect_results(study, study_dir: Path, trials: list[dict], grid, dataset_di
     for result in grid:
         metrics = result.metrics or {}
         config = result.config or {}
-        trial = (config.get("trial_specs") or {}).get(config.get("trial_name"))
+        trial = config.get("trial") or (config.get("trial_specs") or {}).get(config.get("trial_name"))  # (older)
         if trial is None:  # an Optuna-sampled trial
             if not _reported(metrics) and result.error is None and getattr(result, "checkpoint", None) is None:
                 continue  # never started (a stopped study's pending trial): its own spec stays NOT_RUN

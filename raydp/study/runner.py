@@ -114,7 +114,7 @@ WANDB_EVAL_FIELDS = {"perplexity": "eval_perplexity", "public_perplexity": "publ
                      "nll_per_token": "nll_per_token", "public_nll_per_token": "public_nll_per_token"}
 
 
-def evaluation_metrics(row: dict, selection: str) -> dict:
+def evaluation_metrics(row: dict, selection: str, private_run: bool = True) -> dict:
     """Tune metrics of one evaluation row (``perplexity``/``value_nll``: private eval split;
     ``public_perplexity``/``public_value_nll``: public validation split), and ``selection_score``, what Tune,
     Optuna and PBT minimise: the value-token NLL (nats per record) where the run reports it, else perplexity
@@ -127,7 +127,9 @@ def evaluation_metrics(row: dict, selection: str) -> dict:
         (row.get("perplexity"), row.get("public_perplexity"))
     value, split = selection_value(private, public, selection)
     out = {"eval_perplexity": row.get("perplexity"), "public_perplexity": row.get("public_perplexity"),
-           "selection_score": value, "selection_split": split, "selection_metric": metric}
+           "selection_score": value, "selection_split": split, "selection_metric": metric,
+           # what ResultGrid.get_best_result() ranks: NaN (skipped) for a non-private run, no DP arm
+           "dp_selection_score": value if private_run else float("nan")}
     if metric == "value_nll":
         out.update(eval_value_nll=private, public_value_nll=public)
     return out
@@ -254,7 +256,9 @@ def run_trial(params: dict) -> None:
     study = StudyConfig(**params["study"])
     if not params.get("log_checkpoints", True):  # the driver writes to a log, not a terminal (run_study)
         logging.getLogger(CHECKPOINT_LOGGER).setLevel(logging.WARNING)
-    if "trial_name" in params:
+    if "trial" in params:  # a grid trial: its own spec only (the config's size does not grow with the study)
+        trial = params["trial"]
+    elif "trial_name" in params:  # a study started before that (resumed): every spec in every config
         trial = params["trial_specs"][params["trial_name"]]
     elif "search_cell" in params:  # an Optuna-sampled search_space trial
         trial = search_trial(params["search_cell"], params["search"], tune.get_context().get_trial_id())
@@ -279,7 +283,7 @@ def run_trial(params: dict) -> None:
                 client.save_policy(Path(d) / "policy", trained_on=trained_on(config), results={})  # a snapshot: no new provenance entry (the run adds it at its end)
             rows = state["trainer"].get("eval_rows") or [{}]
             tune.report({"step": state["trainer"]["step_count"], "checkpoint": True, "eval_step": rows[-1].get("step"),
-                         **evaluation_metrics(rows[-1], study.selection)},
+                         **evaluation_metrics(rows[-1], study.selection, config.is_private)},
                         checkpoint=Checkpoint.from_directory(d))
 
     entered_at = time.time()
@@ -318,7 +322,8 @@ def run_trial(params: dict) -> None:
                                 "public_perplexity": summary.get("final_public_perplexity"),
                                 # the value-token NLL where the run reports it: the metric its evaluations had
                                 "value_nll": summary.get("final_eval_value_nll"),
-                                "public_value_nll": summary.get("final_public_value_nll")}, study.selection)
+                                "public_value_nll": summary.get("final_public_value_nll")}, study.selection,
+                               config.is_private)
     tune.report({"step": summary["steps"], **final,
                  "final_eval_perplexity": summary["final_eval_perplexity"],
                  "best_eval_perplexity": summary["best_eval_perplexity"],
@@ -333,11 +338,11 @@ def run_trial(params: dict) -> None:
 
 
 def _param_space(study: StudyConfig, trials: list[dict], common: dict) -> dict:
-    """Tune grid-searches the trial names (so its live table shows them); the specs ride along."""
+    """Tune grid-searches the trials' specs: each trial's config holds its own spec only, so configs (and every
+    ``result.json`` row, which repeats its config) stay the same size however many trials the study has."""
     from ray import tune
 
-    return {**common, "trial_name": tune.grid_search([t["name"] for t in trials]),
-            "trial_specs": {t["name"]: t for t in trials}}
+    return {**common, "trial": tune.grid_search(list(trials))}
 
 
 def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progress: bool = True,
@@ -352,6 +357,9 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
     from raydp.study.results import collect_results
 
     study = load_study(path)
+    # Tune warns at every forced experiment snapshot that CheckpointConfig(num_to_keep) triggers (each of our
+    # evaluations checkpoints): noise in a study's log, not a problem at this scale
+    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     if resume and study.search == "pbt":  # the population filter's spent curve lives in the study's actor only
         raise ConfigError("a PBT study cannot be resumed (its population filter's state lived in the stopped run): run "
                           "it again into another --results-dir; what the stopped run spent still counts (E7/E14)")
@@ -479,6 +487,20 @@ def tune_verbosity(progress: bool) -> int:
     return 1 if progress else 0
 
 
+#: checkpoints a trial keeps (a retry resumes from the latest; a PBT exploit copies the donor's latest)
+CHECKPOINTS_KEPT = 2
+
+
+def _run_config(name: str, storage: str, study: StudyConfig, progress: bool):
+    """Every Tuner's RunConfig: its experiment under ``storage``, retries, a bounded number of checkpoints."""
+    from ray import tune
+
+    return tune.RunConfig(name=name, storage_path=storage,
+                          failure_config=tune.FailureConfig(max_failures=study.max_failures),
+                          checkpoint_config=tune.CheckpointConfig(num_to_keep=CHECKPOINTS_KEPT),
+                          verbose=tune_verbosity(progress))
+
+
 def _fit(trainable, param_space: dict, storage: str, name: str, study: StudyConfig, progress: bool, resume: bool):
     """One Tuner run (restored from its experiment state with ``resume``)."""
     from ray import tune
@@ -490,10 +512,9 @@ def _fit(trainable, param_space: dict, storage: str, name: str, study: StudyConf
         tuner = tune.Tuner(
             trainable,
             param_space=param_space,
-            run_config=tune.RunConfig(
-                name=name, storage_path=storage,
-                failure_config=tune.FailureConfig(max_failures=study.max_failures),
-                verbose=tune_verbosity(progress)),
+            # ResultGrid.get_best_result(): the best DP trial (a non-private trial's dp_selection_score is NaN)
+            tune_config=tune.TuneConfig(metric="dp_selection_score", mode="min"),
+            run_config=_run_config(name, storage, study, progress),
         )
     return tuner.fit()
 
@@ -515,9 +536,7 @@ def _fit_optuna(trainable, study: StudyConfig, common: dict, storage: str, progr
         tune_config=tune.TuneConfig(search_alg=OptunaSearch(metric="selection_score", mode="min",
                                                             seed=study.optuna.seed),
                                     num_samples=study.optuna.num_samples),
-        run_config=tune.RunConfig(name=f"{study.name}-optuna", storage_path=storage,
-                                  failure_config=tune.FailureConfig(max_failures=study.max_failures),
-                                  verbose=tune_verbosity(progress)),
+        run_config=_run_config(f"{study.name}-optuna", storage, study, progress),
     )
     return tuner.fit()
 
@@ -569,9 +588,7 @@ def _fit_search(trainable, study: StudyConfig, cell: dict, common: dict, storage
         trainable,
         param_space={**common, "search_cell": cell, "search": _search_space(study.search_space[cell["strategy"]])},
         tune_config=tune.TuneConfig(search_alg=searcher, num_samples=study.optuna.num_samples),
-        run_config=tune.RunConfig(name=name, storage_path=storage,
-                                  failure_config=tune.FailureConfig(max_failures=study.max_failures),
-                                  verbose=tune_verbosity(progress)),
+        run_config=_run_config(name, storage, study, progress),
     )
     return tuner.fit()
 
@@ -615,7 +632,7 @@ def run_pbt_member(params: dict) -> None:
     spec = {**params["pbt_members"][name], "settings": settings}
     for partial in (Path(params["study_dir"]) / "trials").glob(f".{name}.partial-*"):
         shutil.rmtree(partial, ignore_errors=True)
-    run_trial({**params, "trial_name": name, "trial_specs": {name: spec}})
+    run_trial({**params, "trial": spec})
 
 
 class _ClampToRanges:
@@ -699,7 +716,7 @@ class _MemberResult:
         self.error = result.error
         self.checkpoint = result.checkpoint
         self.path = result.path
-        self.config = {**(result.config or {}), "trial_name": name, "trial_specs": specs}
+        self.config = {**(result.config or {}), "trial": specs[name]}
 
 
 def _fit_pbt(study: StudyConfig, members: list[dict], common: dict, storage: str, progress: bool):
@@ -747,9 +764,7 @@ def _fit_pbt(study: StudyConfig, members: list[dict], common: dict, storage: str
                          "pbt_members": specs,
                          "pbt": tune.grid_search([{"member": m["member"], **m["settings"]} for m in members])},
             tune_config=tune.TuneConfig(scheduler=scheduler, reuse_actors=False),
-            run_config=tune.RunConfig(name=name, storage_path=storage,
-                                      failure_config=tune.FailureConfig(max_failures=study.max_failures),
-                                      verbose=tune_verbosity(progress)),
+            run_config=_run_config(name, storage, study, progress),
         )
         with warnings.catch_warnings():  # actors are not reused: a member's thread cannot be reset mid-run
             warnings.filterwarnings("ignore", message="Consider boosting PBT performance")
