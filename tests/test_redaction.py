@@ -2,6 +2,8 @@
 text, recall against the verbaliser (checked by hand on two records), measured recall on synthetic records, and
 the trained-pipeline path with a pipeline built here (no network)."""
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -281,3 +283,13 @@ def test_a_pipeline_that_cannot_be_loaded_is_one_config_error(tmp_path):
         assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="level"):
         SecretDetector("medium")
+
+
+def test_a_missing_spacy_is_a_one_line_error_naming_the_extra(monkeypatch):
+    from raydp.data.redaction import SecretDetector
+    from raydp.errors import ConfigError
+
+    monkeypatch.setitem(sys.modules, "spacy", None)  # `import spacy` raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install 'rldp-finetune\[redaction\]'") as info:
+        SecretDetector()
+    assert "\n" not in str(info.value)

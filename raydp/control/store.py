@@ -60,15 +60,36 @@ MODULE_DIR = "module"
 REPLAY_FILE = "replay.npz"
 
 
+def shipped_policy_dir() -> Path | None:
+    """The policies shipped with raydp: ``raydp/shipped_policies`` in an installed wheel (copied there from the
+    repository's ``policies/`` at build time, ``setup.py``), else the source checkout's ``policies/``."""
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package / "shipped_policies", package.parent / "policies"):
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def _policy_dirs(policy_dir: str | Path) -> list[Path]:
+    """Where a policy name is looked up: ``policy_dir`` (relative to the working directory), then the shipped
+    policies (so the quickstart runs from any directory and from a non-editable install)."""
+    dirs = [Path(policy_dir).expanduser()]
+    shipped = shipped_policy_dir()
+    if shipped is not None and shipped.resolve() != dirs[0].resolve():
+        dirs.append(shipped)
+    return dirs
+
+
 def resolve_policy(name_or_path: str, policy_dir: str | Path = "policies") -> Path:
     """The directory of a saved policy, absolute (Ray actors run elsewhere and RLlib reads a relative path
-    as a URI): a path, or a name under ``policy_dir``; ConfigError if absent."""
-    for candidate in (Path(name_or_path).expanduser(), Path(policy_dir).expanduser() / name_or_path):
+    as a URI): a path, or a name under ``policy_dir`` or among the shipped policies; ConfigError if absent."""
+    dirs = _policy_dirs(policy_dir)
+    for candidate in (Path(name_or_path).expanduser(), *(d / name_or_path for d in dirs)):
         if (candidate / MANIFEST).is_file():
             return candidate.resolve()
     known = ", ".join(p["name"] for p in list_policies(policy_dir)) or "none"
-    raise ConfigError(f"no saved policy {name_or_path!r} (looked for {name_or_path}/{MANIFEST} and "
-                      f"{Path(policy_dir) / name_or_path}/{MANIFEST}); policies in {policy_dir}: {known}")
+    raise ConfigError(f"no saved policy {name_or_path!r} (looked for {name_or_path}/{MANIFEST} and NAME/{MANIFEST} "
+                      f"in {', '.join(str(d) for d in dirs)}); known policies: {known}")
 
 
 def load_manifest(path: str | Path) -> dict:
@@ -90,9 +111,16 @@ def policy_layout(manifest: dict) -> ObservationLayout:
 
 
 def list_policies(policy_dir: str | Path = "policies") -> list[dict]:
-    root = Path(policy_dir).expanduser()
-    if not root.is_dir():
-        return []
+    """The saved policies in ``policy_dir`` and the shipped ones (a name in ``policy_dir`` hides a shipped one)."""
+    out, seen = [], set()
+    for root in _policy_dirs(policy_dir):
+        if root.is_dir():
+            out += [p for p in _list_dir(root) if p["name"] not in seen]
+            seen |= {p["name"] for p in out}
+    return out
+
+
+def _list_dir(root: Path) -> list[dict]:
     out = []
     for child in sorted(root.iterdir()):
         if (child / MANIFEST).is_file():

@@ -423,8 +423,9 @@ def _validate(patterns: list[dict]) -> None:
 def _import_spacy():
     try:
         import spacy
-    except ImportError as e:  # pragma: no cover - spaCy is installed with the project's extras
-        raise ConfigError(f"the secret detector needs spaCy (pip install spacy): {e}") from None
+    except ImportError:
+        raise ConfigError("the secret detector (DualTune-GhostDP's redacted phase 1) needs spaCy, an optional "
+                          "extra: pip install 'rldp-finetune[redaction]'") from None
     return spacy
 
 
