@@ -189,6 +189,12 @@ def test_the_study_attacks_and_audits_every_trial(tiny_study):
 def test_wandb_is_offline_and_logs_no_text(tiny_study):
     runs = list((tiny_study / "wandb").glob("offline-run-*"))
     assert len(runs) == 2  # one offline run per trial, nothing sent anywhere
+    import hashlib
+
+    # each run's id is a digest of the study directory and the trial (a retried or restored trial resumes it)
+    table = pd.read_parquet(tiny_study / "results.parquet")
+    ids = {hashlib.sha256(f"{tiny_study.resolve()}|{name}".encode()).hexdigest()[:24] for name in table["trial"]}
+    assert {run.name.rsplit("-", 1)[-1] for run in runs} == ids
     from raydp.data import load_canaries, load_texts
 
     secrets = list(load_canaries(tiny_study / "dataset")["secret"])
@@ -575,3 +581,20 @@ def test_tune_keeps_two_checkpoints_and_ranks_dp_trials_only(local_ray, tmp_path
     assert best.metrics["dp_selection_score"] == pytest.approx(static["final_public_value_nll"])
     nonprivate = next(r for r in grid if r.config["trial"]["strategy"] == "nonprivate")
     assert math.isnan(nonprivate.metrics["dp_selection_score"]) and nonprivate.metrics["selection_score"] > 0
+
+
+def test_wandb_settings_honour_wandb_environment_variables(monkeypatch):
+    from raydp.study.config import WandbSettings
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    monkeypatch.delenv("WANDB_ENTITY", raising=False)
+    assert WandbSettings().resolved() == ("offline", "raydp", None)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setenv("WANDB_PROJECT", "clinic")
+    monkeypatch.setenv("WANDB_ENTITY", "team")
+    assert WandbSettings().resolved() == ("disabled", "clinic", "team")
+    assert WandbSettings(mode="offline", project="mine").resolved() == ("offline", "mine", "team")  # the file wins
+    monkeypatch.setenv("WANDB_MODE", "sometimes")
+    with pytest.raises(ConfigError, match="WANDB_MODE='sometimes'"):
+        WandbSettings().resolved()

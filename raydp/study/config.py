@@ -144,9 +144,20 @@ class WandbSettings(StrictModel):
     """Metrics to Weights & Biases: offline by default (no network), online when configured. Only
     numbers are logged (perplexity, epsilon, dials); never training text, prompts or canaries."""
 
-    mode: Literal["offline", "online", "disabled"] = "offline"
-    project: str = "raydp"
-    entity: str | None = None
+    mode: Literal["offline", "online", "disabled"] | None = Field(
+        None, description="default: $WANDB_MODE, else offline (no network)")
+    project: str | None = Field(None, description="default: $WANDB_PROJECT, else raydp")
+    entity: str | None = Field(None, description="default: $WANDB_ENTITY (wandb reads it)")
+
+    def resolved(self) -> tuple[str, str, str | None]:
+        """(mode, project, entity): the study's values, else wandb's environment variables, else the defaults."""
+        import os
+
+        mode = self.mode or os.environ.get("WANDB_MODE") or "offline"
+        if mode not in ("offline", "online", "disabled", "dryrun", "run"):
+            raise ConfigError(f"WANDB_MODE={mode!r}: use offline, online or disabled")
+        return ({"dryrun": "offline", "run": "online"}.get(mode, mode),
+                self.project or os.environ.get("WANDB_PROJECT") or "raydp", self.entity or os.environ.get("WANDB_ENTITY"))
 
 
 class Resources(StrictModel):

@@ -148,11 +148,17 @@ class _Reporter:
 
     def __init__(self, study: StudyConfig, trial: dict, config, study_dir: Path):
         self.run = None
-        if study.wandb.mode != "disabled":
+        mode, project, entity = study.wandb.resolved()
+        if mode != "disabled":
+            import hashlib
+
             import wandb
 
             safe = {k: v for k, v in trial.items() if k not in ("policy_path",)}  # settings only, no data
-            self.run = wandb.init(project=study.wandb.project, entity=study.wandb.entity, mode=study.wandb.mode,
+            # one wandb run per trial, resumed (not duplicated) when Tune retries or restores the trial: its id
+            # is a digest of the study directory and the trial's name (public)
+            run_id = hashlib.sha256(f"{study_dir.resolve()}|{trial['name']}".encode()).hexdigest()[:24]
+            self.run = wandb.init(project=project, entity=entity, mode=mode, id=run_id, resume="allow",
                                   group=study.name, name=trial["name"], dir=str(study_dir), reinit="create_new",
                                   # no system metrics: memory and CPU over time follow the private batch sizes
                                   # quiet: no per-trial banner and summary table in a study's log
