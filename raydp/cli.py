@@ -373,6 +373,11 @@ def cmd_study(args) -> int:
     study_dir = run_study(args.path, args.results_dir, progress=not args.quiet, resume=args.resume)
     print(format_report(study_dir))
     print(f"\nstudy written to {study_dir}; HTML report: {write_report(study_dir)}")
+    unfinished = json.loads((study_dir / "study_summary.json").read_text()).get("unfinished_trials")
+    if unfinished:  # one line, the only resume hint that names our command
+        print(f"raydp: study stopped with {unfinished} trial(s) unfinished; finish it with: raydp study {args.path} "
+              f"--resume --results-dir {args.results_dir}", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -60,6 +60,7 @@ def write_study(tmp_path, **changes):
     ({"policy": "shared", "save_policy": "x"}, "save_policy pre-trains on public data only"),
     ({"private_data": False}, "private_data: false is for public data only"),
     ({"settings_grid": {"static": {"clip": [0.1, 0.1]}}}, "two trials would both be named"),
+    ({"resources": {"cpus_per_trial": 64}}, "exceeds the cluster's"),
 ])
 def test_invalid_study_files_fail_before_any_trial(tmp_path, changes, message, capsys):
     from raydp.cli import main
@@ -67,8 +68,10 @@ def test_invalid_study_files_fail_before_any_trial(tmp_path, changes, message, c
     path = write_study(tmp_path, **changes)
     assert main(["study", str(path), "--results-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
+    if "cpus_per_trial" in str(changes):  # found once Ray is up (a cluster may have more CPUs than this machine)
+        err = err.strip().splitlines()[-1] + "\n"
     assert message in err and err.count("\n") == 1
-    assert not (tmp_path / "out" / "tiny" / "tune").exists()  # no trial was started
+    assert not (tmp_path / "out" / "tiny").exists()  # nothing written: no PRIVACY.txt, study.json or dataset
 
 
 def test_missing_and_broken_study_files(tmp_path):
@@ -598,3 +601,27 @@ def test_wandb_settings_honour_wandb_environment_variables(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "sometimes")
     with pytest.raises(ConfigError, match="WANDB_MODE='sometimes'"):
         WandbSettings().resolved()
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_study_leaves_a_reportable_directory_and_a_resume_hint(tmp_path):
+    import signal
+
+    path = write_study(tmp_path, name="stopped-by-user", strategies=["static"], seeds=[0, 1, 2, 3],
+                       wandb={"mode": "disabled"}, base={**TINY_STUDY["base"], "max_steps": 400, "eval_every": 8})
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "raydp", "study", str(path), "--results-dir", str(out), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    deadline = time.time() + 300
+    while time.time() < deadline and not list((out / "stopped-by-user" / "tune").rglob("checkpoint_*")):
+        time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr[-2000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("raydp: study stopped with") and "--resume" in last and "Traceback" not in stderr
+    table = pd.read_parquet(out / "stopped-by-user" / "results.parquet")
+    assert (table["status"] != "TERMINATED").any()
+    report = subprocess.run([sys.executable, "-m", "raydp", "report", str(out / "stopped-by-user")],
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert report.returncode == 0, report.stderr[-2000:]

@@ -101,12 +101,17 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
         if not trial.get("search"):  # a corner is only checked: Optuna's trials are named when they run
             trials.append({**trial, "name": trial_name(trial)})
     if build_models:
-        from raydp.model.embedded import ensure_embedded_model, is_embedded_name
-
-        for model in dict.fromkeys(t["model"] for t in trials):
-            if is_embedded_name(model):
-                ensure_embedded_model(model, progress=progress)
+        build_study_models(trials, progress)
     return dataset, trials
+
+
+def build_study_models(trials: list[dict], progress: bool) -> None:
+    """Build the embedded models the study's trials use, once, here (not in every trial)."""
+    from raydp.model.embedded import ensure_embedded_model, is_embedded_name
+
+    for model in dict.fromkeys(t["model"] for t in trials):
+        if is_embedded_name(model):
+            ensure_embedded_model(model, progress=progress)
 
 
 #: eval-row fields logged to wandb (numbers only) and their names there
@@ -388,15 +393,26 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
     saved_policy = Path(study.policy_dir).expanduser().resolve() / study.save_policy if study.save_policy else None
     if saved_policy is not None and saved_policy.exists():
         raise ConfigError(f"policy {saved_policy} already exists: remove it or set another save_policy")
-    study_dir.mkdir(parents=True, exist_ok=True)
+    # Validate everything before anything stays on disk: a study directory that did not exist is removed again
+    # when preparing fails (a bad trial, an unreachable budget, too many CPUs per trial)
+    created = not study_dir.exists()
+    try:
+        study_dir.mkdir(parents=True, exist_ok=True)
+        dataset, trials = prepare_study(study, study_dir, progress=progress)
+        ensure_ray()
+        cpus, gpus = study.resources.cpus_per_trial, study.resources.gpus_per_trial
+        if cpus > ray.cluster_resources().get("CPU", 0):
+            raise ConfigError(f"resources.cpus_per_trial={cpus} exceeds the cluster's "
+                              f"{int(ray.cluster_resources().get('CPU', 0))} CPUs: no trial could ever start")
+        build_study_models(trials, progress)
+    except BaseException:
+        if created:
+            import shutil
+
+            shutil.rmtree(study_dir, ignore_errors=True)
+        raise
     (study_dir / "PRIVACY.txt").write_text(STUDY_PRIVACY_NOTE)
-    dataset, trials = prepare_study(study, study_dir, progress=progress, build_models=True)
     (study_dir / "study.json").write_text(json.dumps(study.model_dump(mode="json"), indent=2))
-    ensure_ray()
-    cpus, gpus = study.resources.cpus_per_trial, study.resources.gpus_per_trial
-    if cpus > ray.cluster_resources().get("CPU", 0):
-        raise ConfigError(f"resources.cpus_per_trial={cpus} exceeds the cluster's "
-                          f"{int(ray.cluster_resources().get('CPU', 0))} CPUs: no trial could ever start")
     session = None
     common = {"study": study.model_dump(mode="json"), "dataset": dataset, "study_dir": str(study_dir),
               "connection": None, "log_checkpoints": sys.stderr.isatty(),
@@ -445,6 +461,9 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
     summary.update(population_summary(study_dir))  # PBT: the population's epsilon (empty otherwise)
     if shared_counters is not None:
         summary["shared_policy"] = shared_counters
+    unfinished = int(table["status"].isin(("INTERRUPTED", "NOT_RUN")).sum()) if "status" in table else 0
+    if unfinished:  # stopped (Ctrl-C: Tune saved its state and returned): finished trials are in the results
+        summary["unfinished_trials"] = unfinished
     (study_dir / "study_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return study_dir
 
