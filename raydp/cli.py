@@ -40,9 +40,28 @@ def _add_data_source_args(parser: argparse.ArgumentParser, defaults: bool) -> No
                         "(default 0: none; e.g. 100)")
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def configure_logging(level: str) -> None:
+    """One level for raydp's own loggers and the libraries it drives (``--log-level``); Ray's workers read
+    ``RAY_LOG_LEVEL``-style settings from the environment, so it is exported for them too."""
+    import logging
+    import os
+
+    number = getattr(logging, level.upper())
+    logging.basicConfig(level=number, format="%(levelname)s %(name)s: %(message)s")
+    for name in ("raydp", "ray", "ray.tune", "ray.rllib", "transformers", "wandb"):
+        logging.getLogger(name).setLevel(number)
+    os.environ.setdefault("RAYDP_LOG_LEVEL", level)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", level)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raydp", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"raydp {__version__}")
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
+                        help="messages of raydp, Ray, transformers and wandb at this level and above (default: warning)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     data = commands.add_parser("data", help="build and inspect datasets")
@@ -535,6 +554,7 @@ COMMANDS = {("data", "build"): cmd_data_build, ("data", "show"): cmd_data_show, 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    configure_logging(args.log_level)
     sub = getattr(args, "data_command", None) or getattr(args, "policy_command", None)
     handler = COMMANDS[(args.command, sub)]
     try:

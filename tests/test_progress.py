@@ -69,3 +69,20 @@ def test_off_prints_nothing():
     progress.note("done")
     progress.close()
     assert stream.getvalue() == ""
+
+
+def test_log_level_flag_sets_one_level_for_raydp_and_the_libraries(tmp_path, monkeypatch, capsys):
+    import logging
+
+    from raydp.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("raydp", "ray", "ray.tune", "ray.rllib", "transformers", "wandb"):  # restored after the test
+        monkeypatch.setattr(logging.getLogger(name), "level", logging.getLogger(name).level)
+    assert main(["--log-level", "error", "policy", "list"]) == 0
+    assert all(logging.getLogger(name).level == logging.ERROR for name in ("raydp", "ray", "transformers", "wandb"))
+    assert main(["--log-level", "info", "policy", "list"]) == 0
+    assert logging.getLogger("ray.tune").level == logging.INFO
+    with pytest.raises(SystemExit):
+        main(["--log-level", "loud", "policy", "list"])
+    assert "invalid choice: 'loud'" in capsys.readouterr().err

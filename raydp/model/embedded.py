@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -176,7 +177,9 @@ def _pretrain(model, tokenizer, texts, spec: EmbeddedModelSpec, progress: bool, 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
     model.train()
     losses = []
-    bar = tqdm(range(spec.pretrain_steps), desc=f"pre-training {name} (pre-training corpus)", disable=not progress)
+    # a bar on a terminal only (disable=None); in a log, one line when done
+    bar = tqdm(range(spec.pretrain_steps), desc=f"pre-training {name} (pre-training corpus)",
+               disable=None if progress else True, leave=False)
     for _ in bar:
         idx = torch.randint(len(encoded), (spec.pretrain_batch_size,), generator=generator).tolist()
         batch = tokenizer.pad({"input_ids": [encoded[i] for i in idx]}, return_tensors="pt")
@@ -189,6 +192,9 @@ def _pretrain(model, tokenizer, texts, spec: EmbeddedModelSpec, progress: bool, 
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    if progress:
+        print(f"pre-trained {name} on the pre-training corpus: {spec.pretrain_steps} steps, final loss "
+              f"{losses[-1]:.3f}", file=sys.stderr)
     model.eval()
     return losses
 
