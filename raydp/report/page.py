@@ -362,7 +362,7 @@ def overview(r: Report) -> str:
     eps = sorted({float(x) for x in res["epsilon_target"].dropna()})
     rows = [
         ("kind", "study directory" if r.kind == "study" else "single run directory"),
-        ("directory", str(r.root)),
+        ("directory", r.root.name),  # its name only: no absolute path of the machine that ran it
         ("trials", f"{len(res)} ({status_text})"),
         ("models", ", ".join(sorted({str(m) for m in res["model"].dropna()})) or "n/a"),
         ("strategies", ", ".join(dict.fromkeys(res["strategy"].astype(str))) or "n/a"),
@@ -968,7 +968,7 @@ def render(r: Report) -> str:
             f"<title>{_e(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n"
             f"<header><h1>{_e(title)}</h1><p class=\"sub\">{_e(sub)}</p><nav>{nav}</nav></header>\n"
             + "\n".join(parts) +
-            f"\n<footer>written by raydp {_e(__version__)} from {_e(r.root)}; self-contained (no scripts, no external "
+            f"\n<footer>written by raydp {_e(__version__)} from {_e(r.root.name)}; self-contained (no scripts, no external "
             "resources).</footer>\n</body>\n</html>\n")
 
 

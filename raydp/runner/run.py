@@ -263,7 +263,9 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
         summary = {
             "raydp_version": __version__,
             "model": config.model,
-            "model_source": loaded.source,
+            # no absolute path of this machine in a released file: a local directory by its name (the embedded
+            # cache's name carries the model spec's digest), a hub model by its id
+            "model_source": Path(loaded.source).name if Path(loaded.source).is_dir() else loaded.source,
             "model_type": loaded.model_type,
             "device": str(loaded.device),
             "n_adapter_pairs": len(loaded.pairs),
