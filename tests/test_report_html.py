@@ -77,7 +77,8 @@ def evaluation(run_dir: Path, claimed: float, auc: float | None, cp_bound: float
     membership = None if auc is None else {
         "n_members": 100, "n_nonmembers": 100, "prompt_fraction": 0.5,
         "loss": {"member_mean_logp": -0.3, "nonmember_mean_logp": -0.31, "member_mean_ppl": 1.35,
-                 "nonmember_mean_ppl": 1.36, "auc": auc, "tpr_at_fpr_0.001": 0.002, "tpr_at_fpr_0.01": 0.012},
+                 "nonmember_mean_ppl": 1.36, "auc": auc, "tpr_at_fpr_0.001": 0.002, "tpr_at_fpr_0.01": 0.012,
+                 "roc": {"fpr": [0.0, 0.01, 0.1, 0.5, 1.0], "tpr": [0.0, 0.02, 0.15, 0.55, 1.0]}},
         "calibrated": {"reference": "the base model with the adapters disabled", "auc": auc + 0.01,
                        "tpr_at_fpr_0.001": 0.001, "tpr_at_fpr_0.01": 0.011}}
     extraction = None if not with_extraction else {
@@ -265,7 +266,8 @@ def test_study_page_has_every_section_with_real_numbers(study, study_page):
     for tid in ("table-overview", "table-seeds", "table2", "table3", "table-privacy", "table-tuning",
                 "table-membership", "table-extraction", "table-audit"):
         assert page.ids[tid] == "table" and len(page.tables[tid]) >= 2, tid
-    for fid in ("fig-utility", "fig-dials-1", "fig-dials-2", "fig-dials-3", "fig-tuning-1", "fig-attacks", "fig-audit"):
+    for fid in ("fig-utility", "fig-dials-1", "fig-dials-2", "fig-dials-3", "fig-tuning-1", "fig-attacks", "fig-roc",
+                "fig-audit"):
         assert page.ids[fid] == "figure"
         _data_figure(page, fid)
     assert "fig-dials-4" not in page.ids  # one dial per (epsilon, strategy): static, static-pairwise, rldp
@@ -395,3 +397,29 @@ def test_the_page_renders_in_a_browser(study_page, tmp_path):
     colours = np.unique((image.reshape(-1, 3) * 255).astype(np.uint8), axis=0)
     assert len(colours) > 50  # text, tables, coloured curves: not a blank page
     assert (image.min(axis=2) < 0.9).mean() > 0.02  # a fair share of non-white pixels
+
+
+def test_frontier_figure_and_privacy_spent_over_steps(study, tmp_path):
+    """Issue 31's figures: the frontier (a second epsilon added to a copy of the study) and, in each dials
+    figure, the epsilon spent over steps, which ends at the run's own RDP figure."""
+    from raydp.report import write_report
+    from raydp.report.page import _epsilon_over_steps
+
+    copy = tmp_path / "teststudy"
+    shutil.copytree(study, copy)
+    table = pd.read_parquet(copy / "results.parquet")
+    more = table[table["strategy"] == "static"].copy()
+    more["epsilon_target"] = 8.0
+    more["trial"] = more["trial"].str.replace("eps2", "eps8")
+    pd.concat([table, more], ignore_index=True).to_parquet(copy / "results.parquet")
+    page = Page(write_report(copy).read_text())
+    _data_figure(page, "fig-frontier-1")
+    assert "against the target epsilon" in page.figures["fig-frontier-1"]["caption"]
+
+    run = study / "trials" / f"static_{MODEL}_eps2_seed0"
+    summary = json.loads((run / "summary.json").read_text())
+    ledger = pd.read_parquet(run / "privacy_ledger.parquet").sort_values("step")
+    steps, spent = _epsilon_over_steps(ledger, {"delta": summary["privacy"]["delta"]})
+    assert steps[-1] == len(ledger) and (np.diff(spent) >= 0).all()
+    assert spent[-1] == pytest.approx(summary["privacy"]["epsilon_by_accountant"]["rdp"], rel=1e-3)
+    assert "privacy spent over steps: the RDP upper bound" in page.figures["fig-dials-1"]["caption"]

@@ -70,9 +70,30 @@ def tpr_at_fpr(members: np.ndarray, nonmembers: np.ndarray, fpr: float) -> float
     return float(np.mean(members > t))
 
 
+#: at most this many points of an attack's ROC curve are kept (evaluation.json; the report draws them)
+ROC_POINTS = 200
+
+
+def roc_points(members: np.ndarray, nonmembers: np.ndarray, max_points: int = ROC_POINTS) -> dict:
+    """The empirical ROC of "member if score > t" over every threshold t (each distinct score, from the top):
+    FPR and TPR lists from (0, 0) to (1, 1), thinned to at most ``max_points`` (the low-FPR end is what the
+    log-log plot shows, Carlini et al. 2022, so thinning keeps every point below FPR 0.01)."""
+    members, nonmembers = np.asarray(members, float), np.asarray(nonmembers, float)
+    thresholds = np.unique(np.concatenate([members, nonmembers]))[::-1]
+    fpr = np.array([0.0] + [float(np.mean(nonmembers >= t)) for t in thresholds])
+    tpr = np.array([0.0] + [float(np.mean(members >= t)) for t in thresholds])
+    if len(fpr) > max_points:
+        low = np.flatnonzero(fpr < 0.01)
+        rest = np.flatnonzero(fpr >= 0.01)
+        keep = np.union1d(low, rest[np.linspace(0, len(rest) - 1, max(2, max_points - len(low))).astype(int)])
+        fpr, tpr = fpr[keep], tpr[keep]
+    return {"fpr": [round(float(x), 6) for x in fpr], "tpr": [round(float(x), 6) for x in tpr]}
+
+
 def _mia_summary(member: np.ndarray, nonmember: np.ndarray) -> dict:
     out = {"auc": roc_auc(member, nonmember)}
     out.update({f"tpr_at_fpr_{level:g}": tpr_at_fpr(member, nonmember, level) for level in FPR_LEVELS})
+    out["roc"] = roc_points(member, nonmember)
     return out
 
 

@@ -139,14 +139,26 @@ def utility_figure(panels: list[Panel], ylabel: str, prefix: str) -> str:
 
 # -- dials ------------------------------------------------------------------------------------------
 def dials_figure(title: str, steps: np.ndarray, clips: np.ndarray, sigma_eff: np.ndarray,
-                 decision_steps: Sequence[int] | None, prefix: str) -> str:
-    """Clip radii per adapter pair (log y, left) and the effective noise multiplier (right) over steps.
+                 decision_steps: Sequence[int] | None, prefix: str,
+                 epsilon: tuple[np.ndarray, np.ndarray] | None = None) -> str:
+    """Clip radii per adapter pair (log y, left), the effective noise multiplier (middle) and, given
+    ``epsilon`` (steps, epsilon spent), the privacy spent (right) over steps.
 
     ``clips``: steps x radii (one column per adapter pair, or one for a flat clip). ``decision_steps``:
     the controller's decision steps (RLDP), drawn as a rug under the sigma curve."""
     with matplotlib.rc_context(STYLE):
-        fig = _figure(10.0, 2.9)
-        left, right = fig.subplots(1, 2, width_ratios=[1.35, 1])
+        fig = _figure(13.5 if epsilon is not None else 10.0, 2.9)
+        axes = fig.subplots(1, 3 if epsilon is not None else 2,
+                            width_ratios=[1.35, 1, 1] if epsilon is not None else [1.35, 1])
+        left, right = axes[0], axes[1]
+        if epsilon is not None:
+            ax = axes[2]
+            ax.plot(epsilon[0], epsilon[1], color="#2ca02c", linewidth=1.5)
+            ax.set_xlabel("step")
+            ax.set_ylabel("epsilon spent (RDP bound)")
+            ax.set_title("privacy spent")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            _plain_y(ax)
         n = clips.shape[1]
         if n == 1:
             left.plot(steps, clips[:, 0], color="#1f77b4", linewidth=1.5, label="flat clip")
@@ -238,6 +250,55 @@ def auc_figure(groups: list[tuple[str, float, float, float, float]], prefix: str
         ax.set_title("membership inference: AUC per (epsilon, strategy)")
         ax.grid(axis="y", visible=False)
         fig.legend(loc="outside lower center", ncol=3, frameon=False, fontsize=7.5)
+        return to_svg(fig, prefix)
+
+
+def roc_figure(curves: list[tuple[str, list[float], list[float]]], fpr_floor: float, prefix: str) -> str:
+    """Membership-inference ROC curves on log-log axes (Carlini et al. 2022: the low-FPR region is what matters),
+    one per (epsilon, strategy), with the chance diagonal; FPRs below ``fpr_floor`` (1 / non-members) are not
+    resolved and are drawn at the floor."""
+    with matplotlib.rc_context(STYLE):
+        fig = _figure(6.0, 4.6)
+        ax = fig.add_subplot()
+        cmap = matplotlib.colormaps["tab10"]
+        for i, (label, fpr, tpr) in enumerate(curves):
+            f, t = np.maximum(np.asarray(fpr, float), fpr_floor), np.maximum(np.asarray(tpr, float), fpr_floor)
+            ax.step(f, t, where="post", color=cmap(i % 10), linewidth=1.3, label=_short(label, 40))
+        grid = np.logspace(math.log10(fpr_floor), 0, 50)
+        ax.plot(grid, grid, color="#555555", linestyle="--", linewidth=1.0, label="chance")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlim(fpr_floor, 1.0)
+        ax.set_ylim(fpr_floor, 1.0)
+        ax.set_xlabel("false positive rate (log)")
+        ax.set_ylabel("true positive rate (log)")
+        ax.set_title("membership inference (loss attack): ROC, first seed")
+        ax.legend(loc="lower right", frameon=False, fontsize=7)
+        return to_svg(fig, prefix)
+
+
+def frontier_figure(series: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]],
+                    nonprivate: tuple[float, float] | None, ylabel: str, prefix: str) -> str:
+    """The privacy-utility frontier: per strategy, the final metric (mean +- sd over seeds) against the target
+    epsilon (log x), and the non-private arm's mean as a horizontal line with its sd band."""
+    with matplotlib.rc_context(STYLE):
+        fig = _figure(7.5, 4.2)
+        ax = fig.add_subplot()
+        cmap = matplotlib.colormaps["tab10"]
+        for i, (label, eps, mean, sd) in enumerate(series):
+            ax.errorbar(eps, mean, yerr=np.nan_to_num(sd), marker="o", markersize=4, capsize=3, linewidth=1.3,
+                        color=cmap(i % 10), label=_short(label, 40))
+        if nonprivate is not None:
+            m, sd = nonprivate
+            ax.axhline(m, color="#222222", linestyle="--", linewidth=1.0, label="non-private")
+            if sd == sd and sd > 0:
+                ax.axhspan(m - sd, m + sd, color="#222222", alpha=0.08)
+        ax.set_xscale("log")
+        ax.set_xlabel("target epsilon (log)")
+        ax.set_ylabel(ylabel)
+        _plain_y(ax)
+        ax.set_title("privacy-utility frontier (mean ± sd over seeds; lower is better)")
+        ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, fontsize=7.5)
         return to_svg(fig, prefix)
 
 

@@ -205,7 +205,7 @@ class Report:
         return self._load(row, "evals", lambda d: _parquet(d / "eval_metrics.parquet"))
 
     def ledger(self, row) -> pd.DataFrame | None:
-        columns = ["step", "sigma_eff", "clip"]
+        columns = ["step", "q", "sigma_eff", "clip"]
         return self._load(row, "ledger", lambda d: _parquet(d / "privacy_ledger.parquet", columns))
 
     def trace(self, row) -> pd.DataFrame | None:
@@ -505,19 +505,53 @@ def dials(r: Report) -> str:
         title = f"{model} ε={_eps(eps)} · {arm} · seed {seed}"
         fid = f"fig-dials-{i}"
         # the ledger's step i is the (i+1)-th step: drawn at i+1, the step count of evaluations and the trace
+        spent = _epsilon_over_steps(ledger, row)
         svg = figures.dials_figure(title, ledger["step"].to_numpy(float) + 1, clips,
                                    ledger["sigma_eff"].to_numpy(float) if "sigma_eff" in ledger
-                                   else np.full(len(ledger), np.nan), decisions, fid)
+                                   else np.full(len(ledger), np.nan), decisions, fid, epsilon=spent)
         clip_span = (f"clip range {num(np.nanmin(clips), 4)} to {num(np.nanmax(clips), 4)}; "
                      if np.isfinite(clips).any() else "no gradient clip (a local mechanism); ")
         span = (f"{clip_span}sigma_eff {num(ledger['sigma_eff'].min(), 4)} to {num(ledger['sigma_eff'].max(), 4)}"
                 if "sigma_eff" in ledger and len(ledger) else "")
+        spent_note = (f"; privacy spent over steps: the RDP upper bound, {num(spent[1][-1], 3)} at the end (the "
+                      f"enforcing accountant's figure, {num(row.get('epsilon'), 3)}, is tighter: privacy table)"
+                      if spent is not None else "")
         body.append(figure(fid, svg, f"{title} (trial {row['trial']}): {clips.shape[1]} clip radius(es) per step "
-                                     f"over {len(ledger)} ledger steps; {span}."))
+                                     f"over {len(ledger)} ledger steps; {span}{spent_note}."))
     if len(chosen) > MAX_DIALS:
         body.append(para(f"{len(chosen) - MAX_DIALS} more dial figures omitted (at most {MAX_DIALS} are drawn).",
                          "missing"))
     return _section("sec-dials", "Dials over steps: clip radii and noise", "\n".join(body))
+
+
+#: points at which the dials figure's privacy-spent curve is computed
+EPSILON_POINTS = 40
+
+
+def _epsilon_over_steps(ledger: pd.DataFrame, row) -> tuple[np.ndarray, np.ndarray] | None:
+    """The epsilon the ledger's first k steps spend, at up to :data:`EPSILON_POINTS` values of k: the RDP
+    upper bound of their composition (Mironov 2017; per-step RDP of the subsampled Gaussian, Mironov et al. 2019)
+    at the trial's delta. The enforcing accountant's (tighter, PLD) final figure is in the privacy table."""
+    from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, rdp_epsilon, rdp_vector
+
+    delta = row.get("delta")
+    if _missing(delta):
+        config = json.loads(row["config"]) if isinstance(row.get("config"), str) else {}
+        delta = config.get("delta")
+    if _missing(delta) or not {"q", "sigma_eff"} <= set(ledger) or not len(ledger):
+        return None
+    cache: dict[tuple[float, float], np.ndarray] = {}
+    total, points = np.zeros(len(DEFAULT_ORDERS)), set(np.linspace(0, len(ledger) - 1, EPSILON_POINTS).astype(int))
+    steps, spent = [], []
+    for i, (q, s) in enumerate(zip(ledger["q"].astype(float), ledger["sigma_eff"].astype(float))):
+        if not (math.isinf(s) or q == 0.0):
+            if (q, s) not in cache:
+                cache[(q, s)] = rdp_vector(q, s, DEFAULT_ORDERS)
+            total = total + cache[(q, s)]
+        if i in points:
+            steps.append(i + 1)
+            spent.append(rdp_epsilon(total, DEFAULT_ORDERS, float(delta)))
+    return np.asarray(steps, float), np.asarray(spent, float)
 
 
 def _clip_matrix(column: pd.Series) -> np.ndarray:
@@ -526,6 +560,31 @@ def _clip_matrix(column: pd.Series) -> np.ndarray:
     out = np.full((len(values), width), np.nan)
     for i, v in enumerate(values):
         out[i, : len(v)] = v
+    return out
+
+
+def _frontier(r: Report) -> list[str]:
+    """The privacy-utility frontier figure (per model with two or more target epsilons): per arm, the final
+    selection-split metric against epsilon, mean ± sd over seeds; non-private as a line."""
+    res, out = r.results, []
+    if r.column not in res or "epsilon_target" not in res:
+        return out
+    for model, group in res.dropna(subset=[r.column]).groupby("model"):
+        dp = group[group["epsilon_target"].notna()]
+        if dp["epsilon_target"].nunique() < 2:
+            continue
+        series = []
+        for arm, g in dp.groupby("arm", sort=False):
+            cells = g.groupby("epsilon_target")[r.column].agg(["mean", "std"]).sort_index()
+            series.append((arm, cells.index.to_numpy(float), cells["mean"].to_numpy(float), cells["std"].to_numpy(float)))
+        nonprivate = group[group["epsilon_target"].isna()][r.column]
+        np_line = (float(nonprivate.mean()), float(nonprivate.std(ddof=1)) if len(nonprivate) > 1 else float("nan")) \
+            if len(nonprivate) else None
+        fid = f"fig-frontier-{len(out) + 1}"
+        out.append(figure(fid, figures.frontier_figure(series, np_line, f"final {r.split_name} {r.metric}", fid),
+                          f"{model}: the privacy-utility frontier, final {r.split_name} {r.metric} per arm against the "
+                          f"target epsilon (mean ± sd over seeds; {len(series)} arms)" +
+                          ("; dashed: non-private (band: ± sd)." if np_line else ".")))
     return out
 
 
@@ -555,6 +614,7 @@ def tables(r: Report) -> str:
                 "Steps to target: the first evaluation at which a trial reached the best baseline's final "
                 f"{r.metric}, in % of its planned steps (RLDP paper Sec. 4.2)."),
             table("table-seeds", columns, rows)]
+    body.extend(_frontier(r))
     head = headroom(res, r.column)
     if len(head):
         body.append(how(f"The DP gap: per model, epsilon and arm, the final {r.metric} on both splits (mean ± sd over "
@@ -809,6 +869,19 @@ def attacks(r: Report) -> str:
         body.append(figure("fig-attacks", figures.auc_figure(auc, "fig-attacks"),
                            "Membership-inference AUC per (epsilon, strategy), mean ± std over seeds: the loss attack "
                            "(circles) and the calibrated attack (squares); 0.5 is chance."))
+    roc = []  # first seed of each (model, epsilon, strategy) whose evaluation kept its ROC curve
+    for key in keys:
+        ev = next((ev for ev in groups[key] if isinstance(_dig(ev, "membership", "loss", "roc"), dict)), None)
+        if ev is not None:
+            curve = ev["membership"]["loss"]["roc"]
+            roc.append((f"ε={_eps(key[1])} · {key[2]}", curve["fpr"], curve["tpr"]))
+    if roc:
+        floor = min(float(_dig(ev, "membership", "fpr_resolution") or 1e-3) for _, ev in evaluated
+                    if isinstance(ev.get("membership"), dict))
+        body.append(figure("fig-roc", figures.roc_figure(roc, floor, "fig-roc"),
+                           f"Membership-inference ROC of the loss attack on log-log axes, first seed of each (epsilon, "
+                           f"strategy); the dashed diagonal is chance; below FPR {floor:.2g} (one non-member) nothing "
+                           "is resolved."))
     first = next((ev for _, ev in evaluated if isinstance(ev.get("extraction"), dict)), None)
     settings = ""
     if first is not None:
