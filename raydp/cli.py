@@ -26,6 +26,10 @@ def _add_data_source_args(parser: argparse.ArgumentParser, defaults: bool) -> No
     parser.add_argument("--source", dest="source", default=d("synthetic"),
                         help="'synthetic' (embedded generator), a diabetic_data.csv path, or (train) a built dataset dir")
     parser.add_argument("--ids-mapping", default=None, help="IDs_mapping.csv of the real dataset")
+    parser.add_argument("--text-column", default=None,
+                        help="--source is a table of free text (.csv, .parquet, .jsonl): its column of texts")
+    parser.add_argument("--unit-column", default=None,
+                        help="with --text-column: the column naming each text's privacy unit (a patient, a user)")
     parser.add_argument("--n-records", type=int, default=None, help="synthetic size (default 10000)")
     parser.add_argument("--sample-fraction", type=float, default=None,
                         help="a CSV: keep each patient with this probability, decided by its own id (default: all)")
@@ -210,7 +214,8 @@ def train_config_from_args(args: argparse.Namespace):
     data = dict(values.get("data") or {})
     for flag, key in (("source", "source"), ("ids_mapping", "ids_mapping"), ("n_records", "n_records"),
                       ("data_seed", "seed"), ("n_canary", "n_canary"), ("canary_seed", "canary_seed"),
-                      ("n_audit", "n_audit"), ("sample_fraction", "sample_fraction")):
+                      ("n_audit", "n_audit"), ("sample_fraction", "sample_fraction"),
+                      ("text_column", "text_column"), ("unit_column", "unit_column")):
         if getattr(args, flag) is not None:
             data[key] = getattr(args, flag)
     if args.fractions:
@@ -249,7 +254,7 @@ def _fractions(items: list[str]) -> dict[str, float]:
 
 
 def cmd_data_build(args) -> int:
-    from raydp.data import build_dataset, describe_dataset
+    from raydp.data import build_from_config, describe_dataset
 
     from raydp.config import DataConfig, validate_config
 
@@ -258,13 +263,10 @@ def cmd_data_build(args) -> int:
     data = validate_config(DataConfig, {k: v for k, v in {
         "source": args.source, "n_records": args.n_records, "seed": args.data_seed, "n_canary": args.n_canary,
         "canary_seed": args.canary_seed, "n_audit": args.n_audit, "ids_mapping": args.ids_mapping,
-        "sample_fraction": args.sample_fraction,
+        "sample_fraction": args.sample_fraction, "text_column": args.text_column, "unit_column": args.unit_column,
         "fractions": _fractions(args.fractions) if args.fractions else None}.items()
         if v is not None}, where="data.")
-    build_dataset(args.output, source=data.source, n_records=data.n_records, seed=data.seed,
-                  n_canary=data.n_canary, canary_seed=data.canary_seed, n_audit=data.n_audit,
-                  ids_mapping=data.ids_mapping, fractions=data.fractions, sample_fraction=data.sample_fraction,
-                  overwrite=args.overwrite)
+    build_from_config(data, args.output, overwrite=args.overwrite)
     _print_dataset(describe_dataset(args.output), args.output)
     return 0
 

@@ -29,6 +29,10 @@ class DataConfig(StrictModel):
                         "a policy or tuning a baseline, no private budget), a diabetic_data.csv path, or a built "
                         "dataset dir")
     ids_mapping: str | None = Field(None, description="IDs_mapping.csv for a real CSV (default: embedded tables)")
+    text_column: str | None = Field(None, description=(
+        "the source is a table of free text (.csv, .parquet, .jsonl; raydp.data.text_source): its column of texts"))
+    unit_column: str | None = Field(None, description="with text_column: the column naming each text's privacy unit "
+                                    "(a patient, a user); all of a unit's texts go to one split and DP protects units")
     n_records: int | None = Field(None, gt=0, description="synthetic size (default 10000); not for a CSV (use "
                                   "sample_fraction)")
     sample_fraction: float | None = Field(None, gt=0, le=1, description=(
@@ -51,13 +55,18 @@ class DataConfig(StrictModel):
     @classmethod
     def _synthetic_size(cls, values):
         if isinstance(values, dict) and values.get("source", "synthetic") in ("synthetic", "public") \
-                and values.get("n_records") is None:
+                and values.get("n_records") is None and values.get("text_column") is None:
             values = {**values, "n_records": SYNTHETIC_DEFAULT_RECORDS}
         return values
 
     @model_validator(mode="after")
     def _check_sources(self):
         generated = self.source in ("synthetic", "public")
+        if (self.text_column is None) != (self.unit_column is None):
+            raise ValueError("a text table needs both text_column and unit_column")
+        if self.text_column is not None and generated:
+            raise ValueError("text_column and unit_column describe a text table given as source (.csv, .parquet, "
+                             ".jsonl), not the synthetic records")
         if not generated and self.n_records is not None and not Path(self.source).expanduser().is_dir():
             raise ValueError("n_records sizes synthetic data; to subsample a CSV use sample_fraction (each patient "
                              "is kept on its own, so one patient's presence never moves another)")

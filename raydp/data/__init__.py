@@ -16,7 +16,6 @@ from raydp.data.splits import (
     SPLITS,
     UNIT_COLUMN,
     build_dataset,
-    resolve_dataset,
     describe_dataset,
     load_audit_canaries,
     load_canaries,
@@ -30,6 +29,7 @@ from raydp.data.splits import (
     VALIDATION,
     has_split,
 )
+from raydp.data.build import build_from_config, resolve_dataset
 from raydp.data.synthetic import generate_records
 from raydp.data.verbalise import verbalise, verbalise_records
 
@@ -47,6 +47,7 @@ __all__ = [
     "UNIT_COLUMN",
     "IdMaps",
     "build_dataset",
+    "build_from_config",
     "resolve_dataset",
     "default_id_maps",
     "describe_dataset",

@@ -543,8 +543,8 @@ def load_value_spans(dataset_dir: str | os.PathLike, split: str) -> list[list[tu
         raise DataError(f"split file {f} cannot be read: {' '.join(str(e).split())}") from None
     if VALUE_SPANS in table.column_names:
         return [[(a, b) for a, b in sp] for sp in table.column(VALUE_SPANS).to_pylist()]
-    if "text" not in table.column_names or UNIT_COLUMN not in table.column_names:
-        return None
+    if "text" not in table.column_names or any(f.name not in table.column_names for f in schema.arrow_schema()):
+        return None  # free text (raydp.data.text_source) has no record fields: no value spans
     frame = table.to_pandas()
     texts, spans = verbalise_records(frame, None, progress=False, spans=True)
     stored = [canaries.PATTERN.sub("", t) for t in frame["text"]]  # a train text may end in a canary
@@ -635,21 +635,3 @@ def describe_dataset(dataset_dir: str | os.PathLike) -> dict[str, Any]:
         "split_fractions": manifest.get("split_fractions"),
         "dataset_id": manifest_id(manifest),
     }
-
-
-def resolve_dataset(data, build_dir: str | Path, progress: bool = True) -> Path:
-    """The one place a run or a study turns its data settings (:class:`raydp.config.DataConfig`) into a
-    dataset directory: a built dataset directory is used as is (its manifest checked); a CSV or the
-    synthetic generator is built into ``build_dir`` (reused when already built there)."""
-    source = Path(data.source).expanduser()
-    if data.source not in ("synthetic", PUBLIC_SOURCE) and source.is_dir():
-        load_manifest(source)  # validates that it is a dataset directory
-        return source.resolve()
-    build_dir = Path(build_dir)
-    if not (build_dir / "manifest.json").exists():
-        build_dataset(build_dir, source=data.source if data.source in ("synthetic", PUBLIC_SOURCE) else str(source),
-                      n_records=data.n_records, seed=data.seed, n_canary=data.n_canary,
-                      canary_seed=data.canary_seed, n_audit=data.n_audit, ids_mapping=data.ids_mapping,
-                      fractions=data.fractions, sample_fraction=data.sample_fraction, generator=data.generator,
-                      progress=progress)
-    return build_dir.resolve()
