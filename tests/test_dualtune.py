@@ -74,6 +74,10 @@ def test_dualtune_refuses_bad_settings_with_one_line(tmp_path, capsys):
         assert not (tmp_path / "x").exists()
 
 
+# ~60 s: both dualtune variants in a Ray study, attacked and reported; each variant end to end is
+# test_dualtune.py's CLI tests, a study with a non-DP-SGD strategy attacked and reported is
+# test_forward_ldp.py::test_a_classification_study_runs_a_local_strategy_beside_dp_sgd_on_ray
+@pytest.mark.slow
 def test_a_study_runs_both_dualtune_variants_beside_static_dp_sgd_on_ray(local_ray, tmp_path):
     import pandas as pd
     import yaml
@@ -102,6 +106,10 @@ def test_a_study_runs_both_dualtune_variants_beside_static_dp_sgd_on_ray(local_r
     assert "Edgeworth" in page and "phase 2 only" in page
 
 
+# ~100 s: the one-run audit of a ghost-clipped run; the ghost-clipped release equals the per-sample one
+# (test_ghost_clipping.py::test_a_dp_step_with_ghost_clipping_releases_what_per_sample_clipping_releases),
+# whose audit is test_evaluation.py::test_the_correct_mechanism_passes_its_audit_and_reports
+@pytest.mark.slow
 def test_the_epsilon_audit_is_consistent_with_a_ghost_clipped_run(tmp_path):
     """An attack on the ghost-clipped mechanism: the one-run audit (Steinke et al. 2023) of a run where
     memorisation is possible (tests/test_evaluation.py's AUDITABLE settings, whose noise-off twin the

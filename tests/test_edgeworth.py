@@ -6,7 +6,6 @@ privacy-loss distribution written in this file, and dp_accounting's PLD. Edgewor
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pytest
@@ -204,14 +203,16 @@ def test_incremental_composition_matches_fresh():
         acc.epsilon([(0.01, 0.9, 500), (0.01, 1.3, 700), (0.02, 2.0, 100)], DELTA), rel=1e-12)
 
 
-def test_fast_for_many_distinct_groups():
+def test_each_distinct_group_is_integrated_once():
+    """Many distinct (q, sigma) groups cost one numerical integration each, never one per step (speed itself is
+    bench/'s to measure, not a test's)."""
     rng = np.random.default_rng(0)
     qs, sigmas = rng.uniform(1e-3, 0.05, 100), rng.uniform(0.5, 3.0, 100)
     groups = [(float(q), float(s), 10) for q, s in zip(qs, sigmas)]
     step_cumulants.cache_clear()
-    start = time.perf_counter()
     eps = edgeworth_epsilon(groups, DELTA)
-    assert time.perf_counter() - start < 0.5  # measured ~10 ms
+    assert step_cumulants.cache_info().misses == 100
+    assert edgeworth_epsilon(groups, DELTA) == eps and step_cumulants.cache_info().misses == 100
     assert math.isfinite(eps) and eps > 0.0
 
 

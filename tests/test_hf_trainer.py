@@ -265,6 +265,8 @@ class FakePolicy:
         self.saved.append({"trained_on": trained_on, "results": results, "provenance": provenance})
 
 
+# ~30 s each: other strategies under transformers.Trainer; static under it is the rest of test_hf_trainer.py
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["dc-sgd-p", "rldp"])  # declared releases; adaptive sigma, pairwise clips
 def test_other_strategies_under_the_trainer(tmp_path, texts, strategy):
     loaded = fresh_model()

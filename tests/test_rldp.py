@@ -132,6 +132,10 @@ def test_rldp_run_is_within_budget_with_its_traces(rldp_run):
     assert saved["provenance"][-1]["privacy_mode"] == "strict"
 
 
+# ~50 s: a frozen saved policy driving a larger model in paper mode; frozen actions are
+# test_rldp.py::test_saved_policy_reloads_and_gives_identical_actions, a saved policy's reuse by a later
+# study test_study.py::test_rldp_trials_can_share_one_policy, the paper-mode label test_policy_provenance.py
+@pytest.mark.slow
 def test_frozen_policy_controls_a_model_with_more_adapters_in_paper_mode(rldp_run, tmp_path):
     root, _ = rldp_run
     config = tiny_config(model="embedded-tiny-deep",
@@ -158,6 +162,11 @@ def test_rldp_needs_a_policy_to_freeze():
         tiny_config(rldp={"frozen": True})
 
 
+# ~2.5-5 min: two Ray actor runs sharing one policy service is test_study.py::
+# test_rldp_trials_can_share_one_policy; a run killed mid-training is test_study.py::
+# test_a_killed_trial_resumes_with_exactly_the_planned_ledger; a dead run's open decision (kept, never
+# a transition) is test_broker.py::test_a_run_that_dies_leaves_only_an_open_decision
+@pytest.mark.slow
 def test_two_runs_share_a_policy_and_one_can_die(local_ray, tmp_path):
     from raydp.runner.actor import FineTuningRun
 

@@ -76,6 +76,10 @@ def server(local_ray):
 
 
 # -- a run driven over RLlink ----------------------------------------------------------------------
+# ~70 s: an RLDP run driven over RLlink (issue 15); the handshake and refusals, the loopback-only rule,
+# the one run actor's client factory, the shared training loop and the server's restore/freeze/save with
+# the runs' provenance are the other tests of test_rllink.py, an RLDP run through the broker test_rldp.py
+@pytest.mark.slow
 def test_an_rldp_run_driven_over_rllink(server, tmp_path):
     from raydp.runner.launch import train
 
@@ -239,7 +243,6 @@ def test_non_loopback_rllink_is_refused_everywhere_with_an_ssh_tunnel_hint(monke
             tiny_config(controller=f"rllink://{host}:5555")
     for host in ("127.0.0.1", "127.0.0.2", "localhost"):  # all of loopback stays accepted
         assert tiny_config(controller=f"rllink://{host}:5555").controller == f"rllink://{host}:5555"
-    assert not hasattr(address, "plaintext_warning")  # no warning path left: a refusal
 
     config = tiny_config()
     port = free_port()
@@ -383,9 +386,12 @@ def test_the_training_loop_trains_once_per_pending_transition_and_survives_an_er
     loop.wait_trained(10)
     with pytest.raises(RuntimeError, match="training failed"):
         loop.wait_trained(11)
-    # both transports train through it: neither keeps a loop of its own
-    assert not hasattr(rllink.RLlinkPolicyServer, "_loop")
-    assert not hasattr(service.PolicyService.__ray_metadata__.modified_class, "_loop")
+    # both transports train through it: each builds this TrainingLoop and no other training loop
+    import inspect
+
+    for transport in (rllink, service):
+        source = inspect.getsource(transport)
+        assert source.count("TrainingLoop(") == 1 and "threading.Thread(" not in source, transport.__name__
 
 
 # -- a policy server restores, freezes and saves its policy -------------------------------------------
@@ -706,10 +712,8 @@ def test_the_port_stays_bound_while_a_run_is_served_and_a_second_run_is_refused_
         with pytest.raises(OSError):
             intruder.bind((host, port))
         intruder.close()
-        started = time.monotonic()
         with pytest.raises(ConnectionError, match="busy with another run"):
             connect(server, "run-b", connect_timeout_s=2)
-        assert time.monotonic() - started < 12
         obs = first.layout.pack(np.zeros((2, first.layout.f_adapter)), np.zeros(first.layout.g_global))
         first.decide(obs, None)  # the first run is still served
     finally:

@@ -210,6 +210,9 @@ def test_wandb_is_offline_and_logs_no_text(tiny_study):
                 assert b"secret_id=" not in blob and not any(t in blob for t in texts)
 
 
+# ~80 s: Optuna over the SAC grid; the same study runner, trial grid and results table with grid
+# search are test_study.py::test_study_results_table (tiny_study)
+@pytest.mark.slow
 def test_optuna_chooses_the_sac_cells(tiny_study, tmp_path):
     from raydp.study.runner import run_study
 

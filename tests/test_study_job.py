@@ -1,5 +1,6 @@
 """`ray job submit` of a study to a real local head (its own module: no other Ray runs beside it)."""
 
+import pytest
 import os
 import shutil
 import subprocess
@@ -35,6 +36,9 @@ def _stop_head(temp_dir: str) -> None:
         p.kill()
 
 
+# ~105 s: `ray job submit` of a study to a local head (cluster/submit.sh); the study it submits is the
+# runner of test_study.py (tiny_study), started in-process
+@pytest.mark.slow
 def test_ray_job_submit_runs_a_study_on_a_local_head(tmp_path, raydp_cache):
     """A real head (`ray start --head`), a real job (`ray job submit`), the study's results."""
     import tempfile
