@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--seed", type=int, help="seed of the attacks' sampling")
     evaluate.add_argument("--quiet", action="store_true", help="no progress lines (the results still print)")
 
-    from raydp.control import policy_server  # argparse only: Ray is imported when the server runs
+    from raydp.runner import policy_server  # argparse only: Ray is imported when the server runs
 
     policy_server.add_arguments(commands.add_parser(
         "policy-server", help="serve an RLDP policy over RLlink to runs started with --controller rllink://HOST:PORT"))
@@ -525,7 +525,7 @@ def cmd_policy_export(args) -> int:
 
 
 def cmd_policy_server(args) -> int:
-    from raydp.control import policy_server
+    from raydp.runner import policy_server
 
     return policy_server.run(args)
 

@@ -269,7 +269,7 @@ def test_non_loopback_rllink_is_refused_everywhere_with_an_ssh_tunnel_hint(monke
 
     config_file = tmp_path / "run.yaml"
     config_file.write_text("model: embedded-tiny\nepsilon: 2.0\n")
-    from raydp.control.policy_server import main as server_main
+    from raydp.runner.policy_server import main as server_main
 
     for run in (lambda: main(["policy-server", "--config", str(config_file), "--host", "0.0.0.0"]),
                 lambda: server_main(["--config", str(config_file), "--host", "10.0.0.5"])):
@@ -585,7 +585,7 @@ def test_a_frozen_policy_server_serves_the_saved_weights_greedily_and_learns_not
 def test_policy_server_flags_are_checked_before_anything_starts(tmp_path, capsys):
     """--frozen needs --policy; --save refuses an existing path (and --frozen); a saved policy must suit the
     config: a paper-mode policy may not serve a strict config, and its clip decoding must match (E3/E14)."""
-    from raydp.control.policy_server import main as server_main
+    from raydp.runner.policy_server import main as server_main
     from raydp.control.store import write_manifest
 
     config_file = tmp_path / "run.yaml"

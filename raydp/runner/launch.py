@@ -4,7 +4,7 @@ For an RLDP run this starts (or joins) Ray, starts the policy (broker, and the S
 policy is frozen), runs the fine-tuning as a :class:`~raydp.runner.actor.FineTuningRun` actor, saves
 the policy under ``policy_dir/NAME`` if asked, and shuts the policy down. With ``controller:
 rllink://HOST:PORT`` (an IPv4 loopback host: a remote server is reached through an SSH tunnel) the policy is a
-running policy server (:mod:`raydp.control.policy_server`) and the same run actor reaches it over RLlink
+running policy server (:mod:`raydp.runner.policy_server`) and the same run actor reaches it over RLlink
 (:mod:`raydp.control.rllink`): nothing is started on the policy's side, and the run's provenance entry goes
 to the server, which saves the policy if it was started with ``--save``.
 

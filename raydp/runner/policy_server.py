@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return add_arguments(argparse.ArgumentParser(prog="python -m raydp.control.policy_server",
+    return add_arguments(argparse.ArgumentParser(prog="python -m raydp.runner.policy_server",
                                                  description=__doc__.splitlines()[0]))
 
 
