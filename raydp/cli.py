@@ -275,6 +275,8 @@ def _print_dataset(info: dict, path) -> None:
     info = dict(info)
     sample = info.pop("sample_eval_narrative", None)
     print(json.dumps(info, indent=2, default=str))
+    if sample and not info.get("synthetic", True):  # a real record: the owner's terminal only, and said so
+        print("\nPRIVATE: a record of the eval split follows (it is data of a real person: do not paste it anywhere)")
     if sample:
         print(f"\nsample narrative (eval split of {path}):\n{sample}")
 
@@ -543,6 +545,13 @@ def cmd_migrate(args) -> int:
     for sha, new in result.mapping.items():
         print(f"dataset id {new}")
     print(f"rewrote {len(result.rewritten)} file(s); {len(result.datasets)} dataset manifest(s) gained their id")
+    left = migrate(args.paths, check=True).remaining  # what still looks like a plain hash after the rewrite
+    if left:
+        for path in left:
+            print(f"still a plain dataset hash: {path}")
+        print(f"raydp: {len(left)} file(s) still hold what looks like a plain dataset hash (from a study or run whose "
+              "results or dataset are not under these paths: give them too, or delete the files)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -41,7 +41,9 @@ _PRIVACY_BLOCK = {
         "name", "clip_mode", "allocation", "gradient_source", "privacy_mode", "releases[]", "releases[].name",
         "releases[].noise.relative", "schedule.kind", "schedule.per_epoch[]", "settings.clip", "action_decoding",
         "architecture", "b_sac", "frozen", "k", "noise_control", "policy", "r_max", "t_rl", "t_warm",
-        "strict_releases[].name", "strict_releases[].noise_multiplier")},
+        "strict_releases[].name", "strict_releases[].noise_multiplier", "settings.*",
+        # clip-schedule's r_i: median per-sample norms on the PUBLIC probe under the initial model
+        "public_reference_norms[]")},
     # from the ledger: charged releases and their accounting
     **{f"privacy.{k}": DP for k in (
         "epsilon", "epsilon_by_accountant.pld", "epsilon_by_accountant.prv", "epsilon_by_accountant.rdp",
@@ -113,7 +115,11 @@ RESULTS = {
         "variant", "run_dir", "config", "initial_public_perplexity", "final_public_perplexity",
         "best_public_perplexity", "planned_steps", "enforcing_accountant", "privacy_mode", "privacy_label",
         "privacy_labels", "guarantee", "privacy_unit", "rdp_curve_source", "selection_split", "steps_to_target",
-        "selection_metric", "initial_public_value_nll", "final_public_value_nll", "best_public_value_nll")},
+        "selection_metric", "initial_public_value_nll", "final_public_value_nll", "best_public_value_nll",
+        "tuned")},  # tuned: a PUBLIC search's chosen values (tuned_from refuses a search on private data)
+    # search: Optuna's sampled values, chosen from earlier trials' public-validation scores of DP-trained models
+    # (post-processing; a search on private data runs one trial at a time, so no timing decides them)
+    "search": DP,
     **{k: DP for k in ("steps", "epsilon_pld", "epsilon_prv", "epsilon_rdp", "epsilon_gdp", "epsilon_edgeworth",
                        "within_budget", "verdict", "epsilon")},
     "dataset_id": ID,
@@ -129,6 +135,10 @@ STUDY_SUMMARY = {
     **{k: PUBLIC for k in ("study", "trials", "results", "selection.note", "selection.requested", "selection.split",
                            "selection.metric")},
     **{k: UNPROTECTED for k in ("wall_seconds", "per_trial_overhead_seconds", "first_trial_start_latency_seconds")},
+    "unfinished_trials": PUBLIC,  # trials a stop (Ctrl-C) left unfinished
+    # a search's winners per cell: the values and final public-validation figure of DP-trained trials
+    **{f"search_best[].{k}": DP for k in ("strategy", "model", "epsilon", "trials", "best.*", "trial",
+                                          "final_public_value_nll", "final_public_perplexity")},
     "tuning_aware_epsilon": PUBLIC,  # the 'not applicable' note of a public study
     **{_FIGURE + k: DP for k in (
         "composed[].curve", "composed[].epsilon_rdp", "composition_epsilon_rdp", "max_single_trial_epsilon_rdp",
@@ -181,8 +191,10 @@ def field_paths(value, prefix: str = ""):
 
 
 def _check_json(path: Path, allowed: dict, out: list) -> None:
+    """``allowed`` keys are field paths; one ending in ``.*`` covers every field under it (a search's values)."""
+    prefixes = tuple(k[:-1] for k in allowed if k.endswith(".*"))
     for field in set(field_paths(json.loads(path.read_text()))):
-        if field not in allowed:
+        if field not in allowed and not field.startswith(prefixes):
             out.append(f"{path}: {field}")
 
 

@@ -397,3 +397,26 @@ def test_a_policy_server_whose_policy_may_not_drive_the_run_is_refused(texts):
     with pytest.raises(ConfigError, match="client declares"):
         DPTraining(loaded.model, texts, loaded.tokenizer, **{**PRIVACY, "strategy": "rldp"}, max_steps=3,
                    controller=client)
+
+
+def test_common_random_numbers_and_public_ids_are_refused_for_the_trainers_records(texts):
+    """Issue 26's second review: the Trainer cannot tell its records public, so fixed randomness and a public id
+    are refused."""
+    loaded = fresh_model()
+    for extra, message in (({"common_random_numbers": True, "data": {"source": "public"}}, "common_random_numbers"),
+                           ({"dataset_id": "public:" + "ab" * 32}, "names raydp's public population")):
+        with pytest.raises(ConfigError, match=message) as refused:
+            DPTraining(loaded.model, texts, loaded.tokenizer, **PRIVACY, max_steps=4, **extra)
+        assert "\n" not in str(refused.value)
+
+
+def test_the_trainers_memory_metrics_are_labelled_unprotected(tmp_path, texts):
+    """skip_memory_metrics=False adds peak-memory deltas, which follow the largest private batch."""
+    loaded = fresh_model()
+    dp = DPTraining(loaded.model, texts, loaded.tokenizer, **PRIVACY, max_steps=2, log_epsilon=False)
+    trainer = Trainer(model=loaded.model, args=training_args(tmp_path, dp.planned_steps, skip_memory_metrics=False),
+                      train_dataset=texts, processing_class=loaded.tokenizer, callbacks=[dp.callback])
+    dp.attach(trainer)
+    metrics = trainer.train().metrics
+    memory = [k for k in metrics if "_mem_" in k]
+    assert memory and all(k.startswith("unprotected_") for k in memory), metrics

@@ -138,7 +138,9 @@ def test_common_random_numbers_only_on_public_data():
         TrainConfig(strategy="static", epsilon=2.0, common_random_numbers=True)
     config = TrainConfig(strategy="static", epsilon=2.0, common_random_numbers=True, data={"source": "public"})
     a, b = private_randomness(config), private_randomness(config)
-    assert a.label is None and not a.is_secret and a.source == "public-common-random-numbers"
+    from raydp.privacy.randomness import PUBLIC_COMMON_LABEL
+
+    assert a.label == PUBLIC_COMMON_LABEL and not a.is_secret and a.source == "public-common-random-numbers"
     assert (a.sampling_entropy, a.noise_seed) == (b.sampling_entropy, b.noise_seed)
     other = private_randomness(config.model_copy(update={"seed": 1}))
     assert other.noise_seed != a.noise_seed
@@ -153,13 +155,36 @@ def test_common_random_numbers_are_refused_on_a_built_private_dataset(tmp_path):
 
     private = resolve_dataset(DataConfig(n_records=200), tmp_path / "private", progress=False)
     public = resolve_dataset(DataConfig(source="public", n_records=200), tmp_path / "public", progress=False)
-    for source, allowed in ((private, False), (public, True)):
+    # a private dataset relabelled public by hand (manifest and id made consistent) does not regenerate as public
+    import shutil
+
+    from raydp.data.identity import public_id
+
+    forged = tmp_path / "forged"
+    shutil.copytree(private, forged)
+    manifest = json.loads((forged / "manifest.json").read_text())
+    manifest.update(public=True, source="public", dataset_id=public_id(manifest["content_sha256"]))
+    (forged / "manifest.json").write_text(json.dumps(manifest))
+    for source, allowed in ((private, False), (public, True), (forged, False)):
         config = TrainConfig(strategy="static", epsilon=2.0, common_random_numbers=True, data={"source": str(source)})
         if allowed:
-            assert private_randomness(config).label is None
+            assert private_randomness(config).source == "public-common-random-numbers"
         else:
             with pytest.raises(ConfigError, match="is not public"):
                 private_randomness(config)
+
+
+def test_a_leftover_dataset_of_other_settings_is_not_reused(tmp_path):
+    from raydp.config import DataConfig
+    from raydp.data import resolve_dataset
+    from raydp.errors import DataError
+
+    built = resolve_dataset(DataConfig(n_records=200), tmp_path / "dataset", progress=False)  # private synthetic
+    assert resolve_dataset(DataConfig(n_records=200), tmp_path / "dataset", progress=False) == built  # same: reused
+    for other in (DataConfig(source="public", n_records=200), DataConfig(n_records=300), DataConfig(n_records=200, seed=1),
+                  DataConfig(n_records=200, n_audit=4)):
+        with pytest.raises(DataError, match="built from other data settings"):
+            resolve_dataset(other, tmp_path / "dataset", progress=False)
 
 
 # -- Optuna over a search space --------------------------------------------------------------------------
@@ -239,7 +264,12 @@ def test_an_optuna_search_over_a_strategy_runs_and_records_its_best(tmp_path):
         v = json.loads(row["search"])
         assert config["settings"]["clip"] == pytest.approx(v["clip"]) and config["lr"] == pytest.approx(v["lr"])
         assert config["lr_decay"] == v["lr_decay"] and config["common_random_numbers"]
-        assert not row["privacy_labels"]  # common random numbers on public data carry no void label
+        from raydp.privacy.randomness import PUBLIC_COMMON_LABEL, VOID_LABEL
+
+        assert row["privacy_labels"] == PUBLIC_COMMON_LABEL and VOID_LABEL not in row["privacy_labels"]
+    from tests.releasable import unclassified_study
+
+    assert unclassified_study(study_dir) == []  # every field of its releasable files is classified
     summary = json.loads((study_dir / "study_summary.json").read_text())
     best = summary["search_best"][0]
     column = "final_public_value_nll"
@@ -330,10 +360,13 @@ def _tuned_study(tmp_path, tuned_from, epsilons=(2.0,)):
     return load_study(path)
 
 
-def _finished_search(root, private=False, best=None):
+def _finished_search(root, private=False, best=None, dataset_id="public:" + "ab" * 32):
+    import pandas as pd
+
     root.mkdir(parents=True)
     data = {"n_records": 300} if private else {"source": "public", "n_records": 300}
     (root / "study.json").write_text(json.dumps({"name": "s", "private_data": private, "base": {"data": data}}))
+    pd.DataFrame({"dataset_id": [dataset_id]}).to_parquet(root / "results.parquet")
     (root / "study_summary.json").write_text(json.dumps({"search_best": best if best is not None else [
         {"strategy": "clip-schedule", "model": "embedded-tiny", "epsilon": 2.0, "trials": 3,
          "best": {"clip": 0.42, "lr": 0.0011, "lr_decay": "cosine"}}]}))
@@ -354,14 +387,37 @@ def test_tuned_from_runs_each_cell_with_its_searched_best(tmp_path):
     assert nonprivate.lr == 5e-4  # a strategy the search did not tune keeps the study's own settings
 
 
-@pytest.mark.parametrize("private, best, epsilons, message", [
-    (True, None, (2.0,), "did not run on public data"),
-    (False, [], (2.0,), "has no finished search"),
-    (False, None, (2.0, 8.0), "searched clip-schedule but not on embedded-tiny at epsilon 8"),
+@pytest.mark.parametrize("private, best, epsilons, dataset_id, message", [
+    (True, None, (2.0,), "public:" + "ab" * 32, "did not run on public data"),
+    # a study file saying public whose trials ran on a private dataset (a leftover reused, say)
+    (False, None, (2.0,), "rdi1:" + "c" * 32, "results name datasets that are not public"),
+    (False, [], (2.0,), "public:" + "ab" * 32, "has no finished search"),
+    (False, None, (2.0, 8.0), "public:" + "ab" * 32, "searched clip-schedule but not on embedded-tiny at epsilon 8"),
 ])
-def test_tuned_from_refuses_a_private_unfinished_or_partial_search(tmp_path, private, best, epsilons, message):
+def test_tuned_from_refuses_a_private_unfinished_or_partial_search(tmp_path, private, best, epsilons, dataset_id,
+                                                                   message):
     from raydp.study.config import trial_grid
 
-    study = _tuned_study(tmp_path, _finished_search(tmp_path / "search", private, best), epsilons)
+    study = _tuned_study(tmp_path, _finished_search(tmp_path / "search", private, best, dataset_id), epsilons)
     with pytest.raises(ConfigError, match=message):
         trial_grid(study)
+
+
+def test_a_study_declared_public_must_run_on_the_public_population(tmp_path):
+    """private_data: false on a private dataset directory (whatever its study file says) is refused before any
+    trial: it would report no tuning-aware epsilon and its choices would pass as free."""
+    from raydp.config import DataConfig
+    from raydp.data import resolve_dataset
+    from raydp.study.config import load_study
+    from raydp.study.runner import prepare_study
+
+    private = resolve_dataset(DataConfig(n_records=200), tmp_path / "private", progress=False)
+    values = {"name": "claims-public", "models": ["embedded-tiny"], "epsilons": [2.0], "strategies": ["static"],
+              "private_data": False, "base": {"data": {"source": "public", "n_records": 200}, "max_steps": 4}}
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(values))
+    study = load_study(path)
+    assert prepare_study(study, tmp_path / "ok", progress=False)[1]  # the public population itself: fine
+    study = study.model_copy(update={"base": {"data": {"source": str(private)}, "max_steps": 4}})
+    with pytest.raises(ConfigError, match="is not raydp's public population"):
+        prepare_study(study, tmp_path / "bad", progress=False)

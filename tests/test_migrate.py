@@ -55,6 +55,11 @@ def test_check_flags_a_file_holding_a_hash_on_its_own(tmp_path, capsys):
     (tmp_path / "report.html").write_text("<p>dataset " + "ab" * 32 + "</p>")
     assert main(["migrate", "--check", str(tmp_path)]) == 1
     assert "report.html" in capsys.readouterr().out
+    # migrating it cannot find the hash's dataset: it says so and fails instead of "rewrote 0 file(s)" and success
+    assert main(["migrate", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "still a plain dataset hash" in captured.out and "report.html" in captured.out
+    assert captured.err.startswith("raydp: 1 file(s) still hold") and captured.err.count("\n") == 1
 
 
 def test_migration_needs_the_owners_existing_key(old_study, tmp_path, monkeypatch):

@@ -266,3 +266,19 @@ def test_a_manifest_that_declares_no_privacy_mode_counts_as_paper(tmp_path):
                                                          trained_on=no_mode))) == "strict"
     assert policy_privacy_mode(load_manifest(fake_policy(tmp_path, "declared", provenance=[],
                                                          trained_on={**no_mode, "privacy_mode": "strict"}))) == "strict"
+
+
+def test_export_refuses_an_old_policy_that_names_its_data_by_a_plain_hash(tmp_path, capsys):
+    """Issue 26 review: a v1 manifest's provenance holds dataset_sha256, a plain hash of the records; exporting it
+    would release that hash. `raydp migrate` rewrites it first."""
+    from raydp.cli import main
+
+    path = fake_policy(tmp_path, "oldpol", provenance=[entry()])
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["format"] = "raydp-policy-v1"
+    manifest["provenance"][0]["dataset_sha256"] = "ab" * 32
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    archive = tmp_path / "old.tar.gz"
+    assert main(["policy", "export", "oldpol", "--policy-dir", str(tmp_path), "--to", str(archive)]) == 2
+    err = capsys.readouterr().err
+    assert "run `raydp migrate` on it before exporting" in err and err.count("\n") == 1 and not archive.exists()

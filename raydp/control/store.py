@@ -333,6 +333,10 @@ def export_policy(source: Path, archive: Path, overwrite: bool = False,
     unless ``include_private_replay`` says the caller knows."""
     source = Path(source)
     manifest = json.loads((source / MANIFEST).read_text())
+    if manifest.get("format") in LEGACY_FORMATS or '"dataset_sha256"' in (source / MANIFEST).read_text():
+        # an old manifest names its datasets by a plain hash of their records (issue 26): it must not leave
+        raise ConfigError(f"policy {source.name} is in the old format ({manifest.get('format')}), whose provenance names "
+                          "datasets by a plain hash of their records: run `raydp migrate` on it before exporting")
     if policy_privacy_mode(manifest) == "paper" and not include_private_replay:
         raise ConfigError(f"policy {source.name} was trained in paper mode: its replay buffer holds unprivatized "
                           "statistics of private data (ERRATA E14); pass --include-private-replay to export it anyway")

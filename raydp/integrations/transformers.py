@@ -317,6 +317,12 @@ class DPTraining:
         self.public_texts = public_texts
         self.ledger_path = Path(ledger_path) if ledger_path is not None else None
         self.eval_data_is_public = bool(eval_data_is_public)
+        if self.config.common_random_numbers or self.config.data.source == "public":
+            raise ConfigError("DPTraining trains on the records it is given, which it cannot tell public: "
+                              "common_random_numbers (and data.source: public) are for raydp's own public episodes")
+        if isinstance(dataset_id, str) and dataset_id.startswith("public:"):
+            raise ConfigError("dataset_id 'public:...' names raydp's public population; the Trainer's records are "
+                              "private: give the 'rdi1:' id of their raydp dataset (or none)")
         if dataset_id is not None and not is_dataset_id(dataset_id):
             raise ConfigError(f"dataset_id {str(dataset_id)[:24]!r}... is not a raydp dataset id (the dataset_id of a "
                               "dataset's manifest.json, 'rdi1:...'): a plain hash of the records would reveal them")
@@ -465,7 +471,9 @@ class DPTraining:
         released = {k: v for k, v in logs.items() if k not in ("loss", "train_loss")}
         if not self.eval_data_is_public:
             released = {unprotected_name(k): v for k, v in released.items()}
-        released = {UNPROTECTED_PREFIX + k if k in TIMING_LOG_KEYS else k: v for k, v in released.items()}
+        # timings and the Trainer's memory metrics (skip_memory_metrics=False: peaks follow the private batch sizes)
+        released = {UNPROTECTED_PREFIX + k if k in TIMING_LOG_KEYS or ("_mem_" in k and not k.startswith(
+            UNPROTECTED_PREFIX)) else k: v for k, v in released.items()}
         logs.clear()
         logs.update(released)
         if training and self.run is not None:

@@ -22,8 +22,9 @@ gradient); on CUDA, torch's Philox generator, which takes the full 64-bit seed.
 ``unsafe_fixed_randomness`` derives both from the config seed instead, for debugging and tests that must
 replay a run exactly. Such a run's outputs carry :data:`VOID_LABEL`: its epsilon is void.
 
-``common_random_numbers`` derives them from the seed too, but only on PUBLIC data (``data.source: public``),
-where no record is protected and there is nothing to void: candidates of a search on public episodes then
+``common_random_numbers`` derives them from the seed too, but only on PUBLIC data (``data.source: public``, or a
+dataset directory that regenerates as the public population), where no record is protected; such a run carries
+:data:`PUBLIC_COMMON_LABEL` instead of the void label: candidates of a search on public episodes then
 share batches and noise, so their difference is not drowned by sampling noise (common random numbers,
 issue 29). The run's epsilon is that of a simulation on public data either way; its source is
 :data:`PUBLIC_COMMON`.
@@ -46,6 +47,8 @@ __all__ = ["OS_ENTROPY", "PUBLIC_COMMON", "UNSAFE_FIXED_SEED", "VOID_LABEL", "Ga
 OS_ENTROPY = "os-entropy"
 UNSAFE_FIXED_SEED = "unsafe-fixed-seed"
 PUBLIC_COMMON = "public-common-random-numbers"
+PUBLIC_COMMON_LABEL = ("sampling and noise randomness came from the seed (common_random_numbers): allowed only on "
+                       "public data, where nobody is protected; the epsilon is that of a simulation")
 VOID_LABEL = ("epsilon is void: sampling and noise randomness came from the written-down config seed "
               "(unsafe_fixed_randomness); anyone with the seed can replay the run (ERRATA E12)")
 
@@ -80,8 +83,8 @@ class PrivateRandomness:
     @classmethod
     def common_on_public_data(cls, seed: int, start_step: int = 0) -> PrivateRandomness:
         """:meth:`unsafe_from_seed`'s randomness for a run on PUBLIC data (common random numbers across the
-        candidates of a search): no record is protected, so there is no void label (the caller checks the
-        data is public)."""
+        candidates of a search): no record is protected; the run carries :data:`PUBLIC_COMMON_LABEL` rather than
+        the void label (the caller checks the data is public)."""
         fixed = cls.unsafe_from_seed(seed, start_step)
         return cls(fixed.sampling_entropy, fixed.noise_seed, PUBLIC_COMMON)
 
@@ -91,7 +94,7 @@ class PrivateRandomness:
 
     @property
     def label(self) -> str | None:
-        return VOID_LABEL if self.source == UNSAFE_FIXED_SEED else None
+        return {UNSAFE_FIXED_SEED: VOID_LABEL, PUBLIC_COMMON: PUBLIC_COMMON_LABEL}.get(self.source)
 
     def sampling_rng(self) -> np.random.Generator:
         return np.random.default_rng(np.random.SeedSequence(self.sampling_entropy))

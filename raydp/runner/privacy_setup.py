@@ -94,16 +94,16 @@ def training_units(config: TrainConfig, dataset_dir: str | Path, n_records: int)
 
 
 def is_public_source(source: str) -> bool:
-    """Whether a run's data source is public: the public population, or a dataset directory whose manifest
-    says it was built from it."""
+    """Whether a run's data source is public: the public population, or a dataset directory that regenerates as
+    it (:func:`raydp.data.build.is_public_dataset`: not merely a manifest that says so)."""
     if source == "public":
         return True
     path = Path(source).expanduser()
     if not path.is_dir():
         return False
-    from raydp.data.splits import load_manifest
+    from raydp.data.build import is_public_dataset
 
-    return bool(load_manifest(path).get("public"))
+    return is_public_dataset(path)
 
 
 def private_randomness(config: TrainConfig, start_step: int = 0) -> PrivateRandomness:
@@ -339,7 +339,9 @@ def replace_one_guarantee(run: PrivateRun, config: TrainConfig, epsilon: float) 
         return {"epsilon_replace_one": 2 * epsilon, "delta_replace_one": delta, "replace_one_note": note}
     eps = replace_one_epsilon(run.ledger, config.delta) if len(run.ledger) else 0.0
     return {"epsilon_replace_one": eps, "delta_replace_one": config.delta,
-            "replace_one_note": "the ledger composed by dp_accounting's PLD under REPLACE_ONE (sensitivity 2C)"}
+            "replace_one_note": "the ledger composed by dp_accounting's PLD under REPLACE_ONE (sensitivity 2C): "
+                                "one training patient swapped for another (N unchanged); a patient moving between "
+                                "train and another split changes N, which only the public-N convention covers"}
 
 
 def privacy_summary(run: PrivateRun, config: TrainConfig) -> dict:

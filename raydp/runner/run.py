@@ -69,7 +69,8 @@ PUBLIC_EVAL_SEED = 8_888
 PRIVATE_DIR = "private"
 RUN_PRIVACY_NOTE = """What in this run directory is private (ERRATA E11-E15; tests/releasable.py lists every released field):
 - private/  the dataset splits the run built: never release.
-- evaluation.json (after `raydp eval`): attacks and audit computed from private records: keep private.
+- evaluation.json (after `raydp eval`): attacks and audit computed from private records: keep private; and
+  report.html's attack and audit sections (membership ROC curves included), which are drawn from it.
 - a non-private run (strategy nonprivate): nothing here is protected: keep it all private.
 - a paper-mode RLDP run (rldp.privacy_mode: paper): controller_decisions.parquet, control_trace.parquet and policy/
   hold unprivatized statistics of the private records (E3): keep them private.
@@ -77,7 +78,9 @@ Releasable, with their labels: summary.json, config.json, privacy_ledger.parquet
 eval_metrics.parquet, adapter/, and (strict mode) the controller's files. Unprotected inside them: every eval_*
 figure (the private eval split, E15), every timing (wall_seconds, train_loop_seconds, resumed_from_step, a saved
 policy's creation time: they follow the private batch sizes). Public by convention: the number of patients in train
-and q = B/N (summary privacy.public_counts; epsilon_replace_one covers them). The dataset is named by its
+and q = B/N (summary privacy.public_counts; epsilon_replace_one covers them for a swap of one training patient for
+another; a patient who moves between train and another split changes N, which only the public-N convention
+covers). The dataset is named by its
 owner-keyed id. No file holds a sampling or noise seed, a generator state or a plain hash of the records.
 """
 PRIVATE_README = ("Everything under this directory is private data (the dataset splits built for this run). "

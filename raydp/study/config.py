@@ -207,6 +207,11 @@ class StudyConfig(StrictModel):
     private_data: bool = Field(True, description="the data is private: report the tuning-aware epsilon (E7)")
     max_failures: int = Field(2, ge=0, description="Tune retries of a failed trial (resumed from its checkpoint)")
     transfer: TransferSettings | None = None
+    storage: str | None = Field(None, description=(
+        "where every node reads the dataset and Tune keeps experiments, checkpoints and the trials' run directories: "
+        "a pyarrow URI (s3://bucket/prefix, with ?endpoint_override=HOST:PORT&scheme=http for an S3-compatible "
+        "store; gs://...) or a directory all nodes mount; default: the study directory on this machine. It holds "
+        "the private dataset: it must be the data owner's"))
     wandb: WandbSettings = WandbSettings()
     target_baseline: Literal["best"] = "best"
     evaluate: EvalConfig | None = Field(None, description=(
@@ -243,6 +248,9 @@ class StudyConfig(StrictModel):
                                  "epsilon and one seed (and no transfer)")
         if self.search == "pbt" or "pbt" in self.strategies:
             self._check_pbt()
+        if self.storage is not None and (self.search == "pbt" or self.transfer is not None or self.policy == "shared"):
+            raise ValueError("storage: PBT, transfer and shared-policy studies keep state on the driver's machine; run "
+                             "them without storage (or with a directory every node mounts as results_dir)")
         if self.transfer is not None:
             if "rldp" not in self.strategies:
                 raise ValueError("transfer needs 'rldp' in strategies")
@@ -424,6 +432,15 @@ def tuned_values(study: StudyConfig) -> dict[tuple[str, str, float], dict]:
     if searched.get("private_data", True) or ((searched.get("base") or {}).get("data") or {}).get("source") != "public":
         raise ConfigError(f"tuned_from: study {searched.get('name')!r} did not run on public data (base.data.source: "
                           "public, private_data: false): its choices are not free to reuse")
+    try:  # every trial of the search ran on public data (its results name them by a public: id)
+        import pandas as pd
+
+        ids = set(pd.read_parquet(root / "results.parquet", columns=["dataset_id"])["dataset_id"].dropna())
+    except (OSError, KeyError, ValueError):
+        ids = set()
+    if not ids or any(not str(i).startswith("public:") for i in ids):
+        raise ConfigError(f"tuned_from: study {searched.get('name')!r} did not run on public data (its results name "
+                          "datasets that are not public:...): its choices are not free to reuse")
     best = {(b["strategy"], b["model"], float(b["epsilon"])): dict(b["best"]) for b in summary.get("search_best") or []}
     if not best:
         raise ConfigError(f"tuned_from: study {searched.get('name')!r} has no finished search (search_best)")

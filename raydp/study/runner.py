@@ -71,6 +71,14 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
                for cell in search_cells(study) for i in (0, 1)]
     probe = trial_config(study, (trial_grid(study) + corners)[0])  # validates base + the first trial before building
     dataset = str(resolve_dataset(probe.data, study_dir / "dataset", progress=progress))
+    needs_public = not study.private_data or study.save_policy is not None or \
+        (study.policy == "shared" and "rldp" in study.strategies)
+    if needs_public:  # what the study file declares public must BE the public population, not a leftover or a relabel
+        from raydp.data.build import is_public_dataset
+
+        if not is_public_dataset(dataset):
+            raise ConfigError(f"the study declares its data public (private_data: false, a shared policy or "
+                              f"save_policy), but {dataset} is not raydp's public population")
     n_train = len(load_texts(dataset, "train"))
     trials, plans = [], {}
     for trial in trial_grid(study) + corners:
@@ -277,10 +285,14 @@ def run_trial(params: dict) -> None:
     else:  # an Optuna-sampled SAC cell
         trial = optuna_trial(study, params["t_rl"], params["b_sac"], params["k"], tune.get_context().get_trial_id())
         trial["name"] = trial_name(trial)
-    config = trial_config(study, trial, params["dataset"], trial.get("policy_path"))
+    config = trial_config(study, trial, node_local_dataset(params), trial.get("policy_path"))
     torch.set_num_threads(config.cpus or 1)
-    out = Path(params["study_dir"]) / "trials" / trial["name"]
-    workdir = Path(params["study_dir"]) / "work" / trial["name"]
+    # with the study's storage, the trial writes on its own node and its run directory travels back to the study
+    # as its final checkpoint (fetch_trial_outputs); without it, into the study directory (one machine, or NFS)
+    root = Path(tempfile.gettempdir()) / "raydp-trials" / study.name if params.get("storage") \
+        else Path(params["study_dir"])
+    out = root / "trials" / trial["name"]
+    workdir = root / "work" / trial["name"]
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "pid").write_text(str(os.getpid()))
     resume, policy_snapshot = _restore_point(workdir)
@@ -298,7 +310,7 @@ def run_trial(params: dict) -> None:
                         checkpoint=Checkpoint.from_directory(d))
 
     entered_at = time.time()
-    reporter = _Reporter(study, trial, config, Path(params["study_dir"]))
+    reporter = _Reporter(study, trial, config, root)
     try:
         if config.strategy == "rldp":
             if params.get("connection"):
@@ -345,7 +357,9 @@ def run_trial(params: dict) -> None:
                  "trial_seconds": time.perf_counter() - started - attacks.get("eval_seconds", 0.0),
                  "trial_name": trial["name"],
                  "entered_at": entered_at, "run_wall_seconds": summary["wall_seconds"],
-                 "trial_spec": json.dumps(trial), **attacks, "done": True})
+                 "trial_spec": json.dumps(trial), **attacks, "done": True,
+                 "node_id": _node_id()},  # which Ray node ran it (a cluster's placement, public)
+                **({"checkpoint": Checkpoint.from_directory(out)} if params.get("storage") else {}))
 
 
 def _param_space(study: StudyConfig, trials: list[dict], common: dict) -> dict:
@@ -376,7 +390,8 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
                           "it again into another --results-dir; what the stopped run spent still counts (E7/E14)")
     study_dir = (Path(results_dir) / study.name).resolve()
     trials_dir = study_dir / "trials"
-    if resume and not any(tune.Tuner.can_restore(str(study_dir / "tune" / name))
+    storage = TuneStorage.for_study(study, study_dir)
+    if resume and not any(storage.can_restore(name)
                           for name in (f"{study.name}-source", study.name, f"{study.name}-optuna",
                                        *(search_run_name(study, cell) for cell in search_cells(study)))):
         # A fresh Tuner here would overwrite the trials already run, and their spend on the same private data
@@ -425,7 +440,8 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
         common["connection"] = session.connection()
     bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
     trainable = tune.with_resources(run_trial, tune.PlacementGroupFactory([bundle]))
-    storage = str(study_dir / "tune")
+    if study.storage is not None:  # every node reads the dataset from the study's storage (study_storage_dataset)
+        common.update(storage=study.storage, dataset_remote=upload_dataset(study, dataset))
     started, fit_started = time.perf_counter(), time.time()
     stages = [[t for t in trials if t.get("stage") == "source"],
               [t for t in trials if t.get("stage") not in ("source", "pbt")]]  # PBT members: _fit_pbt
@@ -454,6 +470,8 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
             session.close()
     wall = time.perf_counter() - started
     results = [r for g in grids for r in g]
+    if study.storage is not None:  # the trials' run directories come back from the storage they were saved to
+        fetch_trial_outputs(results, trials_dir)
     table = collect_results(study, study_dir, trials, results, dataset_dir=dataset)
     summary = {"study": study.name, "trials": len(trials), "wall_seconds": round(wall, 1),
                "results": str(study_dir / "results.parquet"), **_overheads(results, fit_started)}
@@ -516,54 +534,164 @@ def tune_verbosity(progress: bool) -> int:
 CHECKPOINTS_KEPT = 2
 
 
-def _run_config(name: str, storage: str, study: StudyConfig, progress: bool):
+class TuneStorage:
+    """Where Tune keeps a study's experiments and checkpoints: ``study_dir/tune`` on this machine, or, with the
+    study's ``storage`` (a URI such as ``s3://bucket/prefix?endpoint_override=host:port&scheme=http``, or a
+    directory every node mounts), ``<storage>/<study name>/tune`` on storage every node reaches."""
+
+    def __init__(self, path: str, filesystem=None):
+        self.path, self.filesystem = path, filesystem
+
+    @classmethod
+    def for_study(cls, study: StudyConfig, study_dir: Path) -> TuneStorage:
+        if study.storage is None:
+            return cls(str(study_dir / "tune"))
+        filesystem, base = study_filesystem(study.storage)
+        return cls(f"{base.rstrip('/')}/{study.name}/tune", filesystem)
+
+    def experiment(self, name: str) -> str:
+        return f"{self.path}/{name}"
+
+    def can_restore(self, name: str) -> bool:
+        from ray import tune
+
+        return tune.Tuner.can_restore(self.experiment(name), storage_filesystem=self.filesystem)
+
+    def restore(self, name: str, trainable, **kwargs):
+        from ray import tune
+
+        return tune.Tuner.restore(self.experiment(name), trainable=trainable, storage_filesystem=self.filesystem,
+                                  **kwargs)
+
+
+def study_filesystem(uri: str):
+    """(pyarrow filesystem, path) of a study's ``storage`` URI; a one-line ConfigError if pyarrow cannot open it."""
+    import pyarrow.fs
+
+    try:
+        return pyarrow.fs.FileSystem.from_uri(uri)
+    except (pyarrow.ArrowException, ValueError, OSError) as exc:
+        raise ConfigError(f"storage: cannot open {uri!r}: {' '.join(str(exc).split())[:200]}") from None
+
+
+def _run_config(name: str, storage: TuneStorage, study: StudyConfig, progress: bool):
     """Every Tuner's RunConfig: its experiment under ``storage``, retries, a bounded number of checkpoints."""
     from ray import tune
 
-    return tune.RunConfig(name=name, storage_path=storage,
+    return tune.RunConfig(name=name, storage_path=storage.path, storage_filesystem=storage.filesystem,
                           failure_config=tune.FailureConfig(max_failures=study.max_failures),
                           checkpoint_config=tune.CheckpointConfig(num_to_keep=CHECKPOINTS_KEPT),
                           verbose=tune_verbosity(progress))
 
 
-def _fit(trainable, param_space: dict, storage: str, name: str, study: StudyConfig, progress: bool, resume: bool):
+def _node_id() -> str | None:
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
+def _search_concurrency(study: StudyConfig) -> int | None:
+    """Trials an Optuna search runs at once: on private data one, because with several the next trial's settings
+    depend on which trials had finished when a slot freed, i.e. on run times, which follow the private batch sizes
+    (the argument that keeps a shared policy off private data, ERRATA E12/E14); on public data, any."""
+    return 1 if study.private_data else None
+
+
+def _trial_dirname(trial) -> str:
+    """A grid trial's directory under Tune's experiment: its id and raydp's trial name (not its whole spec)."""
+    spec = (trial.config or {}).get("trial") or {}
+    return f"{trial.trial_id}_{spec.get('name', 'trial')}"[:140]
+
+
+def _fit(trainable, param_space: dict, storage: TuneStorage, name: str, study: StudyConfig, progress: bool,
+         resume: bool):
     """One Tuner run (restored from its experiment state with ``resume``)."""
     from ray import tune
 
-    path = os.path.join(storage, name)
-    if resume and tune.Tuner.can_restore(path):
-        tuner = tune.Tuner.restore(path, trainable=trainable, resume_errored=True, param_space=param_space)
+    if resume and storage.can_restore(name):
+        tuner = storage.restore(name, trainable, resume_errored=True, param_space=param_space)
     else:
         tuner = tune.Tuner(
             trainable,
             param_space=param_space,
             # ResultGrid.get_best_result(): the best DP trial (a non-private trial's dp_selection_score is NaN)
-            tune_config=tune.TuneConfig(metric="dp_selection_score", mode="min"),
+            tune_config=tune.TuneConfig(metric="dp_selection_score", mode="min",
+                                        trial_dirname_creator=_trial_dirname),
             run_config=_run_config(name, storage, study, progress),
         )
     return tuner.fit()
 
 
-def _fit_optuna(trainable, study: StudyConfig, common: dict, storage: str, progress: bool, resume: bool):
+def _fit_optuna(trainable, study: StudyConfig, common: dict, storage: TuneStorage, progress: bool, resume: bool):
     """RLDP's SAC cell (T_RL, B_SAC, K) chosen by Optuna (TPE) over the study's grid values, on the
     ``selection_score`` metric: the public validation split unless ``selection: private`` (E15)."""
     from ray import tune
     from ray.tune.search.optuna import OptunaSearch
 
-    path = os.path.join(storage, f"{study.name}-optuna")
     space = {"t_rl": tune.choice(study.sac_grid.t_rl), "b_sac": tune.choice(study.sac_grid.b_sac),
              "k": tune.choice(study.sac_grid.k)}
-    if resume and tune.Tuner.can_restore(path):
-        return tune.Tuner.restore(path, trainable=trainable, resume_errored=True).fit()
+    if resume and storage.can_restore(f"{study.name}-optuna"):
+        return storage.restore(f"{study.name}-optuna", trainable, resume_errored=True).fit()
     tuner = tune.Tuner(
         trainable,
         param_space={**common, **space},
         tune_config=tune.TuneConfig(search_alg=OptunaSearch(metric="selection_score", mode="min",
                                                             seed=study.optuna.seed),
-                                    num_samples=study.optuna.num_samples),
+                                    num_samples=study.optuna.num_samples,
+                                    max_concurrent_trials=_search_concurrency(study)),
         run_config=_run_config(f"{study.name}-optuna", storage, study, progress),
     )
     return tuner.fit()
+
+
+def upload_dataset(study: StudyConfig, dataset: str) -> str:
+    """Copy the built dataset to ``<storage>/<study>/dataset`` (trials on any node read it from there); returns
+    its path on the storage's filesystem. The dataset is private: the storage must be the data owner's."""
+    import pyarrow.fs
+
+    filesystem, base = study_filesystem(study.storage)
+    remote = f"{base.rstrip('/')}/{study.name}/dataset"
+    pyarrow.fs.copy_files(str(dataset), remote, source_filesystem=pyarrow.fs.LocalFileSystem(),
+                          destination_filesystem=filesystem)
+    return remote
+
+
+def node_local_dataset(params: dict) -> str:
+    """A trial's dataset directory on its own node: downloaded once per node from the study's storage (into the
+    node's temporary directory, keyed by the study's storage path), or the driver's when there is no storage."""
+    if not params.get("storage"):
+        return params["dataset"]
+    import hashlib
+    import tempfile
+
+    import pyarrow.fs
+
+    filesystem, _ = study_filesystem(params["storage"])
+    key = hashlib.sha256(params["dataset_remote"].encode()).hexdigest()[:16]
+    local = Path(tempfile.gettempdir()) / "raydp-datasets" / key
+    if not (local / "manifest.json").exists():
+        staging = local.with_name(f"{key}.partial-{os.getpid()}")
+        staging.mkdir(parents=True, exist_ok=True)
+        pyarrow.fs.copy_files(params["dataset_remote"], str(staging), source_filesystem=filesystem,
+                              destination_filesystem=pyarrow.fs.LocalFileSystem())
+        try:
+            staging.rename(local)
+        except OSError:  # another trial on this node got there first
+            import shutil
+
+            shutil.rmtree(staging, ignore_errors=True)
+    return str(local)
+
+
+def fetch_trial_outputs(results, trials_dir: Path) -> None:
+    """Each finished trial's run directory, from its final checkpoint on the study's storage into ``trials_dir``."""
+    for result in results:
+        metrics = result.metrics or {}
+        name = metrics.get("trial_name")
+        checkpoint = getattr(result, "checkpoint", None)
+        if not metrics.get("done") or not name or checkpoint is None or (trials_dir / name / "summary.json").exists():
+            continue
+        checkpoint.to_directory(str(trials_dir / name))
 
 
 def search_run_name(study: StudyConfig, cell: dict) -> str:
@@ -584,7 +712,8 @@ def _search_space(space: dict) -> dict:
     return out
 
 
-def _fit_search(trainable, study: StudyConfig, cell: dict, common: dict, storage: str, progress: bool, resume: bool):
+def _fit_search(trainable, study: StudyConfig, cell: dict, common: dict, storage: TuneStorage, progress: bool,
+                resume: bool):
     """One search cell (strategy, model, epsilon): ``optuna.num_samples`` trials sampled by Optuna (TPE or
     CMA-ES, seeded) over the strategy's ``search_space``, minimising ``selection_score`` (the PUBLIC validation
     split unless ``selection: private``, E15). Optuna's trials are also kept in an SQLite storage beside Tune's
@@ -595,10 +724,10 @@ def _fit_search(trainable, study: StudyConfig, cell: dict, common: dict, storage
     from ray.tune.search.optuna import OptunaSearch
 
     name = search_run_name(study, cell)
-    path = os.path.join(storage, name)
-    if resume and tune.Tuner.can_restore(path):
-        return tune.Tuner.restore(path, trainable=trainable, resume_errored=True).fit()
-    os.makedirs(storage, exist_ok=True)
+    if resume and storage.can_restore(name):
+        return storage.restore(name, trainable, resume_errored=True).fit()
+    local = os.path.join(common["study_dir"], "tune")  # Optuna's SQLite storage: on the driver's machine
+    os.makedirs(local, exist_ok=True)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     settings = study.optuna
     # TPE: multivariate (clip and learning rate interact), a constant liar for the trials still running in parallel
@@ -608,11 +737,12 @@ def _fit_search(trainable, study: StudyConfig, cell: dict, common: dict, storage
                optuna.samplers.TPESampler(seed=settings.seed, n_startup_trials=settings.startup_trials,
                                           multivariate=True, constant_liar=True))
     searcher = OptunaSearch(metric="selection_score", mode="min", sampler=sampler, study_name=name,
-                            storage=optuna.storages.RDBStorage(f"sqlite:///{os.path.join(storage, 'optuna.sqlite3')}"))
+                            storage=optuna.storages.RDBStorage(f"sqlite:///{os.path.join(local, 'optuna.sqlite3')}"))
     tuner = tune.Tuner(
         trainable,
         param_space={**common, "search_cell": cell, "search": _search_space(study.search_space[cell["strategy"]])},
-        tune_config=tune.TuneConfig(search_alg=searcher, num_samples=study.optuna.num_samples),
+        tune_config=tune.TuneConfig(search_alg=searcher, num_samples=study.optuna.num_samples,
+                                    max_concurrent_trials=_search_concurrency(study)),
         run_config=_run_config(name, storage, study, progress),
     )
     return tuner.fit()
@@ -744,7 +874,7 @@ class _MemberResult:
         self.config = {**(result.config or {}), "trial": specs[name]}
 
 
-def _fit_pbt(study: StudyConfig, members: list[dict], common: dict, storage: str, progress: bool):
+def _fit_pbt(study: StudyConfig, members: list[dict], common: dict, storage: TuneStorage, progress: bool):
     """The PBT population on Ray Tune's ``PopulationBasedTraining`` (see :mod:`raydp.study.population`).
 
     Before ``Tuner.fit`` the population actor is created with B_pop = M * B. Each member is one Tune trial
@@ -797,7 +927,7 @@ def _fit_pbt(study: StudyConfig, members: list[dict], common: dict, storage: str
         state = ray.get(actor.state.remote())
     finally:
         ray.kill(actor)
-    logs = list(Path(storage, name).glob("pbt_global.txt"))
+    logs = list(Path(storage.path, name).glob("pbt_global.txt"))  # local storage (a PBT study refuses other)
     write_population(Path(common["study_dir"]), state, {
         "pbt_global_log_lines": sum(len(p.read_text().splitlines()) for p in logs) if logs else None,
         "perturbation_interval_steps": settings.perturbation_interval * eval_every})
