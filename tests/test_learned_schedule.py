@@ -421,3 +421,17 @@ def test_a_study_declared_public_must_run_on_the_public_population(tmp_path):
     study = study.model_copy(update={"base": {"data": {"source": str(private)}, "max_steps": 4}})
     with pytest.raises(ConfigError, match="is not raydp's public population"):
         prepare_study(study, tmp_path / "bad", progress=False)
+
+
+def test_settings_grid_can_vary_run_fields_beside_settings(tmp_path):
+    from raydp.study.config import load_study, trial_config, trial_grid
+
+    values = {"name": "ablation", "models": ["embedded-tiny"], "epsilons": [2.0], "strategies": ["clip-schedule"],
+              "settings_grid": {"clip-schedule": {"rescale_moments": [False, True], "clip_end": [0.1]}},
+              "strategy_settings": {"clip-schedule": {"clip": 2.0}}, "base": {"data": {"n_records": 300}}}
+    path = tmp_path / "a.yaml"
+    path.write_text(yaml.safe_dump(values))
+    study = load_study(path)
+    configs = [trial_config(study, t) for t in trial_grid(study)]
+    assert [c.rescale_moments for c in configs] == [False, True]
+    assert all(c.settings == {"clip": 2.0, "clip_end": 0.1} for c in configs)

@@ -182,8 +182,9 @@ class StudyConfig(StrictModel):
         default_factory=dict, description="per strategy, its settings (TrainConfig.settings) in every trial of it")
     settings_grid: dict[str, dict[str, list]] = Field(
         default_factory=dict, description="per strategy, settings to grid over: one trial per combination, e.g. "
-        "{static-pairwise: {clip: [0.01, 0.1]}} (tuning a baseline's clip on public data); for rldp they are "
-        "rldp settings, e.g. {rldp: {action_decoding: [paper, relative]}}")
+        "{static-pairwise: {clip: [0.01, 0.1]}} (tuning a baseline's clip on public data), or the run fields lr, "
+        "lr_decay, lr_end, warmup_steps, rescale_moments; for rldp they are rldp settings, e.g. "
+        "{rldp: {action_decoding: [paper, relative]}}")
     tuned_from: str | None = Field(None, description=(
         "a finished search study's directory (search_space, on PUBLIC data): each trial of a strategy it searched "
         "runs with the best values of its (strategy, model, epsilon) cell (study_summary.json search_best)"))
@@ -509,9 +510,9 @@ def trial_config(study: StudyConfig, trial: dict, dataset_dir: str | None = None
         values["settings"] = dict(study.strategy_settings[trial["strategy"]])
     if trial.get("settings"):  # a PBT member's current (clip, sigma_scale)
         values["settings"] = {**values.get("settings", {}), **trial["settings"]}
-    if trial.get("grid") and trial["strategy"] != "rldp":  # settings_grid
-        values["settings"] = {**values.get("settings", {}), **trial["grid"]}
-    for key in ("tuned", "search"):  # tuned_from's best values; an Optuna-sampled search_space trial's values
+    for key in ("grid", "tuned", "search"):  # settings_grid; tuned_from's best; an Optuna-sampled trial's values
+        if key == "grid" and trial["strategy"] == "rldp":
+            continue  # RLDP's grid values are rldp settings (below)
         if trial.get(key):  # run fields, then the strategy's settings
             run = {k: v for k, v in trial[key].items() if k in SEARCHABLE_RUN_FIELDS}
             values.update(run)
