@@ -274,6 +274,19 @@ def test_an_optuna_search_over_a_strategy_runs_and_records_its_best(tmp_path):
     best = summary["search_best"][0]
     column = "final_public_value_nll"
     assert best["trials"] == 3 and best[column] == pytest.approx(searched[column].min())
+    # its tuning record (committable, e.g. under trials/tuned/) drives a later study from beside its study file
+    record = json.loads((study_dir / "tuning_record.json").read_text())
+    assert record["search_best"] == summary["search_best"] and record["dataset_ids"][0].startswith("public:")
+    (tmp_path / "trials" / "tuned").mkdir(parents=True)
+    (tmp_path / "trials" / "tuned" / "search.json").write_text(json.dumps(record))
+    final = {"name": "final", "models": ["embedded-tiny"], "epsilons": [2.0], "strategies": ["clip-schedule"],
+             "tuned_from": "tuned/search.json", "base": {"data": {"n_records": 300}}}
+    (tmp_path / "trials" / "final.yaml").write_text(yaml.safe_dump(final))
+    from raydp.study.config import load_study, trial_config, trial_grid
+
+    later = load_study(tmp_path / "trials" / "final.yaml")  # resolved beside the study file, whatever the cwd
+    config = trial_config(later, trial_grid(later)[0])
+    assert config.lr == pytest.approx(best["best"]["lr"]) and config.settings["clip"] == pytest.approx(best["best"]["clip"])
     # Optuna's own storage holds the same three finished trials and their values
     storage = f"sqlite:///{study_dir / 'tune' / 'optuna.sqlite3'}"
     stored = optuna.load_study(study_name="search-search-clip-schedule-embedded-tiny-eps2", storage=storage)

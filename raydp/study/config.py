@@ -358,6 +358,10 @@ def load_study(path: str | Path) -> StudyConfig:
     if not path.exists() and path.with_suffix(".yaml").exists():
         path = path.with_suffix(".yaml")
     values = load_yaml_mapping(path, "study")
+    tuned = values.get("tuned_from") if isinstance(values, dict) else None
+    if isinstance(tuned, str) and not Path(tuned).expanduser().is_absolute() and (path.parent / tuned).exists() \
+            and not Path(tuned).exists():  # a record beside the study file (trials/tuned/...), from any directory
+        values = {**values, "tuned_from": str((path.parent / tuned).resolve())}
     try:
         return validate_config(StudyConfig, values)
     except ConfigError as exc:
@@ -415,42 +419,66 @@ def draw_in_range(bounds: MutationRange, rng) -> float:
     return float(rng.uniform(bounds.low, bounds.high))
 
 
-def tuned_values(study: StudyConfig) -> dict[tuple[str, str, float], dict]:
-    """The ``tuned_from`` search's best values per (strategy, model, epsilon): ConfigError when the search is
-    missing, unfinished, or did not run on public data (its choices would then be a release of the private
-    data that this study does not account for, ERRATA E7)."""
+TUNING_RECORD = "tuning_record.json"
+TUNING_FORMAT = "raydp-tuning-v1"
+
+
+def tuning_record(root: Path) -> dict:
+    """A finished public search's record: its ``tuning_record.json`` (a directory, or the file itself, e.g. one
+    committed under ``trials/tuned/``), else what its study directory holds (study.json, study_summary.json and
+    results.parquet's dataset ids)."""
     import json
 
-    if study.tuned_from is None:
-        return {}
-    root = Path(study.tuned_from).expanduser()
+    file = root if root.is_file() else root / TUNING_RECORD
+    if file.is_file():
+        try:
+            record = json.loads(file.read_text())
+        except (OSError, json.JSONDecodeError):
+            raise ConfigError(f"tuned_from: {file} is not a readable tuning record") from None
+        if record.get("format") != TUNING_FORMAT:
+            raise ConfigError(f"tuned_from: {file} is not a tuning record ({TUNING_FORMAT})")
+        return record
     try:
         searched = json.loads((root / "study.json").read_text())
         summary = json.loads((root / "study_summary.json").read_text())
     except (OSError, json.JSONDecodeError):
         raise ConfigError(f"tuned_from: {root} is not a finished study (no readable study.json and "
                           "study_summary.json)") from None
-    if searched.get("private_data", True) or ((searched.get("base") or {}).get("data") or {}).get("source") != "public":
-        raise ConfigError(f"tuned_from: study {searched.get('name')!r} did not run on public data (base.data.source: "
-                          "public, private_data: false): its choices are not free to reuse")
-    try:  # every trial of the search ran on public data (its results name them by a public: id)
+    try:
         import pandas as pd
 
-        ids = set(pd.read_parquet(root / "results.parquet", columns=["dataset_id"])["dataset_id"].dropna())
+        ids = sorted(set(pd.read_parquet(root / "results.parquet", columns=["dataset_id"])["dataset_id"].dropna()))
     except (OSError, KeyError, ValueError):
-        ids = set()
+        ids = []
+    return {"format": TUNING_FORMAT, "study": searched.get("name"), "private_data": searched.get("private_data", True),
+            "data_source": ((searched.get("base") or {}).get("data") or {}).get("source"), "dataset_ids": ids,
+            "search_best": summary.get("search_best") or []}
+
+
+def tuned_values(study: StudyConfig) -> dict[tuple[str, str, float], dict]:
+    """The ``tuned_from`` search's best values per (strategy, model, epsilon): ConfigError when the search is
+    missing, unfinished, or did not run on public data (its choices would then be a release of the private
+    data that this study does not account for, ERRATA E7)."""
+    if study.tuned_from is None:
+        return {}
+    record = tuning_record(Path(study.tuned_from).expanduser())
+    name = record.get("study")
+    if record.get("private_data", True) or record.get("data_source") != "public":
+        raise ConfigError(f"tuned_from: study {name!r} did not run on public data (base.data.source: "
+                          "public, private_data: false): its choices are not free to reuse")
+    ids = record.get("dataset_ids") or []
     if not ids or any(not str(i).startswith("public:") for i in ids):
-        raise ConfigError(f"tuned_from: study {searched.get('name')!r} did not run on public data (its results name "
+        raise ConfigError(f"tuned_from: study {name!r} did not run on public data (its results name "
                           "datasets that are not public:...): its choices are not free to reuse")
-    best = {(b["strategy"], b["model"], float(b["epsilon"])): dict(b["best"]) for b in summary.get("search_best") or []}
+    best = {(b["strategy"], b["model"], float(b["epsilon"])): dict(b["best"]) for b in record.get("search_best") or []}
     if not best:
-        raise ConfigError(f"tuned_from: study {searched.get('name')!r} has no finished search (search_best)")
+        raise ConfigError(f"tuned_from: study {name!r} has no finished search (search_best)")
     searched_strategies = {k[0] for k in best}
     for strategy in set(study.strategies) & searched_strategies:
         for model in study.models:
             for eps in study.epsilons:
                 if (strategy, model, float(eps)) not in best:
-                    raise ConfigError(f"tuned_from: study {searched.get('name')!r} searched {strategy} but not on "
+                    raise ConfigError(f"tuned_from: study {name!r} searched {strategy} but not on "
                                       f"{model} at epsilon {eps:g}")
     return best
 

@@ -479,6 +479,15 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
     summary.update(population_summary(study_dir))  # PBT: the population's epsilon (empty otherwise)
     if shared_counters is not None:
         summary["shared_policy"] = shared_counters
+    if summary.get("search_best") and not study.private_data:  # a public search: its record, for tuned_from
+        from raydp.study.config import TUNING_FORMAT, TUNING_RECORD
+
+        ids = sorted(set(table["dataset_id"].dropna())) if "dataset_id" in table else []
+        (study_dir / TUNING_RECORD).write_text(json.dumps({
+            "format": TUNING_FORMAT, "study": study.name, "private_data": False, "data_source": "public",
+            "dataset_ids": ids, "search_best": summary["search_best"],
+            "note": "the best values of each search cell, chosen on public episodes (raydp study ... tuned_from)"},
+            indent=2) + "\n")
     unfinished = int(table["status"].isin(("INTERRUPTED", "NOT_RUN")).sum()) if "status" in table else 0
     if unfinished:  # stopped (Ctrl-C: Tune saved its state and returned): finished trials are in the results
         summary["unfinished_trials"] = unfinished
