@@ -544,7 +544,8 @@ def cmd_migrate(args) -> int:
         return 1 if result.remaining else 0
     for sha, new in result.mapping.items():
         print(f"dataset id {new}")
-    print(f"rewrote {len(result.rewritten)} file(s); {len(result.datasets)} dataset manifest(s) gained their id")
+    print(f"rewrote {len(result.rewritten)} file(s); {len(result.datasets)} dataset manifest(s) gained their id; "
+          f"{len(result.policies)} polic(ies) converted to the pickle-free format")
     left = migrate(args.paths, check=True).remaining  # what still looks like a plain hash after the rewrite
     if left:
         for path in left:

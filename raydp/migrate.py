@@ -11,7 +11,9 @@ the owner's key, ``RAYDP_OWNER_KEY`` or ``~/.config/raydp/owner.key``):
    for the public population), the id that new runs on the same records get, so old and new runs compose;
 3. it rewrites every file under PATH that holds one of those hashes, or its 12-digit prefix (reports and
    terminal-style summaries abbreviate): ``dataset_sha256`` fields become ``dataset_id``, other occurrences
-   become the id, policy manifests become ``raydp-policy-v2``. Each file is replaced atomically.
+   become the id, policy manifests become ``raydp-policy-v2``. Each file is replaced atomically;
+4. it converts every v2 policy's RLlib module checkpoint (which pickles classes by module path) into the
+   ``module.safetensors`` of ``raydp-policy-v3`` (:func:`raydp.control.store.convert_policy_module`).
 
 Dataset directories (a ``manifest.json`` with ``sizes``) are private and keep their content hashes; they gain
 their ``dataset_id``. ``--check`` changes nothing and lists the files that still hold a plain hash (exit 1 if
@@ -30,7 +32,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raydp.control.store import LEGACY_FORMATS, POLICY_FORMAT
+from raydp.control.store import HASH_FORMATS, MANIFEST, PICKLE_FORMATS, convert_policy_module
 from raydp.data.identity import keyed_id, manifest_id, owner_key, public_id
 from raydp.errors import ConfigError
 
@@ -48,6 +50,7 @@ class Migration:
     rewritten: list[Path] = field(default_factory=list)
     datasets: list[Path] = field(default_factory=list)
     remaining: list[Path] = field(default_factory=list)
+    policies: list[Path] = field(default_factory=list)  # policy directories converted to raydp-policy-v3
 
 
 def _is_dataset_manifest(path: Path, data) -> bool:
@@ -99,8 +102,8 @@ def _rewrite_json(value, mapping: dict[str, str]):
                 out["dataset_id"] = mapping.get(v, v) if isinstance(v, str) else v
                 continue
             out[mapping.get(k, k) if isinstance(k, str) else k] = _rewrite_json(v, mapping)
-        if out.get("format") in LEGACY_FORMATS:
-            out["format"] = POLICY_FORMAT
+        if out.get("format") in HASH_FORMATS:
+            out["format"] = PICKLE_FORMATS[0]  # ids instead of hashes; its module is converted below
         return out
     if isinstance(value, list):
         return [_rewrite_json(v, mapping) for v in value]
@@ -257,6 +260,15 @@ def migrate(paths, check: bool = False) -> Migration:
                     _atomic_write(f, new.encode())
                     result.rewritten.append(f)
     if not check:
+        for manifest_file in sorted(f for root in roots for f in ([root] if root.is_file() else root.rglob(MANIFEST))
+                                    if f.name == MANIFEST):
+            try:
+                policy = json.loads(manifest_file.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if isinstance(policy, dict) and policy.get("format") in PICKLE_FORMATS:
+                convert_policy_module(manifest_file.parent)
+                result.policies.append(manifest_file.parent)
         for d in sorted(datasets):
             manifest = json.loads((d / "manifest.json").read_text())
             if manifest.get("dataset_id") is None:

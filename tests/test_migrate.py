@@ -4,6 +4,7 @@ knows all records but one recover the last; migration must leave no part of that
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -68,3 +69,31 @@ def test_migration_needs_the_owners_existing_key(old_study, tmp_path, monkeypatc
     with pytest.raises(DataError, match="no dataset owner key"):
         migrate([root])  # a new key would give ids that match nothing the owner made
     assert not (tmp_path / "nobody").exists()
+
+
+def test_a_pickled_policy_is_converted_to_the_state_file_format(tmp_path, capsys):
+    """Issue 30: a v2 policy kept RLlib's module checkpoint, which pickles classes by module path (moving a file
+    broke it). `raydp migrate` writes the same weights as module.safetensors and removes every pickle; the module
+    is rebuilt from the manifest alone."""
+    import shutil
+
+    import numpy as np
+
+    from raydp.control.store import build_module, load_manifest, load_module_state
+
+    shipped = Path(__file__).resolve().parents[1] / "policies" / "public-structured"
+    old = tmp_path / "policies" / "old"
+    old.mkdir(parents=True)
+    manifest = json.loads((shipped / "manifest.json").read_text())
+    module = build_module(manifest, load_module_state(shipped))
+    module.save_to_path(str((old / "module").resolve()))  # RLlib's checkpoint, as v2 policies were saved
+    shutil.copy(shipped / "replay.npz", old / "replay.npz")
+    (old / "manifest.json").write_text(json.dumps({**manifest, "format": "raydp-policy-v2"}))
+    assert list(old.rglob("*.pkl"))
+    before = load_module_state(old)
+    assert main(["migrate", str(tmp_path / "policies")]) == 0
+    assert "1 polic(ies) converted" in capsys.readouterr().out
+    assert not list(old.rglob("*.pkl")) and not (old / "module").exists()
+    assert load_manifest(old)["format"] == "raydp-policy-v3"
+    after = load_module_state(old)
+    assert sorted(after) == sorted(before) and all(np.array_equal(after[k], np.asarray(before[k])) for k in before)

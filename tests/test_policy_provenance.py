@@ -173,7 +173,7 @@ def test_policy_show_and_list_print_provenance(tmp_path, capsys):
     fake_policy(tmp_path, "mixed", provenance=[entry(sha=b), entry(mode="paper", sha=c)])
     assert main(["policy", "show", "mixed", "--policy-dir", str(tmp_path)]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["format"] == "raydp-policy-v2" and shown["privacy_mode"] == "paper"
+    assert shown["format"] == "raydp-policy-v3" and shown["privacy_mode"] == "paper"
     assert [e["dataset_id"] for e in shown["provenance"]] == [b, c]
     assert [e["privacy_mode"] for e in shown["provenance"]] == ["strict", "paper"]
     assert main(["policy", "list", "--policy-dir", str(tmp_path)]) == 0
@@ -226,10 +226,8 @@ def test_an_entry_must_be_json_and_a_failed_save_leaves_nothing_behind(tmp_path)
     assert json.loads(json.dumps(provenance_entry({**entry(), "extra": {"k": np.float32(0.5)}})))
 
     class Module:
-        def save_to_path(self, path):
-            os.makedirs(path)
-            with open(os.path.join(path, "weights"), "w") as f:
-                f.write("w")
+        def get_state(self):
+            return {"pi.weight": np.ones((2, 2), dtype=np.float32)}
 
     algo = SimpleNamespace(learner_group=SimpleNamespace(_learner=SimpleNamespace(module={"default_policy": Module()})),
                            local_replay_buffer=SimpleNamespace(episodes=[]))
@@ -244,7 +242,7 @@ def test_an_entry_must_be_json_and_a_failed_save_leaves_nothing_behind(tmp_path)
     assert not (root / "broken").exists() and os.listdir(root) == []  # no half-written policy, no temporary
     manifest = save(root / "good", [entry()])
     assert sorted(os.listdir(root)) == ["good"] and manifest["name"] == "good"
-    assert load_manifest(root / "good") == manifest and (root / "good" / "module" / "weights").is_file()
+    assert load_manifest(root / "good") == manifest and (root / "good" / "module.safetensors").is_file()
     with pytest.raises(FileExistsError):
         save(root / "good", [entry()])
 

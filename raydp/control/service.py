@@ -45,7 +45,8 @@ import torch
 from raydp.control.broker import BrokerEnvRunner, PolicyBroker
 from raydp.control.features import ObservationLayout
 from raydp.control.sac import SACSettings, sac_config
-from raydp.control.store import MODULE_DIR, append_provenance, load_manifest, policy_layout, provenance_entry
+from raydp.control.store import (append_provenance, build_module, load_manifest, load_module_state, policy_layout,
+                                 provenance_entry)
 from raydp.control.training import TrainingLoop, restore_policy, write_policy
 
 
@@ -154,9 +155,8 @@ class PolicyClient:
 
 
 def _module_weights(path: Path) -> dict:
-    from ray.rllib.core.rl_module.rl_module import RLModule
-
-    return RLModule.from_checkpoint(str(path / MODULE_DIR)).get_state(inference_only=True)
+    """A saved policy's inference weights, its module rebuilt from the manifest (nothing unpickled)."""
+    return build_module(load_manifest(path), load_module_state(path)).get_state(inference_only=True)
 
 
 class PolicySession:

@@ -4,7 +4,9 @@ Layout of a policy directory::
 
     manifest.json   format, architecture, observation layout (versioned), SAC settings, what it was
                     trained on (model, adapter pairs, epsilon, steps, decisions), results, provenance
-    module/         RLModule.save_to_path (actor, twin critics and their targets)
+    module.safetensors  the SAC module's state (actor, twin critics and their targets) as named arrays; the
+                    module is rebuilt from the manifest's layout and SAC settings (raydp.control.sac.module_spec),
+                    so nothing is unpickled and the directory loads wherever raydp's classes have moved
     replay.npz      the replay buffer's transitions (RLlib's new stack does not checkpoint it)
 
 A policy is found by name under the policy directory (``--policy-dir``, default ``policies``) or by path.
@@ -31,7 +33,10 @@ touches inherits the paper-mode label, and its replay buffer is private data (:f
 refuses it unless asked explicitly). Manifests written before provenance existed are read as one legacy
 entry built from ``trained_on`` (dataset unknown).
 
-Versions: ``raydp-policy-v2`` names datasets by their keyed ``dataset_id``. A ``raydp-policy-v1`` manifest
+Versions: ``raydp-policy-v3`` keeps the module as a state file (above). ``raydp-policy-v2`` kept RLlib's module
+checkpoint (``module/``, whose ``class_and_ctor_args.pkl`` pickles classes by module path: moving a file broke
+it); it is still read, and ``raydp migrate`` converts it. ``raydp-policy-v2`` and later name datasets by their
+keyed ``dataset_id``. A ``raydp-policy-v1`` manifest
 named them by a plain content hash (``dataset_sha256``), which lets anyone who knows all records but one
 recover the last one; it is still read (each entry's hash converted to the owner's id, so old and new runs on
 the same data compose) and ``raydp migrate`` rewrites it as v2.
@@ -53,10 +58,13 @@ from raydp.control.features import LAYOUT_VERSION, ObservationLayout
 from raydp.data.identity import identity_of
 from raydp.errors import ConfigError
 
-POLICY_FORMAT = "raydp-policy-v2"
-LEGACY_FORMATS = ("raydp-policy-v1",)  # read (dataset hashes converted to ids); `raydp migrate` rewrites them
+POLICY_FORMAT = "raydp-policy-v3"
+HASH_FORMATS = ("raydp-policy-v1",)  # read (dataset hashes converted to ids); `raydp migrate` rewrites them
+PICKLE_FORMATS = ("raydp-policy-v2",)  # read (an RLlib module checkpoint); `raydp migrate` converts them
+LEGACY_FORMATS = (*HASH_FORMATS, *PICKLE_FORMATS)
 MANIFEST = "manifest.json"
-MODULE_DIR = "module"
+MODULE_DIR = "module"  # v1/v2: RLlib's module checkpoint
+MODULE_FILE = "module.safetensors"  # v3
 REPLAY_FILE = "replay.npz"
 
 
@@ -282,6 +290,58 @@ def read_replay(path: Path) -> dict[str, np.ndarray]:
         return {k: data[k] for k in data.files}
 
 
+def save_module_state(state: dict, path: Path) -> None:
+    """The module's state (name -> array) as ``path/module.safetensors``."""
+    from safetensors.numpy import save_file
+
+    save_file({k: np.ascontiguousarray(np.asarray(v)) for k, v in state.items()}, str(Path(path) / MODULE_FILE))
+
+
+def load_module_state(path: Path) -> dict:
+    """A saved policy's module state (name -> array): its ``module.safetensors``, or, for a v1/v2 directory, the
+    state of its RLlib module checkpoint (which unpickles classes by module path)."""
+    path = Path(path).resolve()
+    if (path / MODULE_FILE).is_file():
+        from safetensors.numpy import load_file
+
+        return dict(load_file(str(path / MODULE_FILE)))
+    if (path / MODULE_DIR).is_dir():
+        from ray.rllib.core.rl_module.rl_module import RLModule
+
+        return dict(RLModule.from_checkpoint(str(path / MODULE_DIR)).get_state())
+    raise ConfigError(f"{path}: no module state ({MODULE_FILE}) in this policy directory")
+
+
+def build_module(manifest: dict, state: dict | None = None):
+    """The policy's SAC module, built from the manifest's layout and SAC settings (no pickle), with ``state``."""
+    from raydp.control.sac import SACSettings, module_spec
+
+    module = module_spec(policy_layout(manifest), SACSettings(**manifest["sac"])).build()
+    if state is not None:
+        module.set_state(state)
+    return module
+
+
+def convert_policy_module(path: Path) -> None:
+    """A v2 policy directory as v3: its module checkpoint's state written as ``module.safetensors`` (checked to
+    rebuild the same module from the manifest), the manifest's format updated, the pickled checkpoint removed.
+    Atomic per file; a directory already converted is left alone."""
+    path = Path(path).resolve()
+    manifest = json.loads((path / MANIFEST).read_text())
+    if manifest.get("format") not in PICKLE_FORMATS or not (path / MODULE_DIR).is_dir():
+        return
+    state = load_module_state(path)
+    rebuilt = build_module(manifest, state).get_state()
+    if sorted(rebuilt) != sorted(state):
+        raise ConfigError(f"{path}: its module does not match the one its manifest describes; not converted")
+    save_module_state(state, path)
+    manifest["format"] = POLICY_FORMAT
+    tmp = path / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2))
+    tmp.replace(path / MANIFEST)
+    shutil.rmtree(path / MODULE_DIR)
+
+
 def write_manifest(path: Path, *, layout: ObservationLayout, sac: dict, trained_on: dict, results: dict,
                    transitions: int, updates: int, name: str | None = None,
                    provenance: list[dict] | None = None) -> dict:
@@ -333,7 +393,7 @@ def export_policy(source: Path, archive: Path, overwrite: bool = False,
     unless ``include_private_replay`` says the caller knows."""
     source = Path(source)
     manifest = json.loads((source / MANIFEST).read_text())
-    if manifest.get("format") in LEGACY_FORMATS or '"dataset_sha256"' in (source / MANIFEST).read_text():
+    if manifest.get("format") in HASH_FORMATS or '"dataset_sha256"' in (source / MANIFEST).read_text():
         # an old manifest names its datasets by a plain hash of their records (issue 26): it must not leave
         raise ConfigError(f"policy {source.name} is in the old format ({manifest.get('format')}), whose provenance names "
                           "datasets by a plain hash of their records: run `raydp migrate` on it before exporting")

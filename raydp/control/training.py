@@ -35,16 +35,16 @@ from typing import Callable
 import numpy as np
 
 from raydp.control.store import (
-    MODULE_DIR,
     REPLAY_FILE,
     load_manifest,
+    load_module_state,
     provenance_of,
     read_replay,
+    save_module_state,
     write_manifest,
     write_replay,
 )
 
-LEARNER_MODULE = "learner_group/learner/rl_module/default_policy"
 POLL_MIN_S, POLL_MAX_S = 0.02, 0.5
 ERROR_PAUSE_S = 0.5
 #: SeedSequence streams derived from the public SAC seed (the exploration stream is the acting side's,
@@ -267,9 +267,13 @@ def one_step_episodes(replay: dict, config) -> list:
 def restore_policy(algo, path: Path) -> list[dict]:
     """Load a saved policy into ``algo``: the module (RLlib then syncs the EnvRunner's weights) and the
     replay buffer. Returns the policy's provenance (ERRATA E14), which a continued policy inherits."""
-    path = Path(path).resolve()  # RLlib reads a relative path as a URI
+    path = Path(path).resolve()
     provenance = provenance_of(load_manifest(path))
-    algo.restore_from_path(str(path / MODULE_DIR), component=LEARNER_MODULE)
+    module = algo.learner_group._learner.module["default_policy"]
+    module.set_state(load_module_state(path))
+    # as Algorithm.restore_from_path does after loading a learner component: the EnvRunner (and through it the
+    # broker) gets the restored weights
+    algo.env_runner_group.sync_weights(from_worker_or_learner_group=algo.learner_group, inference_only=True)
     replay = read_replay(path / REPLAY_FILE)
     if replay and len(replay["reward"]):
         algo.local_replay_buffer.add(one_step_episodes(replay, algo.config))
@@ -289,7 +293,7 @@ def write_policy(algo, path: Path, *, layout, settings, trained_on: dict, result
     tmp.mkdir()
     try:
         module = algo.learner_group._learner.module["default_policy"]
-        module.save_to_path(str(tmp / MODULE_DIR))
+        save_module_state(module.get_state(), tmp)  # named arrays: nothing pickled (raydp.control.store)
         write_replay(tmp / REPLAY_FILE, replay_transitions(algo.local_replay_buffer))
         manifest = write_manifest(tmp, layout=layout, sac=settings.as_dict(), trained_on=trained_on, results=results,
                                   transitions=transitions, updates=updates, name=name or out.name,
