@@ -103,9 +103,30 @@ def ending_logprobs(model, token_ids: list[list[int]], starts: np.ndarray, devic
     return EndingScores(sums, counts, valid)
 
 
+def _with_cache(model, cache) -> dict:
+    """The keyword that hands a key/value cache to ``model``'s forward: ``cache`` since transformers 5.x
+    renamed it (``past_key_values`` is deprecated there), ``past_key_values`` before."""
+    import inspect
+
+    forward = getattr(model, "forward", model)
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "cache" not in params and hasattr(model, "get_base_model"):  # a PEFT wrapper: the base model's signature
+        params = inspect.signature(model.get_base_model().forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
+
+
+def _cache_of(out):
+    """The key/value cache of a forward's output (``cache``, or ``past_key_values`` before transformers 5.x)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
 def _prefix_cache(model, prefix: list[int], device):
     out = model(input_ids=torch.tensor([prefix], device=device), use_cache=True)
-    return out.past_key_values, out.logits[0, -1].float()
+    return _cache_of(out), out.logits[0, -1].float()
 
 
 def _repeat(cache, n: int):
@@ -165,7 +186,7 @@ def candidate_logprobs(model, tokenizer, context: str, candidates: list[str], de
                 scored[r, starts[i] - k:len(tails[r])] = True
             # all ones: right padding only follows the real tokens, which causal attention never lets them see
             mask = torch.ones((len(rows), k + length), dtype=torch.long, device=device)
-            logits = model(input_ids=tail.to(device), attention_mask=mask, past_key_values=cache).logits.float()
+            logits = model(input_ids=tail.to(device), attention_mask=mask, **_with_cache(model, cache)).logits.float()
             cache.crop(-length)  # drop this batch's tail: back to the k prefix tokens
             logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tail[:, 1:, None].to(device))[..., 0].cpu()
             first = last_logp.cpu()[tail[:, 0]]  # token k is predicted by the prefix's last position
@@ -204,8 +225,8 @@ def sample_continuations(model, tokenizer, prompt: str, n: int, device, *, gener
                 probs = torch.softmax(scores, dim=-1)
                 token = torch.multinomial(probs.cpu(), 1, generator=generator).to(device)
                 generated = torch.cat([generated, token], dim=1)
-                out = model(input_ids=token, past_key_values=past, use_cache=True)
-                past, logits = out.past_key_values, out.logits[:, -1].float()
+                out = model(input_ids=token, use_cache=True, **_with_cache(model, past))
+                past, logits = _cache_of(out), out.logits[:, -1].float()
             texts.extend(tokenizer.batch_decode(generated.cpu().tolist()))
     finally:
         model.train(was_training)

@@ -583,13 +583,14 @@ def study_filesystem(uri: str):
         raise ConfigError(f"storage: cannot open {uri!r}: {' '.join(str(exc).split())[:200]}") from None
 
 
-def _run_config(name: str, storage: TuneStorage, study: StudyConfig, progress: bool):
-    """Every Tuner's RunConfig: its experiment under ``storage``, retries, a bounded number of checkpoints."""
+def _run_config(name: str, storage: TuneStorage, study: StudyConfig, progress: bool, keep: int | None = CHECKPOINTS_KEPT):
+    """Every Tuner's RunConfig: its experiment under ``storage``, retries, a bounded number of checkpoints
+    (``keep``; PBT keeps all: an exploit copies a donor's checkpoint, which a bound could delete first)."""
     from ray import tune
 
     return tune.RunConfig(name=name, storage_path=storage.path, storage_filesystem=storage.filesystem,
                           failure_config=tune.FailureConfig(max_failures=study.max_failures),
-                          checkpoint_config=tune.CheckpointConfig(num_to_keep=CHECKPOINTS_KEPT),
+                          checkpoint_config=tune.CheckpointConfig(num_to_keep=keep),
                           verbose=tune_verbosity(progress))
 
 
@@ -928,7 +929,7 @@ def _fit_pbt(study: StudyConfig, members: list[dict], common: dict, storage: Tun
                          "pbt_members": specs,
                          "pbt": tune.grid_search([{"member": m["member"], **m["settings"]} for m in members])},
             tune_config=tune.TuneConfig(scheduler=scheduler, reuse_actors=False),
-            run_config=_run_config(name, storage, study, progress),
+            run_config=_run_config(name, storage, study, progress, keep=None),
         )
         with warnings.catch_warnings():  # actors are not reused: a member's thread cannot be reset mid-run
             warnings.filterwarnings("ignore", message="Consider boosting PBT performance")
