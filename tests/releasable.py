@@ -167,8 +167,8 @@ SAFETENSORS_ADAPTER = DP  # the trained adapters: the DP release itself
 
 #: files released as a whole for what they are (their every field is configuration)
 WHOLE_FILES = {"config.json": PUBLIC, "PRIVACY.txt": PUBLIC, "adapter/adapter_config.json": PUBLIC, "adapter/README.md": PUBLIC,
-               "adapter/adapter_model.safetensors": DP, "policy/module/metadata.json": PUBLIC,
-               "policy/module/class_and_ctor_args.pkl": PUBLIC, "policy/module/module_state.pkl": DP,
+               "adapter/adapter_model.safetensors": DP,
+               "policy/module.safetensors": DP,  # the SAC module's weights: trained on charged releases only
                "policy/replay.npz": DP}
 
 

@@ -32,6 +32,16 @@ from raydp.errors import ConfigError
 from raydp.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 from tests.test_rldp import assert_within_the_filters_budget
 
+
+def _saved_module(path: Path):
+    """A saved policy's SAC module, rebuilt from its manifest and module.safetensors (raydp-policy-v3), as any
+    reader of the format would, with no pickle."""
+    from raydp.control.store import build_module, load_module_state
+
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["format"] == "raydp-policy-v3" and not (path / "module").exists()
+    return build_module(manifest, load_module_state(path))
+
 SECRET = "rllink-test-secret-0123456789"
 STRICT = {"privacy_mode": "strict", "action_decoding": "relative"}  # what a run of tiny_config() declares
 
@@ -471,7 +481,6 @@ def secret(monkeypatch):
 
 def test_a_policy_server_saves_its_policy_with_the_provenance_of_the_runs_that_trained_it(saved_policy):
     from ray.rllib.core.columns import Columns
-    from ray.rllib.core.rl_module.rl_module import RLModule
 
     from raydp.control.store import load_manifest, policy_privacy_mode
 
@@ -491,10 +500,10 @@ def test_a_policy_server_saves_its_policy_with_the_provenance_of_the_runs_that_t
     assert unknown["unattributed_transitions"] == 2 and unknown["dataset_id"] is None
     assert unknown["rdp_curve"] is None and unknown["privacy_mode"] == "strict"
     assert policy_privacy_mode(manifest) == "strict"
-    # the replay buffer holds exactly the rewards the runs sent; the module loads with RLlib's own loader
+    # the replay buffer holds exactly the rewards the runs sent; the module rebuilds from its manifest and safetensors
     with np.load(path / "replay.npz") as replay:
         assert sorted(replay["reward"]) == pytest.approx(sorted(saved_policy["rewards"]))
-    module = RLModule.from_checkpoint(str(path / "module"))
+    module = _saved_module(path)
     obs = torch.zeros((1, policy_layout_for(config).obs_dim))
     assert torch.isfinite(module.forward_inference({Columns.OBS: obs})[Columns.ACTION_DIST_INPUTS]).all()
 
@@ -512,10 +521,9 @@ def test_raydp_policy_list_shows_what_a_policy_servers_manifest_records(saved_po
 
 
 def test_a_policy_server_restores_a_saved_policy_and_continues_its_provenance(saved_policy, secret, tmp_path):
-    from ray.rllib.core.rl_module.rl_module import RLModule
 
     path = saved_policy["path"]
-    saved = RLModule.from_checkpoint(str(path / "module")).get_state(inference_only=True)
+    saved = _saved_module(path).get_state(inference_only=True)
     srv = policy_server(tiny_config(), restore=path)
     manifest = None
     try:
@@ -548,7 +556,6 @@ def test_a_policy_server_restores_a_saved_policy_and_continues_its_provenance(sa
 
 def test_a_frozen_policy_server_serves_the_saved_weights_greedily_and_learns_nothing(saved_policy, secret, tmp_path):
     from ray.rllib.core.columns import Columns
-    from ray.rllib.core.rl_module.rl_module import RLModule
 
     path = saved_policy["path"]
     with pytest.raises(ConfigError, match="needs a saved policy"):
@@ -561,7 +568,7 @@ def test_a_frozen_policy_server_serves_the_saved_weights_greedily_and_learns_not
         assert not client.explore and client.service is None  # greedy; the run saves nothing
         obs = client.layout.pack(np.full((2, client.layout.f_adapter), 0.3), np.full(client.layout.g_global, -0.2))
         actions = [client.decide(obs, reward) for reward in (None, 0.5, -1.0, 2.0)]
-        saved = RLModule.from_checkpoint(str(path / "module"))
+        saved = _saved_module(path)
         with torch.no_grad():
             logits = saved.forward_inference({Columns.OBS: torch.as_tensor(obs[None])})[Columns.ACTION_DIST_INPUTS]
         mean = logits.chunk(3, dim=-1)[0][0].numpy()  # the Gaussian's mean: the saved policy's greedy action
