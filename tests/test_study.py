@@ -216,6 +216,55 @@ def test_wandb_is_offline_and_logs_no_text(tiny_study):
                 assert b"secret_id=" not in blob and not any(t in blob for t in texts)
 
 
+def test_wandb_logs_curves_tables_and_the_dp_runs_artifact(tiny_study):
+    """Issue 31: each trial's wandb run holds the evaluations (both splits), the dials and the privacy spent over
+    steps (train/*), tables of both, the summary, and for a DP run its releasable files as an artifact; no
+    attack result without the opt-in, no console capture. Read from wandb's own offline file, not from what raydp meant to send."""
+    from wandb_records import history, records
+
+    table = pd.read_parquet(tiny_study / "results.parquet").set_index("trial")
+    for run_file in (tiny_study / "wandb").glob("offline-run-*/run-*.wandb"):
+        rows = history(run_file)
+        trial = next(name for name in table.index if any(r.run.display_name == name for r in records(run_file)
+                                                         if r.WhichOneof("record_type") == "run"))
+        run_dir = tiny_study / "trials" / trial
+        evals = pd.read_parquet(run_dir / "eval_metrics.parquet")
+        logged = [r for r in rows if "eval/step" in r]
+        assert [r["eval/step"] for r in logged] == list(evals["step"])
+        assert [r["eval/perplexity"] for r in logged] == pytest.approx(list(evals["perplexity"]))
+        assert [r["public/value_nll"] for r in logged] == pytest.approx(list(evals["public_value_nll"]))
+        train = [r for r in rows if "train/step" in r]
+        ledger = pd.read_parquet(run_dir / "privacy_ledger.parquet").sort_values("step")
+        assert [r["train/step"] for r in train] == list(ledger["step"] + 1)
+        assert [r["train/sigma_eff"] for r in train] == pytest.approx(list(ledger["sigma_eff"]))
+        assert [r["train/clip_0"] for r in train] == pytest.approx([np.atleast_1d(c)[0] for c in ledger["clip"]])
+        spent = [r["train/epsilon_spent"] for r in train if "train/epsilon_spent" in r]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert len(spent) >= 2 and np.all(np.diff(spent) >= 0) and "train/epsilon_spent" in train[-1]
+        # the RDP bound of the ledger's steps, as dp_accounting composes them (independently of raydp's code)
+        import dp_accounting
+        from raydp.privacy.accounting.rdp import DEFAULT_ORDERS
+
+        accountant = dp_accounting.rdp.RdpAccountant(list(DEFAULT_ORDERS))
+        for q, sigma in zip(ledger["q"], ledger["sigma_eff"]):
+            accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)))
+        assert spent[-1] == pytest.approx(accountant.get_epsilon(summary["privacy"]["delta"]), rel=1e-4)
+        tables = {k.split("/")[1]: r[k.rsplit("/", 1)[0] + "/nrows"] for r in rows for k in r
+                  if k.startswith("tables/") and k.endswith("/_type")}
+        assert tables == {"dials": len(ledger), "evaluations": len(evals)}
+        summaries = {item.key: json.loads(item.value_json) for r in records(run_file)
+                     if r.WhichOneof("record_type") == "summary" for item in r.summary.update}
+        assert summaries["epsilon"] == pytest.approx(table.loc[trial, "epsilon"])
+        assert not any(key.startswith("unprotected/") for key in summaries)  # attacks only on opt-in
+        artifacts = [r.artifact for r in records(run_file)
+                     if r.WhichOneof("record_type") == "artifact" and r.artifact.type != "run_table"]
+        assert len(artifacts) == 1 and artifacts[0].type == "model"  # every tiny-study trial is DP
+        paths = {entry.path for entry in artifacts[0].manifest.contents}
+        assert {"summary.json", "PRIVACY.txt", "privacy_ledger.parquet", "adapter/adapter_model.safetensors"} <= paths
+        assert not any(p.startswith("private/") or p == "evaluation.json" for p in paths)
+        assert not (run_file.parent / "files" / "output.log").exists()
+
+
 # ~80 s: Optuna over the SAC grid; the same study runner, trial grid and results table with grid
 # search are test_study.py::test_study_results_table (tiny_study)
 @pytest.mark.slow
@@ -610,6 +659,31 @@ def test_wandb_settings_honour_wandb_environment_variables(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "sometimes")
     with pytest.raises(ConfigError, match="WANDB_MODE='sometimes'"):
         WandbSettings().resolved()
+
+
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_wandb_sends_attack_results_only_on_opt_in_labelled_unprotected(tmp_path, opt_in):
+    """Attack and audit results are measured on the private records: wandb (a third party) gets them only when the
+    study says ``wandb: {attacks: true}``, under ``unprotected/``. The same trial run again resumes its wandb run."""
+    from wandb_records import records
+
+    from raydp.config import TrainConfig
+    from raydp.study.config import load_study
+    from raydp.study.runner import _Reporter
+
+    study = load_study(write_study(tmp_path, wandb={"mode": "offline", "attacks": opt_in}))
+    for _ in range(2):  # a retried trial: the same wandb run, resumed
+        reporter = _Reporter(study, {"name": "static_x_eps2_seed0"}, TrainConfig(), tmp_path)
+        reporter.evaluation(8, {"perplexity": 3.5, "value_nll": 40.0})
+        reporter.close({"mia_auc": 0.52, "evaluation_error": "text is never sent"})
+    files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len({f.name for f in files}) == 1  # one run id for both attempts
+    summary = {item.key: json.loads(item.value_json) for f in files for r in records(f)
+               if r.WhichOneof("record_type") == "summary" for item in r.summary.update}
+    assert ("unprotected/mia_auc" in summary) is opt_in and "mia_auc" not in summary
+    assert not any("evaluation_error" in key for key in summary)
+    if opt_in:
+        assert summary["unprotected/mia_auc"] == pytest.approx(0.52)
 
 
 @pytest.mark.slow

@@ -529,10 +529,10 @@ EPSILON_POINTS = 40
 
 
 def _epsilon_over_steps(ledger: pd.DataFrame, row) -> tuple[np.ndarray, np.ndarray] | None:
-    """The epsilon the ledger's first k steps spend, at up to :data:`EPSILON_POINTS` values of k: the RDP
-    upper bound of their composition (Mironov 2017; per-step RDP of the subsampled Gaussian, Mironov et al. 2019)
-    at the trial's delta. The enforcing accountant's (tighter, PLD) final figure is in the privacy table."""
-    from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, rdp_epsilon, rdp_vector
+    """The epsilon the ledger's first k steps spend, at up to :data:`EPSILON_POINTS` values of k
+    (:func:`raydp.privacy.accounting.rdp.epsilon_over_steps`, the RDP bound) at the trial's delta. The enforcing
+    accountant's (tighter, PLD) final figure is in the privacy table."""
+    from raydp.privacy.accounting.rdp import epsilon_over_steps
 
     delta = row.get("delta")
     if _missing(delta):
@@ -540,18 +540,7 @@ def _epsilon_over_steps(ledger: pd.DataFrame, row) -> tuple[np.ndarray, np.ndarr
         delta = config.get("delta")
     if _missing(delta) or not {"q", "sigma_eff"} <= set(ledger) or not len(ledger):
         return None
-    cache: dict[tuple[float, float], np.ndarray] = {}
-    total, points = np.zeros(len(DEFAULT_ORDERS)), set(np.linspace(0, len(ledger) - 1, EPSILON_POINTS).astype(int))
-    steps, spent = [], []
-    for i, (q, s) in enumerate(zip(ledger["q"].astype(float), ledger["sigma_eff"].astype(float))):
-        if not (math.isinf(s) or q == 0.0):
-            if (q, s) not in cache:
-                cache[(q, s)] = rdp_vector(q, s, DEFAULT_ORDERS)
-            total = total + cache[(q, s)]
-        if i in points:
-            steps.append(i + 1)
-            spent.append(rdp_epsilon(total, DEFAULT_ORDERS, float(delta)))
-    return np.asarray(steps, float), np.asarray(spent, float)
+    return epsilon_over_steps(ledger["q"], ledger["sigma_eff"], float(delta), EPSILON_POINTS)
 
 
 def _clip_matrix(column: pd.Series) -> np.ndarray:

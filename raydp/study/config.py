@@ -141,13 +141,18 @@ class TransferSettings(StrictModel):
 
 
 class WandbSettings(StrictModel):
-    """Metrics to Weights & Biases: offline by default (no network), online when configured. Only
-    numbers are logged (perplexity, epsilon, dials); never training text, prompts or canaries."""
+    """Metrics to Weights & Biases: offline by default (no network), online when configured. Only what a run
+    may release is sent (curves of the metrics, the privacy spent and the dials; tables; the DP adapters as an
+    artifact); never training text, prompts or canaries; attack results only on opt-in."""
 
     mode: Literal["offline", "online", "disabled"] | None = Field(
         None, description="default: $WANDB_MODE, else offline (no network)")
     project: str | None = Field(None, description="default: $WANDB_PROJECT, else raydp")
     entity: str | None = Field(None, description="default: $WANDB_ENTITY (wandb reads it)")
+    artifacts: bool = Field(True, description="log each DP trial's releasable files (adapters, summary, ledger, "
+                                              "PRIVACY.txt) as a wandb artifact; non-private trials never")
+    attacks: bool = Field(False, description="opt in: also send the attack and audit results (private: measured "
+                                             "on the private records), labelled unprotected/")
 
     def resolved(self) -> tuple[str, str, str | None]:
         """(mode, project, entity): the study's values, else wandb's environment variables, else the defaults."""

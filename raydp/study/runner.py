@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 from raydp.errors import ConfigError
 from raydp.study.config import (StudyConfig, load_study, optuna_trial, search_cells, search_trial, source_key,
@@ -122,9 +125,14 @@ def build_study_models(trials: list[dict], progress: bool) -> None:
             ensure_embedded_model(model, progress=progress)
 
 
-#: eval-row fields logged to wandb (numbers only) and their names there
-WANDB_EVAL_FIELDS = {"perplexity": "eval_perplexity", "public_perplexity": "public_perplexity",
-                     "nll_per_token": "nll_per_token", "public_nll_per_token": "public_nll_per_token"}
+#: eval-row fields logged to wandb (numbers only) and their names there; x-axis ``eval/step``
+WANDB_EVAL_FIELDS = {"perplexity": "eval/perplexity", "public_perplexity": "public/perplexity",
+                     "value_nll": "eval/value_nll", "public_value_nll": "public/value_nll",
+                     "nll_per_token": "eval/nll_per_token", "public_nll_per_token": "public/nll_per_token"}
+#: train-metrics columns logged as curves (x-axis ``train/step``): the DP release's dials and what it spent
+WANDB_TRAIN_FIELDS = ("sigma", "sigma_eff", "clip_mean", "noisy_grad_norm", "lr")
+#: a DP run's files sent as its wandb artifact: the releasable ones (tests/releasable.py classifies them)
+WANDB_ARTIFACT_FILES = ("adapter", "summary.json", "config.json", "PRIVACY.txt", "privacy_ledger.parquet")
 
 
 def evaluation_metrics(row: dict, selection: str, private_run: bool = True) -> dict:
@@ -156,11 +164,14 @@ def privacy_label_of(summary: dict) -> str:
 
 
 class _Reporter:
-    """Evaluations to wandb (numbers only), unless disabled. Tune gets evaluations with their checkpoint
-    (:func:`run_trial`), never from here."""
+    """A trial's wandb run, unless disabled: evaluations as they come (``eval/*``, ``public/*`` against
+    ``eval/step``); at the end the dials and the privacy spent over steps (``train/*`` against ``train/step``),
+    tables of the evaluations and the dials, and, for a DP run, its releasable files as an artifact; attack
+    results only when the study opts in. Tune gets evaluations with their checkpoint (:func:`run_trial`),
+    never from here. One wandb run per trial, resumed (never duplicated) when Tune retries or restores it."""
 
     def __init__(self, study: StudyConfig, trial: dict, config, study_dir: Path):
-        self.run = None
+        self.run, self.settings, self.private = None, study.wandb, config.is_private
         mode, project, entity = study.wandb.resolved()
         if mode != "disabled":
             import hashlib
@@ -168,44 +179,117 @@ class _Reporter:
             import wandb
 
             safe = {k: v for k, v in trial.items() if k not in ("policy_path",)}  # settings only, no data
-            # one wandb run per trial, resumed (not duplicated) when Tune retries or restores the trial: its id
-            # is a digest of the study directory and the trial's name (public)
+            # the id is a digest of the study directory and the trial's name (public)
             run_id = hashlib.sha256(f"{study_dir.resolve()}|{trial['name']}".encode()).hexdigest()[:24]
             self.run = wandb.init(project=project, entity=entity, mode=mode, id=run_id, resume="allow",
                                   group=study.name, name=trial["name"], dir=str(study_dir), reinit="create_new",
                                   # no system metrics: memory and CPU over time follow the private batch sizes
                                   # quiet: no per-trial banner and summary table in a study's log
-                                  settings=wandb.Settings(x_disable_stats=True, quiet=True),
+                                  # no console capture: a trial's log is not sent (it is timing, and not needed)
+                                  settings=wandb.Settings(x_disable_stats=True, quiet=True, console="off"),
                                   config={**safe, "epochs": config.epochs, "batch_size": config.batch_size,
                                           "delta": config.delta, "accountant": config.accountant})
+            for axis in ("eval", "train"):
+                self.run.define_metric(f"{axis}/step")
+            for prefix in ("eval", "public"):
+                self.run.define_metric(f"{prefix}/*", step_metric="eval/step")
+            self.run.define_metric("train/*", step_metric="train/step")
 
     def evaluation(self, step: int, row) -> None:
-        """``on_evaluation(step, row)``: ``row`` is the eval row (step, epoch, perplexity,
-        public_perplexity, nll_per_token...); a bare number is read as the private perplexity."""
+        """``on_evaluation(step, row)``: ``row`` is the eval row (step, epoch, perplexity, value_nll,
+        public_perplexity, public_value_nll...); a bare number is read as the private perplexity."""
         if self.run is None:
             return
         if not isinstance(row, dict):
             row = {"perplexity": row}
-        numbers = {name: float(row[key]) for key, name in WANDB_EVAL_FIELDS.items()
-                   if isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool)}
+        numbers = {name: float(row[key]) for key, name in WANDB_EVAL_FIELDS.items() if _is_number(row.get(key))}
         if numbers:
-            self.run.log(numbers, step=step)
+            self.run.log({"eval/step": int(step), **numbers})
 
-    def finish(self, summary: dict) -> None:
-        if self.run is not None:
-            privacy = summary.get("privacy") or {}
-            self.run.summary.update({"final_eval_perplexity": summary["final_eval_perplexity"],
-                                     "best_eval_perplexity": summary["best_eval_perplexity"],
-                                     "final_public_perplexity": summary.get("final_public_perplexity"),
-                                     "best_public_perplexity": summary.get("best_public_perplexity"),
-                                     "epsilon": privacy.get("epsilon"), "steps": summary["steps"],
-                                     "privacy_label": privacy_label_of(summary)})
-            self.run.finish()
-            import wandb
+    def finish(self, summary: dict, run_dir: Path) -> None:
+        """The run's curves, tables, summary and (DP runs) artifact; the wandb run stays open for :meth:`close`."""
+        if self.run is None:
+            return
+        import wandb
 
-            # Stop wandb's service now: left to its atexit hook it finds the service already gone when Ray
-            # ends the trial's worker and prints a ConnectionResetError traceback per trial
-            wandb.teardown()
+        run_dir = Path(run_dir)
+        privacy = summary.get("privacy") or {}
+        self.run.summary.update({key: summary.get(key) for key in (
+            "final_eval_perplexity", "best_eval_perplexity", "final_public_perplexity", "best_public_perplexity",
+            "final_eval_value_nll", "final_public_value_nll", "steps")})
+        self.run.summary.update({"epsilon": privacy.get("epsilon"), "privacy_label": privacy_label_of(summary)})
+        train = _read_parquet(run_dir / "train_metrics.parquet")
+        ledger = _read_parquet(run_dir / "privacy_ledger.parquet")
+        spent = {}
+        if ledger is not None and {"q", "sigma_eff"} <= set(ledger) and len(ledger):
+            from raydp.privacy.accounting.rdp import epsilon_over_steps
+
+            ledger = ledger.sort_values("step")
+            steps, eps = epsilon_over_steps(ledger["q"], ledger["sigma_eff"], float(privacy.get("delta")
+                                                                                  or summary.get("delta") or 1e-5))
+            spent = dict(zip(steps.astype(int).tolist(), eps.tolist()))  # k steps spent eps (RDP bound)
+        clips = {}
+        if ledger is not None and "clip" in ledger:
+            clips = {int(s) + 1: np.atleast_1d(np.asarray(c, float)) for s, c in zip(ledger["step"], ledger["clip"])
+                     if c is not None}
+        rows = []
+        if train is not None and "step" in train:
+            for rec in train.sort_values("step").to_dict("records"):
+                k = int(rec["step"])  # steps done (1-based); the ledger's step k - 1 is this step
+                row = {"train/step": k, **{f"train/{f}": float(rec[f]) for f in WANDB_TRAIN_FIELDS
+                                          if _is_number(rec.get(f))}}
+                row.update({f"train/clip_{i}": float(c) for i, c in enumerate(clips.get(k, ())) if np.isfinite(c)})
+                if k in spent:
+                    row["train/epsilon_spent"] = spent[k]
+                rows.append(row)
+        for row in rows:
+            self.run.log(row)
+        if rows:
+            columns = sorted({key for row in rows for key in row}, key=lambda c: (c != "train/step", c))
+            self.run.log({"tables/dials": wandb.Table(columns=columns, data=[[row.get(c) for c in columns]
+                                                                             for row in rows])})
+        evals = _read_parquet(run_dir / "eval_metrics.parquet")
+        if evals is not None and len(evals):
+            columns = [c for c in ("step", "epoch", *WANDB_EVAL_FIELDS) if c in evals]
+            self.run.log({"tables/evaluations": wandb.Table(dataframe=evals[columns].reset_index(drop=True))})
+        if self.private and self.settings.artifacts:
+            artifact = wandb.Artifact(f"adapter-{self.run.id}", type="model",
+                                      description="a DP run's releasable files (PRIVACY.txt says what each is)",
+                                      metadata={"epsilon": privacy.get("epsilon"), "delta": privacy.get("delta"),
+                                                "privacy_label": privacy_label_of(summary)})
+            for name in WANDB_ARTIFACT_FILES:
+                path = run_dir / name
+                if path.is_dir():
+                    artifact.add_dir(str(path), name=name)
+                elif path.is_file():
+                    artifact.add_file(str(path), name=name)
+            self.run.log_artifact(artifact)
+
+    def close(self, attacks: dict | None = None) -> None:
+        """Attack and audit results when the study opted in (``wandb.attacks``), labelled ``unprotected/``:
+        they are measured on the private records. Then the run ends."""
+        if self.run is None:
+            return
+        if attacks and self.settings.attacks:
+            self.run.summary.update({f"unprotected/{k}": float(v) for k, v in attacks.items() if _is_number(v)})
+        self.run.finish()
+        self.run = None
+        import wandb
+
+        # Stop wandb's service now: left to its atexit hook it finds the service already gone when Ray
+        # ends the trial's worker and prints a ConnectionResetError traceback per trial
+        wandb.teardown()
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) \
+        and math.isfinite(float(value))
+
+
+def _read_parquet(path: Path):
+    import pandas as pd
+
+    return pd.read_parquet(path) if path.is_file() else None
 
 
 CHECKPOINT_STATE = "state.pt"
@@ -323,7 +407,10 @@ def run_trial(params: dict) -> None:
         summary = run_training(config, out, overwrite=True, progress=False, client=client,
                                on_evaluation=reporter.evaluation, on_checkpoint=checkpoint, resume=resume,
                                population_admit=_population_hook(params, trial))  # PBT: the population filter
-        reporter.finish(summary)
+        reporter.finish(summary, out)
+    except BaseException:
+        reporter.close()
+        raise
     finally:
         if session is not None:
             session.close()
@@ -341,6 +428,7 @@ def run_trial(params: dict) -> None:
             attacks = {"evaluation_error": f"{type(exc).__name__}: {first}"}
             logging.getLogger(__name__).warning("trial %s: evaluation failed: %s", trial["name"], first)
         attacks["eval_seconds"] = time.perf_counter() - started_eval
+    reporter.close(attacks)
     final = evaluation_metrics({"perplexity": summary["final_eval_perplexity"],
                                 "public_perplexity": summary.get("final_public_perplexity"),
                                 # the value-token NLL where the run reports it: the metric its evaluations had
