@@ -19,6 +19,7 @@ privacy_ledger and train_metrics. CONSTRUCTED here, and only these:
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -381,10 +382,57 @@ def test_a_failed_write_leaves_nothing_behind(study, tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.html"]
 
 
-def test_the_page_renders_in_a_browser(study_page, tmp_path):
-    chromium = shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+def _chromium() -> str | None:
+    return shutil.which("chromium") or ("/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None)
+
+
+#: run in the browser after the page loads: per figure, whether it is laid out visibly and how many of its data
+#: paths (3+ points, as :class:`Page` counts them) the browser drew with a non-empty box
+BROWSER_CHECK = """<script>
+window.addEventListener('load', () => {
+  const out = {};
+  for (const id of %s) {
+    const fig = document.getElementById(id);
+    if (!fig) { out[id] = null; continue; }
+    const box = fig.getBoundingClientRect();
+    const drawn = [...fig.querySelectorAll('svg path')].filter(p => {
+      if ((p.getAttribute('d') || '').split(/\\bL\\b/).length < 3) return false;
+      const b = p.getBBox(); return (b.width > 1 || b.height > 1) && getComputedStyle(p).visibility !== 'hidden';
+    }).length;
+    out[id] = {visible: getComputedStyle(fig).display !== 'none' && box.width > 100 && box.height > 50, drawn};
+  }
+  const pre = document.createElement('pre'); pre.id = 'browser-check'; pre.textContent = JSON.stringify(out);
+  document.body.appendChild(pre);
+});
+</script>"""
+
+
+def _drawn_in_browser(text: str, ids: list[str], tmp_path: Path) -> dict:
+    """Each figure's layout and drawn paths as headless Chromium renders the page (skips without Chromium)."""
+    chromium = _chromium()
     if chromium is None:
-        pytest.skip("chromium is not installed: no screenshot of the page")
+        pytest.skip("chromium is not installed: the figures were not checked in a browser")
+    page = tmp_path / "checked.html"
+    page.write_text(text.replace("</body>", BROWSER_CHECK % json.dumps(ids) + "</body>"))
+    dom = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                          "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                          f"--user-data-dir={tmp_path / 'dom-profile'}", "--window-size=1400,4000",
+                          "--virtual-time-budget=5000", "--dump-dom", page.resolve().as_uri()],
+                         timeout=60, capture_output=True, text=True, check=False).stdout
+    found = re.search(r'<pre id="browser-check">(.*?)</pre>', dom, re.S)
+    assert found, "the browser did not run the page's check"
+    return json.loads(html.unescape(found.group(1)))
+
+
+def test_the_page_renders_in_a_browser(study_page, tmp_path):
+    """The page as a browser shows it: a screenshot that is not blank, and issue 31's figures (ROC, the dials
+    with the privacy spent over steps, utility) laid out and drawn."""
+    figures, source = ("fig-utility", "fig-roc", "fig-dials-1", "fig-attacks"), Page(study_page[1])
+    for fid, state in _drawn_in_browser(study_page[1], list(figures), tmp_path).items():
+        # every curve, band and bar outline in the page's source is drawn by the browser
+        assert state is not None and state["visible"] and state["drawn"] == source.figures[fid]["data_paths"] >= 1, \
+            (fid, state)
+    chromium = _chromium()
     import matplotlib.image
 
     shot = tmp_path / "shot.png"
@@ -415,6 +463,10 @@ def test_frontier_figure_and_privacy_spent_over_steps(study, tmp_path):
     page = Page(write_report(copy).read_text())
     _data_figure(page, "fig-frontier-1")
     assert "against the target epsilon" in page.figures["fig-frontier-1"]["caption"]
+    if _chromium() is not None:  # and drawn, as a browser shows it
+        state = _drawn_in_browser((copy / "report.html").read_text(), ["fig-frontier-1"], tmp_path)["fig-frontier-1"]
+        assert state is not None and state["visible"], state
+        assert state["drawn"] == page.figures["fig-frontier-1"]["data_paths"] >= 2, state
 
     run = study / "trials" / f"static_{MODEL}_eps2_seed0"
     summary = json.loads((run / "summary.json").read_text())
