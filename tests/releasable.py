@@ -254,3 +254,77 @@ def unclassified_study(study_dir: Path, nonprivate_trials=()) -> list[str]:
         if trial.name not in nonprivate_trials:
             out.extend(unclassified_run(trial))
     return out
+
+
+# -- wandb (issue 31) --------------------------------------------------------------------------------------------
+#: what one DP trial's wandb run may hold, by key; a non-private trial has no wandb run at all
+_WANDB_TABLE_META = {f"tables/{t}/{k}": DP for t in ("dials", "evaluations")
+                     for k in ("_type", "path", "sha256", "size", "nrows", "ncols", "artifact_path",
+                               "_latest_artifact_path", "log_mode")}
+WANDB_HISTORY = {
+    "eval/step": PUBLIC, "train/step": PUBLIC,
+    **{f"eval/{k}": UNPROTECTED for k in ("perplexity", "value_nll", "nll_per_token")},  # the private eval split
+    **{f"public/{k}": PUBLIC for k in ("perplexity", "value_nll")},  # the public split, of the DP model
+    **{f"train/{k}": DP for k in ("sigma", "sigma_eff", "clip_mean", "noisy_grad_norm", "epsilon_spent")},
+    "train/lr": PUBLIC,
+    **_WANDB_TABLE_META,
+    **{k: UNPROTECTED for k in ("_step", "_runtime", "_timestamp")},  # wandb's own: timing
+}
+WANDB_HISTORY_PATTERNS = {r"train/clip_\d+$": DP}
+WANDB_SUMMARY = {
+    **WANDB_HISTORY,
+    **{f"eval/{k}": UNPROTECTED for k in ("final_perplexity", "best_perplexity", "final_value_nll")},
+    **{f"public/{k}": PUBLIC for k in ("final_perplexity", "best_perplexity", "final_value_nll")},
+    "steps": COUNT, "epsilon": DP, "privacy_label": PUBLIC,
+}
+WANDB_SUMMARY_PATTERNS = {**WANDB_HISTORY_PATTERNS, r"_wandb/": UNPROTECTED, r"unprotected/": UNPROTECTED}
+#: the run's config: the trial's spec (public settings) and the run's plan
+WANDB_CONFIG = {k: PUBLIC for k in (
+    "model", "epsilon", "seed", "strategy", "t_rl", "b_sac", "k", "name", "grid", "settings", "tuned", "search",
+    "stage", "member", "frozen_from", "optuna_id", "epochs", "batch_size", "delta", "accountant", "_wandb")}
+WANDB_TABLE_COLUMNS = {**{k: v for k, v in WANDB_HISTORY.items() if not k.startswith(("tables/", "_"))}}
+WANDB_ARTIFACT = {"summary.json": DP, "privacy_ledger.parquet": DP, "config.json": PUBLIC, "PRIVACY.txt": PUBLIC,
+                  **{k: v for k, v in WHOLE_FILES.items() if k.startswith("adapter/")}}
+#: record types a run may hold: no environment (machine, git), console output or system metrics
+WANDB_RECORDS = {"header", "run", "config", "history", "summary", "metric", "telemetry", "files", "artifact", "exit",
+                 "final", "footer", "preempting", "request", "use_artifact", "alert", "tbrecord", "link_artifact"}
+
+
+def _known(key: str, exact: dict, patterns: dict) -> bool:
+    return key in exact or any(re.match(p, key) for p in patterns)
+
+
+def unclassified_wandb(run_file: Path) -> list[str]:
+    """Everything in a wandb offline run file that the allowlist does not classify: record types, config keys,
+    history and summary keys, table columns (read from the run's table files) and the artifact's paths."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from wandb_records import records
+
+    out: list[str] = []
+    for record in records(run_file):
+        kind = record.WhichOneof("record_type")
+        if kind not in WANDB_RECORDS:
+            out.append(f"record {kind}")
+        elif kind == "run":
+            run = record.run
+            out += [f"config {item.key}" for item in run.config.update if item.key not in WANDB_CONFIG]
+            if run.host not in ("", "trial") or run.git.remote_url or run.git.commit:
+                out.append(f"run record names its machine or checkout: host={run.host!r} git={run.git.commit!r}")
+        elif kind == "config":
+            out += [f"config {item.key}" for item in record.config.update if item.key not in WANDB_CONFIG]
+        elif kind == "history":
+            out += [f"history {k}" for item in record.history.item
+                    if not _known(k := item.key or "/".join(item.nested_key), WANDB_HISTORY, WANDB_HISTORY_PATTERNS)]
+        elif kind == "summary":
+            out += [f"summary {k}" for item in record.summary.update
+                    if not _known(k := item.key or "/".join(item.nested_key), WANDB_SUMMARY, WANDB_SUMMARY_PATTERNS)]
+        elif kind == "artifact" and record.artifact.type == "model":
+            out += [f"artifact {e.path}" for e in record.artifact.manifest.contents if e.path not in WANDB_ARTIFACT]
+        elif kind == "artifact" and record.artifact.type != "run_table":
+            out.append(f"artifact of type {record.artifact.type}")
+    for table in run_file.parent.glob("files/media/table/**/*.table.json"):
+        out += [f"table column {c}" for c in json.loads(table.read_text())["columns"]
+                if not _known(c, WANDB_TABLE_COLUMNS, WANDB_HISTORY_PATTERNS)]
+    return out

@@ -200,9 +200,11 @@ def test_wandb_is_offline_and_logs_no_text(tiny_study):
     assert len(runs) == 2  # one offline run per trial, nothing sent anywhere
     import hashlib
 
-    # each run's id is a digest of the study directory and the trial (a retried or restored trial resumes it)
+    # each run's id is a digest of the study directory, the study's name and the trial (a retried or restored
+    # trial resumes it)
     table = pd.read_parquet(tiny_study / "results.parquet")
-    ids = {hashlib.sha256(f"{tiny_study.resolve()}|{name}".encode()).hexdigest()[:24] for name in table["trial"]}
+    base = hashlib.sha256(f"{tiny_study.resolve()}|tiny".encode()).hexdigest()
+    ids = {hashlib.sha256(f"{base}|{name}".encode()).hexdigest()[:24] for name in table["trial"]}
     assert {run.name.rsplit("-", 1)[-1] for run in runs} == ids
     from raydp.data import load_canaries, load_texts
 
@@ -220,9 +222,11 @@ def test_wandb_logs_curves_tables_and_the_dp_runs_artifact(tiny_study):
     """Issue 31: each trial's wandb run holds the evaluations (both splits), the dials and the privacy spent over
     steps (train/*), tables of both, the summary, and for a DP run its releasable files as an artifact; no
     attack result without the opt-in, no console capture. Read from wandb's own offline file, not from what raydp meant to send."""
+    from releasable import unclassified_wandb
     from wandb_records import history, records
 
     table = pd.read_parquet(tiny_study / "results.parquet").set_index("trial")
+    assert len(list((tiny_study / "wandb").glob("offline-run-*/run-*.wandb"))) == len(table) == 2
     for run_file in (tiny_study / "wandb").glob("offline-run-*/run-*.wandb"):
         rows = history(run_file)
         trial = next(name for name in table.index if any(r.run.display_name == name for r in records(run_file)
@@ -232,6 +236,7 @@ def test_wandb_logs_curves_tables_and_the_dp_runs_artifact(tiny_study):
         logged = [r for r in rows if "eval/step" in r]
         assert [r["eval/step"] for r in logged] == list(evals["step"])
         assert [r["eval/perplexity"] for r in logged] == pytest.approx(list(evals["perplexity"]))
+        assert logged == sorted(logged, key=lambda r: r["eval/step"])
         assert [r["public/value_nll"] for r in logged] == pytest.approx(list(evals["public_value_nll"]))
         train = [r for r in rows if "train/step" in r]
         ledger = pd.read_parquet(run_dir / "privacy_ledger.parquet").sort_values("step")
@@ -263,6 +268,8 @@ def test_wandb_logs_curves_tables_and_the_dp_runs_artifact(tiny_study):
         assert {"summary.json", "PRIVACY.txt", "privacy_ledger.parquet", "adapter/adapter_model.safetensors"} <= paths
         assert not any(p.startswith("private/") or p == "evaluation.json" for p in paths)
         assert not (run_file.parent / "files" / "output.log").exists()
+        # and nothing else: every record, key, column and file classified (tests/releasable.py)
+        assert unclassified_wandb(run_file) == []
 
 
 # ~80 s: Optuna over the SAC grid; the same study runner, trial grid and results table with grid
@@ -342,6 +349,8 @@ def test_every_field_of_the_studys_releasable_files_is_allowlisted(tiny_study):
     from releasable import unclassified_study
 
     assert unclassified_study(tiny_study) == []
+    for f in (tiny_study / "trials").rglob("adapter/*"):  # PEFT writes the base model's path: not this machine's
+        assert os.environ["RAYDP_CACHE"].encode() not in f.read_bytes() and b"/tmp/" not in f.read_bytes(), f
     manifest = json.loads((tiny_study / "dataset" / "manifest.json").read_text())
     digests = {manifest["content_sha256"], *manifest["split_sha256"].values()}
     released = [tiny_study / "results.parquet", tiny_study / "study_summary.json",
@@ -673,7 +682,8 @@ def test_wandb_sends_attack_results_only_on_opt_in_labelled_unprotected(tmp_path
 
     study = load_study(write_study(tmp_path, wandb={"mode": "offline", "attacks": opt_in}))
     for _ in range(2):  # a retried trial: the same wandb run, resumed
-        reporter = _Reporter(study, {"name": "static_x_eps2_seed0"}, TrainConfig(), tmp_path)
+        reporter = _Reporter(study, {"name": "static_x_eps2_seed0"}, TrainConfig(strategy="static", epsilon=2.0),
+                             tmp_path)
         reporter.evaluation(8, {"perplexity": 3.5, "value_nll": 40.0})
         reporter.close({"mia_auc": 0.52, "evaluation_error": "text is never sent"})
     files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -684,6 +694,37 @@ def test_wandb_sends_attack_results_only_on_opt_in_labelled_unprotected(tmp_path
     assert not any("evaluation_error" in key for key in summary)
     if opt_in:
         assert summary["unprotected/mia_auc"] == pytest.approx(0.52)
+    from releasable import unclassified_wandb
+
+    assert [unclassified_wandb(f) for f in files] == [[] for _ in files]
+
+
+def test_wandb_gets_nothing_from_a_nonprivate_trial_and_a_wandb_failure_fails_no_trial(tmp_path, monkeypatch):
+    """Nothing of a non-private trial is releasable (its step count alone gives the record count): no wandb run.
+    A wandb error while logging turns the reporter off with a warning; the trial goes on."""
+    import wandb
+
+    from raydp.config import TrainConfig
+    from raydp.study.config import load_study
+    from raydp.study.runner import _Reporter
+
+    study = load_study(write_study(tmp_path, wandb={"mode": "offline"}))
+    reporter = _Reporter(study, {"name": "nonprivate_x_seed0"}, TrainConfig(strategy="nonprivate"), tmp_path)
+    reporter.evaluation(8, {"perplexity": 3.5})
+    reporter.finish({"privacy": None, "steps": 993}, tmp_path)
+    reporter.close({"mia_auc": 0.5})
+    assert reporter.run is None and not (tmp_path / "wandb").exists()
+
+    def broken(*args, **kwargs):
+        raise ConnectionError("wandb is down")
+
+    monkeypatch.setattr(wandb, "init", broken)  # wandb itself failing, as a network error would
+    reporter = _Reporter(study, {"name": "static_x_eps2_seed0"}, TrainConfig(strategy="static", epsilon=2.0),
+                         tmp_path)
+    reporter.evaluation(8, {"perplexity": 3.5})
+    reporter.finish({"privacy": {}}, tmp_path)
+    reporter.close({})
+    assert reporter.run is None
 
 
 @pytest.mark.slow

@@ -263,12 +263,14 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
                              "epsilon": privacy["epsilon"], "labels": privacy["labels"]},
                     provenance=policy_provenance(private, config, manifest, privacy))
         loaded.model.save_pretrained(staging / "adapter")
+        model_source = Path(loaded.source).name if Path(loaded.source).is_dir() else loaded.source
+        _without_local_paths(staging / "adapter", str(loaded.source), model_source)
         summary = {
             "raydp_version": __version__,
             "model": config.model,
             # no absolute path of this machine in a released file: a local directory by its name (the embedded
             # cache's name carries the model spec's digest), a hub model by its id
-            "model_source": Path(loaded.source).name if Path(loaded.source).is_dir() else loaded.source,
+            "model_source": model_source,
             "model_type": loaded.model_type,
             "device": str(loaded.device),
             "n_adapter_pairs": len(loaded.pairs),
@@ -319,3 +321,14 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
         (staging / "PRIVACY.txt").write_text(RUN_PRIVACY_NOTE)
         (staging / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _without_local_paths(adapter_dir: Path, source: str, name: str) -> None:
+    """PEFT writes the base model's path into ``adapter_config.json`` and the model card: a local directory's
+    absolute path is replaced by its name (as in the summary), so no path of this machine is released."""
+    if not Path(source).is_absolute():
+        return
+    for file in ("adapter_config.json", "README.md"):
+        path = adapter_dir / file
+        if path.is_file():
+            path.write_text(path.read_text().replace(source.rstrip("/"), name))

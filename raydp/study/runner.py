@@ -125,14 +125,33 @@ def build_study_models(trials: list[dict], progress: bool) -> None:
             ensure_embedded_model(model, progress=progress)
 
 
-#: eval-row fields logged to wandb (numbers only) and their names there; x-axis ``eval/step``
-WANDB_EVAL_FIELDS = {"perplexity": "eval/perplexity", "public_perplexity": "public/perplexity",
-                     "value_nll": "eval/value_nll", "public_value_nll": "public/value_nll",
-                     "nll_per_token": "eval/nll_per_token", "public_nll_per_token": "public/nll_per_token"}
-#: train-metrics columns logged as curves (x-axis ``train/step``): the DP release's dials and what it spent
+#: eval-row fields logged to wandb (numbers only) and their names there, against ``eval/step``: ``eval/*`` is the
+#: private eval split (unprotected, docs/privacy.md), ``public/*`` public validation
+WANDB_EVAL_FIELDS = {"perplexity": "eval/perplexity", "value_nll": "eval/value_nll",
+                     "nll_per_token": "eval/nll_per_token", "public_perplexity": "public/perplexity",
+                     "public_value_nll": "public/value_nll"}
+#: summary fields sent to wandb and their names there (the same split prefixes)
+WANDB_SUMMARY_FIELDS = {"final_eval_perplexity": "eval/final_perplexity", "best_eval_perplexity": "eval/best_perplexity",
+                        "final_eval_value_nll": "eval/final_value_nll",
+                        "final_public_perplexity": "public/final_perplexity",
+                        "best_public_perplexity": "public/best_perplexity",
+                        "final_public_value_nll": "public/final_value_nll", "steps": "steps"}
+#: train-metrics columns logged as curves (x-axis ``train/step``): the DP release's dials
 WANDB_TRAIN_FIELDS = ("sigma", "sigma_eff", "clip_mean", "noisy_grad_norm", "lr")
 #: a DP run's files sent as its wandb artifact: the releasable ones (tests/releasable.py classifies them)
 WANDB_ARTIFACT_FILES = ("adapter", "summary.json", "config.json", "PRIVACY.txt", "privacy_ledger.parquet")
+#: wandb keeps at most this many rows of a table (more are dropped silently): longer runs' dials table is strided
+WANDB_TABLE_ROWS = 10_000
+
+
+def wandb_target(study: StudyConfig, study_dir: Path) -> dict:
+    """Where a study's trials log, resolved once on the driver (so one worker's WANDB_* cannot change it), and
+    the base of their run ids: a digest of the study's directory on the driver and its name (public)."""
+    import hashlib
+
+    mode, project, entity = study.wandb.resolved()
+    base = hashlib.sha256(f"{Path(study_dir).resolve()}|{study.name}".encode()).hexdigest()
+    return {"mode": mode, "project": project, "entity": entity, "id_base": base}
 
 
 def evaluation_metrics(row: dict, selection: str, private_run: bool = True) -> dict:
@@ -164,36 +183,56 @@ def privacy_label_of(summary: dict) -> str:
 
 
 class _Reporter:
-    """A trial's wandb run, unless disabled: evaluations as they come (``eval/*``, ``public/*`` against
+    """A DP trial's wandb run, unless disabled: evaluations as they come (``eval/*``, ``public/*`` against
     ``eval/step``); at the end the dials and the privacy spent over steps (``train/*`` against ``train/step``),
-    tables of the evaluations and the dials, and, for a DP run, its releasable files as an artifact; attack
-    results only when the study opts in. Tune gets evaluations with their checkpoint (:func:`run_trial`),
-    never from here. One wandb run per trial, resumed (never duplicated) when Tune retries or restores it."""
+    tables of both, the summary and its releasable files as an artifact; attack results only when the study opts
+    in. A non-private trial sends nothing (nothing in it is releasable). One wandb run per trial, resumed (never
+    duplicated) when Tune retries or restores it. wandb never fails a trial: an error turns the reporter off with
+    a warning. Tune gets evaluations with their checkpoint (:func:`run_trial`), never from here."""
 
-    def __init__(self, study: StudyConfig, trial: dict, config, study_dir: Path):
-        self.run, self.settings, self.private = None, study.wandb, config.is_private
-        mode, project, entity = study.wandb.resolved()
-        if mode != "disabled":
-            import hashlib
+    def __init__(self, study: StudyConfig, trial: dict, config, study_dir: Path, target: dict | None = None):
+        self.run, self.settings, self.config, self.trial = None, study.wandb, config, trial["name"]
+        target = target or wandb_target(study, study_dir)
+        if target["mode"] == "disabled" or not config.is_private:
+            return
+        self._guard("start", self._start, study, trial, config, study_dir, target)
 
-            import wandb
+    def _start(self, study, trial, config, study_dir, target) -> None:
+        import hashlib
 
-            safe = {k: v for k, v in trial.items() if k not in ("policy_path",)}  # settings only, no data
-            # the id is a digest of the study directory and the trial's name (public)
-            run_id = hashlib.sha256(f"{study_dir.resolve()}|{trial['name']}".encode()).hexdigest()[:24]
-            self.run = wandb.init(project=project, entity=entity, mode=mode, id=run_id, resume="allow",
-                                  group=study.name, name=trial["name"], dir=str(study_dir), reinit="create_new",
-                                  # no system metrics: memory and CPU over time follow the private batch sizes
-                                  # quiet: no per-trial banner and summary table in a study's log
-                                  # no console capture: a trial's log is not sent (it is timing, and not needed)
-                                  settings=wandb.Settings(x_disable_stats=True, quiet=True, console="off"),
-                                  config={**safe, "epochs": config.epochs, "batch_size": config.batch_size,
-                                          "delta": config.delta, "accountant": config.accountant})
-            for axis in ("eval", "train"):
-                self.run.define_metric(f"{axis}/step")
-            for prefix in ("eval", "public"):
-                self.run.define_metric(f"{prefix}/*", step_metric="eval/step")
-            self.run.define_metric("train/*", step_metric="train/step")
+        import wandb
+
+        safe = {k: v for k, v in trial.items() if k not in ("policy_path",)}  # settings only, no data
+        run_id = hashlib.sha256(f"{target['id_base']}|{trial['name']}".encode()).hexdigest()[:24]
+        self.run = wandb.init(
+            project=target["project"], entity=target["entity"], mode=target["mode"], id=run_id, resume="allow",
+            group=study.name, name=trial["name"], dir=str(study_dir), reinit="create_new",
+            # nothing about the machine (not even its host name), its git checkout, code or packages; no system metrics (memory and CPU
+            # over time follow the private batch sizes); no console capture; quiet: no banner in a study's log
+            settings=wandb.Settings(x_disable_stats=True, quiet=True, console="off", disable_git=True,
+                                    save_code=False, disable_code=True, x_disable_meta=True,
+                                    x_disable_machine_info=True, x_save_requirements=False, host="trial"),
+            config={**safe, "epochs": config.epochs, "batch_size": config.batch_size, "delta": config.delta,
+                    "accountant": config.accountant})
+        for axis in ("eval", "train"):
+            self.run.define_metric(f"{axis}/step")
+        for prefix in ("eval", "public"):
+            self.run.define_metric(f"{prefix}/*", step_metric="eval/step")
+        self.run.define_metric("train/*", step_metric="train/step")
+
+    def _guard(self, what: str, call, *args) -> None:
+        try:
+            call(*args)
+        except Exception as exc:  # noqa: BLE001 - wandb is a side channel of the trial, never its failure
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            logging.getLogger(__name__).warning("trial %s: wandb %s failed, nothing more goes to wandb: %s",
+                                                self.trial, what, first)
+            run, self.run = self.run, None
+            if run is not None:
+                try:
+                    run.finish(exit_code=1)
+                except Exception:  # noqa: BLE001
+                    pass
 
     def evaluation(self, step: int, row) -> None:
         """``on_evaluation(step, row)``: ``row`` is the eval row (step, epoch, perplexity, value_nll,
@@ -204,55 +243,33 @@ class _Reporter:
             row = {"perplexity": row}
         numbers = {name: float(row[key]) for key, name in WANDB_EVAL_FIELDS.items() if _is_number(row.get(key))}
         if numbers:
-            self.run.log({"eval/step": int(step), **numbers})
+            self._guard("log", self.run.log, {"eval/step": int(step), **numbers})
 
     def finish(self, summary: dict, run_dir: Path) -> None:
-        """The run's curves, tables, summary and (DP runs) artifact; the wandb run stays open for :meth:`close`."""
-        if self.run is None:
-            return
+        """The run's curves, tables, summary and artifact; the wandb run stays open for :meth:`close`."""
+        if self.run is not None:
+            self._guard("finish", self._finish, summary, Path(run_dir))
+
+    def _finish(self, summary: dict, run_dir: Path) -> None:
         import wandb
 
-        run_dir = Path(run_dir)
         privacy = summary.get("privacy") or {}
-        self.run.summary.update({key: summary.get(key) for key in (
-            "final_eval_perplexity", "best_eval_perplexity", "final_public_perplexity", "best_public_perplexity",
-            "final_eval_value_nll", "final_public_value_nll", "steps")})
+        self.run.summary.update({name: summary.get(key) for key, name in WANDB_SUMMARY_FIELDS.items()})
         self.run.summary.update({"epsilon": privacy.get("epsilon"), "privacy_label": privacy_label_of(summary)})
-        train = _read_parquet(run_dir / "train_metrics.parquet")
-        ledger = _read_parquet(run_dir / "privacy_ledger.parquet")
-        spent = {}
-        if ledger is not None and {"q", "sigma_eff"} <= set(ledger) and len(ledger):
-            from raydp.privacy.accounting.rdp import epsilon_over_steps
-
-            ledger = ledger.sort_values("step")
-            steps, eps = epsilon_over_steps(ledger["q"], ledger["sigma_eff"], float(privacy.get("delta")
-                                                                                  or summary.get("delta") or 1e-5))
-            spent = dict(zip(steps.astype(int).tolist(), eps.tolist()))  # k steps spent eps (RDP bound)
-        clips = {}
-        if ledger is not None and "clip" in ledger:
-            clips = {int(s) + 1: np.atleast_1d(np.asarray(c, float)) for s, c in zip(ledger["step"], ledger["clip"])
-                     if c is not None}
-        rows = []
-        if train is not None and "step" in train:
-            for rec in train.sort_values("step").to_dict("records"):
-                k = int(rec["step"])  # steps done (1-based); the ledger's step k - 1 is this step
-                row = {"train/step": k, **{f"train/{f}": float(rec[f]) for f in WANDB_TRAIN_FIELDS
-                                          if _is_number(rec.get(f))}}
-                row.update({f"train/clip_{i}": float(c) for i, c in enumerate(clips.get(k, ())) if np.isfinite(c)})
-                if k in spent:
-                    row["train/epsilon_spent"] = spent[k]
-                rows.append(row)
+        rows = self._train_rows(privacy, run_dir)
         for row in rows:
             self.run.log(row)
         if rows:
             columns = sorted({key for row in rows for key in row}, key=lambda c: (c != "train/step", c))
+            stride = -(-len(rows) // WANDB_TABLE_ROWS)
             self.run.log({"tables/dials": wandb.Table(columns=columns, data=[[row.get(c) for c in columns]
-                                                                             for row in rows])})
+                                                                             for row in rows[::stride]])})
         evals = _read_parquet(run_dir / "eval_metrics.parquet")
         if evals is not None and len(evals):
-            columns = [c for c in ("step", "epoch", *WANDB_EVAL_FIELDS) if c in evals]
-            self.run.log({"tables/evaluations": wandb.Table(dataframe=evals[columns].reset_index(drop=True))})
-        if self.private and self.settings.artifacts:
+            columns = {"step": "eval/step", **WANDB_EVAL_FIELDS}
+            table = evals[[c for c in columns if c in evals]].rename(columns=columns).reset_index(drop=True)
+            self.run.log({"tables/evaluations": wandb.Table(dataframe=table)})
+        if self.settings.artifacts:
             artifact = wandb.Artifact(f"adapter-{self.run.id}", type="model",
                                       description="a DP run's releasable files (PRIVACY.txt says what each is)",
                                       metadata={"epsilon": privacy.get("epsilon"), "delta": privacy.get("delta"),
@@ -265,20 +282,56 @@ class _Reporter:
                     artifact.add_file(str(path), name=name)
             self.run.log_artifact(artifact)
 
+    def _train_rows(self, privacy: dict, run_dir: Path) -> list[dict]:
+        """One row per step: the dials of the train metrics, each clip radius of the ledger and, for DP-SGD's
+        ledger (a central mechanism, one row per step), the RDP bound of the privacy spent so far at up to 40
+        steps. A local mechanism's ledger (one row per epoch, ERRATA E16's accounting) gets no such curve."""
+        train = _read_parquet(run_dir / "train_metrics.parquet")
+        ledger = _read_parquet(run_dir / "privacy_ledger.parquet")
+        if train is None or "step" not in train:
+            return []
+        clips, spent = {}, {}
+        if ledger is not None and len(ledger):
+            ledger = ledger.sort_values("step")
+            if "clip" in ledger:  # the ledger's step i is the (i+1)-th step of the train metrics
+                clips = {int(s) + 1: np.atleast_1d(np.asarray(c, float)) for s, c in zip(ledger["step"], ledger["clip"])
+                         if c is not None}
+            central = "local" not in (privacy.get("epsilon_by_accountant") or {})
+            if central and {"q", "sigma_eff"} <= set(ledger):
+                from raydp.privacy.accounting.rdp import epsilon_over_steps
+
+                counts, eps = epsilon_over_steps(ledger["q"], ledger["sigma_eff"], float(self.config.delta))
+                steps = ledger["step"].to_numpy()
+                spent = {int(steps[int(k) - 1]) + 1: float(e) for k, e in zip(counts, eps)}
+        rows = []
+        for rec in train.sort_values("step").to_dict("records"):
+            k = int(rec["step"])  # steps done (1-based)
+            row = {"train/step": k, **{f"train/{f}": float(rec[f]) for f in WANDB_TRAIN_FIELDS if _is_number(rec.get(f))}}
+            row.update({f"train/clip_{i}": float(c) for i, c in enumerate(clips.get(k, ())) if np.isfinite(c)})
+            if k in spent:
+                row["train/epsilon_spent"] = spent[k]
+            rows.append(row)
+        return rows
+
     def close(self, attacks: dict | None = None) -> None:
         """Attack and audit results when the study opted in (``wandb.attacks``), labelled ``unprotected/``:
         they are measured on the private records. Then the run ends."""
         if self.run is None:
             return
         if attacks and self.settings.attacks:
-            self.run.summary.update({f"unprotected/{k}": float(v) for k, v in attacks.items() if _is_number(v)})
-        self.run.finish()
+            self._guard("log", self.run.summary.update,
+                        {f"unprotected/{k}": float(v) for k, v in attacks.items() if _is_number(v)})
+        if self.run is not None:
+            self._guard("close", self.run.finish)
         self.run = None
         import wandb
 
         # Stop wandb's service now: left to its atexit hook it finds the service already gone when Ray
         # ends the trial's worker and prints a ConnectionResetError traceback per trial
-        wandb.teardown()
+        try:
+            wandb.teardown()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _is_number(value) -> bool:
@@ -394,7 +447,7 @@ def run_trial(params: dict) -> None:
                         checkpoint=Checkpoint.from_directory(d))
 
     entered_at = time.time()
-    reporter = _Reporter(study, trial, config, root)
+    reporter = _Reporter(study, trial, config, root, params.get("wandb"))
     try:
         if config.strategy == "rldp":
             if params.get("connection"):
@@ -409,26 +462,28 @@ def run_trial(params: dict) -> None:
                                population_admit=_population_hook(params, trial))  # PBT: the population filter
         reporter.finish(summary, out)
     except BaseException:
-        reporter.close()
+        reporter.close()  # never raises (_Reporter._guard)
         raise
     finally:
         if session is not None:
             session.close()
     attacks = {}
-    if study.evaluate is not None:  # attacks and audit: for the data owner, never Tune's metric (E15)
-        from raydp.evaluation.evaluate import evaluate_run
-        from raydp.evaluation.results import flat_metrics
+    try:
+        if study.evaluate is not None:  # attacks and audit: for the data owner, never Tune's metric (E15)
+            from raydp.evaluation.evaluate import evaluate_run
+            from raydp.evaluation.results import flat_metrics
 
-        started_eval = time.perf_counter()
-        try:  # a failed evaluation must not fail (and retrain) a trained trial: it is recorded instead
-            attacks = flat_metrics(evaluate_run(out, study.evaluate.model_copy(update={"device": config.device}),
-                                                progress=False, audits_in_family=params.get("n_trials", 1)))
-        except Exception as exc:  # noqa: BLE001 - reported in the trial's results, not raised
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            attacks = {"evaluation_error": f"{type(exc).__name__}: {first}"}
-            logging.getLogger(__name__).warning("trial %s: evaluation failed: %s", trial["name"], first)
-        attacks["eval_seconds"] = time.perf_counter() - started_eval
-    reporter.close(attacks)
+            started_eval = time.perf_counter()
+            try:  # a failed evaluation must not fail (and retrain) a trained trial: it is recorded instead
+                attacks = flat_metrics(evaluate_run(out, study.evaluate.model_copy(update={"device": config.device}),
+                                                    progress=False, audits_in_family=params.get("n_trials", 1)))
+            except Exception as exc:  # noqa: BLE001 - reported in the trial's results, not raised
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                attacks = {"evaluation_error": f"{type(exc).__name__}: {first}"}
+                logging.getLogger(__name__).warning("trial %s: evaluation failed: %s", trial["name"], first)
+            attacks["eval_seconds"] = time.perf_counter() - started_eval
+    finally:
+        reporter.close(attacks)  # never raises
     final = evaluation_metrics({"perplexity": summary["final_eval_perplexity"],
                                 "public_perplexity": summary.get("final_public_perplexity"),
                                 # the value-token NLL where the run reports it: the metric its evaluations had
@@ -518,6 +573,7 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
     (study_dir / "study.json").write_text(json.dumps(study.model_dump(mode="json"), indent=2))
     session = None
     common = {"study": study.model_dump(mode="json"), "dataset": dataset, "study_dir": str(study_dir),
+              "wandb": wandb_target(study, study_dir),
               "connection": None, "log_checkpoints": sys.stderr.isatty(),
               "n_trials": len(trials)}  # audits in the family: each trial's audit is Bonferroni-corrected
     if study.policy == "shared" and "rldp" in study.strategies:
