@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_source_args(build, defaults=True)
     show = data_cmds.add_parser("show", help="print a dataset's manifest, sizes and a sample narrative")
     show.add_argument("dataset", help="dataset directory")
+    budget = data_cmds.add_parser("budget", help="set (once) or show a private dataset's lifetime privacy budget")
+    budget.add_argument("dataset", help="dataset directory")
+    budget.add_argument("--epsilon", type=float, help="set the lifetime epsilon (with --delta); once only")
+    budget.add_argument("--delta", type=float, help="the lifetime delta")
 
     train = commands.add_parser("train", help="run one fine-tuning, writing everything under --output")
     train.add_argument("--output", "-o", required=True, help="run directory to create")
@@ -285,6 +289,24 @@ def cmd_data_show(args) -> int:
     from raydp.data import describe_dataset
 
     _print_dataset(describe_dataset(args.dataset), args.dataset)
+    return 0
+
+
+def cmd_data_budget(args) -> int:
+    from raydp.data import load_manifest, manifest_id
+    from raydp.privacy.lifetime import read_budget, register_path, set_budget, spent_epsilon
+
+    dataset_id = manifest_id(load_manifest(args.dataset))
+    if (args.epsilon is None) != (args.delta is None):
+        raise ConfigError("set a lifetime budget with both --epsilon and --delta")
+    register = set_budget(dataset_id, args.epsilon, args.delta) if args.epsilon is not None \
+        else read_budget(dataset_id)
+    if register is None:
+        print(f"dataset {dataset_id}: no lifetime budget (set one with --epsilon E --delta D)")
+        return 0
+    print(f"dataset {dataset_id}: lifetime budget epsilon={register['epsilon']:g} at delta={register['delta']:g}; "
+          f"{len(register['charges'])} run(s) charged, composed epsilon {spent_epsilon(register):.3f} "
+          f"(kept in {register_path(dataset_id)}, private)")
     return 0
 
 
@@ -556,7 +578,8 @@ def cmd_migrate(args) -> int:
     return 0
 
 
-COMMANDS = {("data", "build"): cmd_data_build, ("data", "show"): cmd_data_show, ("train", None): cmd_train,
+COMMANDS = {("data", "build"): cmd_data_build, ("data", "show"): cmd_data_show, ("data", "budget"): cmd_data_budget,
+            ("train", None): cmd_train,
             ("study", None): cmd_study, ("report", None): cmd_report, ("eval", None): cmd_eval,
             ("policy", "list"): cmd_policy_list, ("policy", "show"): cmd_policy_show,
             ("policy", "export"): cmd_policy_export, ("policy-server", None): cmd_policy_server,

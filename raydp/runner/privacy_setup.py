@@ -35,7 +35,8 @@ from raydp.privacy.statistics import releases_sigma_map
 from raydp.privacy.clipping import PerSampleGradientComputer
 from raydp.privacy.engine import DPStep
 from raydp.privacy.ghost import GhostClippingComputer
-from raydp.privacy.filter import FILTER_NAME, FilterGuard
+from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, rdp_vector
+from raydp.privacy.filter import FILTER_NAME, FilterGuard, RenyiFilter
 from raydp.privacy.ledger import NEIGHBOURING_RELATION
 from raydp.privacy.randomness import PrivateRandomness
 from raydp.runner.sampling import PoissonSampler
@@ -211,6 +212,33 @@ def plan_private_run(config: TrainConfig, n_units: int, strategy: Strategy | Non
                                   schedule=schedule)
     return PrivacyPlan(q=q, planned_steps=steps, sigma_0=calibration.sigma, sigma_map=sigma_map,
                        accountant=accountant, adaptive=strategy.adaptive_sigma, schedule=schedule)
+
+
+def planned_rdp_curve(plan: PrivacyPlan, delta: float, orders=DEFAULT_ORDERS) -> np.ndarray:
+    """What a planned run may spend, as an RDP curve at ``orders``, fixed before it starts: an adaptive run's
+    Renyi-filter budget (ERRATA E13), else the fixed schedule's steps, each a Poisson-subsampled Gaussian at
+    sigma_eff(sigma_0 m(t)) (RDP composition, Mironov 2017, Prop. 1)."""
+    if plan.adaptive:
+        return RenyiFilter.for_plan(plan.q, plan.sigma_map(plan.sigma_0), plan.planned_steps, delta, orders).budget
+    total = np.zeros(len(orders))
+    for multiplier, count in plan.schedule.segments(plan.planned_steps, plan.q):
+        total = total + count * rdp_vector(plan.q, plan.sigma_map(plan.sigma_0 * multiplier), orders)
+    return total
+
+
+def charge_lifetime(dataset_id: str | None, plans: dict, delta: float, commit: bool = True) -> float | None:
+    """Charge planned runs (label -> plan) to the dataset's lifetime budget, if it has one
+    (:mod:`raydp.privacy.lifetime`): a one-line ConfigError, nothing charged, when they would exceed it."""
+    from raydp.privacy.lifetime import charge, read_budget
+
+    if read_budget(dataset_id) is None:
+        return None
+    local = next((label for label, plan in plans.items() if not isinstance(plan, PrivacyPlan)), None)
+    if local is not None:
+        raise ConfigError(f"{local}: dataset {dataset_id} has a lifetime budget, and a local-DP run's accounting "
+                          f"cannot be charged to it")
+    return charge(dataset_id, {label: planned_rdp_curve(plan, delta) for label, plan in plans.items()},
+                  DEFAULT_ORDERS, commit=commit)
 
 
 def setup_private_run(

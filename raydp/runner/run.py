@@ -45,6 +45,7 @@ from raydp.runner.loop import OptimizerSettings, Trainer
 from raydp.runner.output import staged_output
 from raydp.runner.privacy_setup import (
     build_strategy,
+    charge_lifetime as charge_lifetime_budget,
     plan_private_run,
     privacy_summary,
     setup_private_run,
@@ -148,7 +149,7 @@ def policy_provenance(private, config: TrainConfig, manifest: dict, privacy: dic
 
 def run_training(config: TrainConfig, output: str | Path, overwrite: bool = False, progress: bool = True,
                  client=None, on_evaluation=None, on_checkpoint=None, checkpoint_every: int | None = None,
-                 resume: dict | None = None, population_admit=None) -> dict:
+                 resume: dict | None = None, population_admit=None, charge_lifetime: bool = True) -> dict:
     """Run one fine-tuning and write everything it produces under ``output``; returns the summary.
 
     ``client``: the policy connection of an RLDP run (:class:`raydp.control.service.PolicyClient`, or over
@@ -158,7 +159,9 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
     ``on_checkpoint(state)`` receives the resumable state at evaluations, every ``checkpoint_every``
     steps and before every controller decision; ``resume`` is such a state: the run continues from it
     with exactly its ledger (no step lost or charged twice). ``population_admit``: a PBT member's admission by
-    its population's Renyi filter (:mod:`raydp.study.population`)."""
+    its population's Renyi filter (:mod:`raydp.study.population`). ``charge_lifetime``: charge the run's plan to
+    its dataset's lifetime budget, if the owner set one (:mod:`raydp.privacy.lifetime`; a study charges its
+    trials itself, before they start)."""
     started = time.perf_counter()
     check_model_name(config.model)  # fail on a bad model before building anything
     if config.strategy == "rldp" and client is None:
@@ -175,6 +178,8 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             plan = plan_local_run(config, strategy, units, classification_spec(config.task.label).n_classes)
         else:
             plan = plan_private_run(config, units.public_count, strategy) if config.is_private else None
+        if plan is not None and charge_lifetime:  # refused here, before any step, when past the lifetime budget
+            charge_lifetime_budget(manifest_id(manifest), {f"run:{Path(output).resolve()}": plan}, config.delta)
         torch.manual_seed(config.seed)
         loaded = load_model(
             config.model,

@@ -57,9 +57,12 @@ def trial_name(trial: dict) -> str:
 
 
 def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
-                  build_models: bool = False) -> tuple[str, list[dict]]:
+                  build_models: bool = False, charge_lifetime: bool = False) -> tuple[str, list[dict]]:
     """Build the dataset, validate every trial and calibrate every plan; returns (dataset_dir, trials).
-    ``build_models``: also build the embedded models the study uses, once, here (not in every trial)."""
+    ``build_models``: also build the embedded models the study uses, once, here (not in every trial). Where
+    the dataset has a lifetime budget (:mod:`raydp.privacy.lifetime`), every DP trial's plan is checked against
+    it, and with ``charge_lifetime`` charged (under the study directory and trial's name, so a resumed study is
+    not charged twice)."""
     from raydp.data import load_texts, resolve_dataset
     from raydp.runner.local_setup import is_local, plan_local_run
     from raydp.runner.privacy_setup import build_strategy, plan_key, plan_private_run, training_units
@@ -83,7 +86,7 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
             raise ConfigError(f"the study declares its data public (private_data: false, a shared policy or "
                               f"save_policy), but {dataset} is not raydp's public population")
     n_train = len(load_texts(dataset, "train"))
-    trials, plans = [], {}
+    trials, plans, trial_plans = [], {}, {}
     for trial in trial_grid(study) + corners:
         config = trial_config(study, trial, dataset)
         if config.strategy == "rldp" and config.rldp.policy and not trial.get("frozen_from"):
@@ -111,9 +114,32 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
                     raise ConfigError(f"trial {trial_name(trial)}: {exc}") from None
         if not trial.get("search"):  # a corner is only checked: Optuna's trials are named when they run
             trials.append({**trial, "name": trial_name(trial)})
+            if config.is_private:
+                trial_plans[f"study:{Path(study_dir).resolve()}/{trials[-1]['name']}"] = (plans[key], config.delta)
+    _charge_lifetime(study, dataset, trial_plans, commit=charge_lifetime)
     if build_models:
         build_study_models(trials, progress)
     return dataset, trials
+
+
+def _charge_lifetime(study: StudyConfig, dataset: str, trial_plans: dict, commit: bool) -> None:
+    """The study's DP trials against its dataset's lifetime budget, if the owner set one: all of them, on this
+    machine, before any starts. Optuna's and PBT's trials are not planned before they run: refused there."""
+    from raydp.data import load_manifest, manifest_id
+    from raydp.privacy.lifetime import read_budget
+    from raydp.runner.privacy_setup import charge_lifetime
+
+    dataset_id = manifest_id(load_manifest(dataset))
+    if read_budget(dataset_id) is None:
+        return
+    if study.search != "grid" or search_cells(study):
+        raise ConfigError(f"dataset {dataset_id} has a lifetime budget: a study on it must be a grid (search: "
+                          f"{study.search} trials are not planned before they run, so they cannot be charged first)")
+    by_delta: dict[float, dict] = {}
+    for label, (plan, delta) in trial_plans.items():
+        by_delta.setdefault(delta, {})[label] = plan
+    for delta, plans in by_delta.items():
+        charge_lifetime(dataset_id, plans, delta, commit=commit)
 
 
 def build_study_models(trials: list[dict], progress: bool) -> None:
@@ -458,6 +484,7 @@ def run_trial(params: dict) -> None:
                 session = start_policy(config, restore=policy_snapshot)
                 client = session.client(trial["name"])
         summary = run_training(config, out, overwrite=True, progress=False, client=client,
+                               charge_lifetime=False,  # the study charged every trial before any started
                                on_evaluation=reporter.evaluation, on_checkpoint=checkpoint, resume=resume,
                                population_admit=_population_hook(params, trial))  # PBT: the population filter
         reporter.finish(summary, out)
@@ -556,7 +583,7 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
     created = not study_dir.exists()
     try:
         study_dir.mkdir(parents=True, exist_ok=True)
-        dataset, trials = prepare_study(study, study_dir, progress=progress)
+        dataset, trials = prepare_study(study, study_dir, progress=progress, charge_lifetime=True)
         ensure_ray()
         cpus, gpus = study.resources.cpus_per_trial, study.resources.gpus_per_trial
         if cpus > ray.cluster_resources().get("CPU", 0):

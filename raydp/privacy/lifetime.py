@@ -1,0 +1,139 @@
+"""A dataset's lifetime privacy budget: the data owner sets it once; every DP run and study on the dataset is
+charged its planned RDP curve, and one that would take the composed spend past the budget is refused before it
+starts (issue 32).
+
+Composition: the RDP curves of all runs on the dataset add up, order by order, also when each run was chosen
+after seeing the earlier ones' outputs (Mironov 2017, "Renyi Differential Privacy", Prop. 1, adaptive
+sequential composition); the sum converts to (epsilon, delta) at the budget's delta as the accountants do
+(:func:`raydp.privacy.accounting.rdp.rdp_epsilon`). A run is charged what its plan allows it to spend, fixed
+before it starts: a fixed schedule's RDP curve over its planned steps, or an adaptive run's Renyi-filter budget
+(ERRATA E13). A run that stops early has still spent no more than that, so the charge is an upper bound.
+
+The register is the owner's, kept beside the owner key (``budgets/<dataset id>.json``; never in a releasable
+file): the budget, and one charge per run or study trial under a label (a run's output directory, a study
+directory and trial name), so that resuming a run or a study does not charge it twice. Only the machine that
+starts a run or a study reads and writes it: a study charges all its trials on the driver before any starts.
+Public datasets (``public:`` ids) have no budget. Local-DP runs (EW-FT, DP-Forward) are accounted otherwise
+and are refused on a dataset with a budget; a non-private run releases nothing and is not charged.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from raydp.data.identity import PUBLIC_PREFIX, is_dataset_id, owner_key_path
+from raydp.errors import ConfigError
+from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, rdp_epsilon
+
+FORMAT = "raydp-lifetime-budget-v1"
+
+
+def register_path(dataset_id: str) -> Path:
+    """Where the owner keeps the budget of ``dataset_id``: ``budgets/`` beside the owner key."""
+    if not is_dataset_id(dataset_id) or dataset_id.startswith(PUBLIC_PREFIX):
+        raise ConfigError(f"{dataset_id!r} is not a private dataset id: public data has no lifetime budget")
+    return owner_key_path().parent / "budgets" / f"{dataset_id.replace(':', '_')}.json"
+
+
+@contextmanager
+def _locked(path: Path):
+    """An exclusive lock on the register while it is read and rewritten (runs started side by side)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _read(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    register = json.loads(path.read_text())
+    if register.get("format") != FORMAT:
+        raise ConfigError(f"{path}: not a raydp lifetime budget ({register.get('format')!r})")
+    return register
+
+
+def _write(path: Path, register: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        json.dump(register, handle, indent=1)
+    os.replace(tmp, path)
+
+
+def set_budget(dataset_id: str, epsilon: float, delta: float) -> dict:
+    """Set the dataset's lifetime (epsilon, delta), once: setting it again to other values is refused (a budget
+    that can be raised bounds nothing). Runs charged before it was set are not in it."""
+    if not (0 < epsilon < math.inf) or not (0 < delta < 1):
+        raise ConfigError(f"a lifetime budget needs 0 < epsilon < inf and 0 < delta < 1, got ({epsilon}, {delta})")
+    path = register_path(dataset_id)
+    with _locked(path):
+        register = _read(path)
+        if register is not None:
+            if (register["epsilon"], register["delta"]) != (float(epsilon), float(delta)):
+                raise ConfigError(f"dataset {dataset_id} already has the lifetime budget epsilon="
+                                  f"{register['epsilon']:g}, delta={register['delta']:g}: it is set once")
+            return register
+        register = {"format": FORMAT, "dataset_id": dataset_id, "epsilon": float(epsilon), "delta": float(delta),
+                    "orders": list(DEFAULT_ORDERS), "charges": {}}
+        _write(path, register)
+        return register
+
+
+def read_budget(dataset_id: str) -> dict | None:
+    """The register, or None when the dataset has no lifetime budget (or is public)."""
+    if not is_dataset_id(dataset_id) or dataset_id.startswith(PUBLIC_PREFIX):
+        return None
+    return _read(register_path(dataset_id))
+
+
+def spent_epsilon(register: Mapping, extra: Mapping[str, Sequence[float]] | None = None) -> float:
+    """Epsilon at the budget's delta of every charge (and ``extra``, replacing charges of the same label)."""
+    charges = {**register["charges"], **(extra or {})}
+    total = np.zeros(len(register["orders"]))
+    for curve in charges.values():
+        total = total + np.asarray(curve, dtype=np.float64)
+    return 0.0 if not np.any(total) else rdp_epsilon(total, register["orders"], register["delta"])
+
+
+def charge(dataset_id: str | None, charges: Mapping[str, Sequence[float]], orders: Sequence[float] = DEFAULT_ORDERS,
+           commit: bool = True) -> float | None:
+    """Charge runs (label -> planned RDP curve at ``orders``) to the dataset's lifetime budget, or raise a
+    one-line ConfigError, writing nothing, if the composition would exceed it. Labels already charged are not
+    charged again (a resumed run). ``commit=False`` only checks. Returns the composed epsilon after the charge,
+    or None when the dataset has no budget."""
+    if dataset_id is None or not charges:
+        return None
+    if not is_dataset_id(dataset_id) or dataset_id.startswith(PUBLIC_PREFIX):
+        return None
+    path = register_path(dataset_id)
+    if not path.is_file():
+        return None
+    with _locked(path):
+        register = _read(path)
+        if [float(a) for a in orders] != [float(a) for a in register["orders"]]:
+            raise ConfigError(f"{path}: charges must be RDP curves at the register's orders")
+        new = {label: [float(v) for v in curve] for label, curve in charges.items()
+               if label not in register["charges"]}
+        before = spent_epsilon(register)
+        after = spent_epsilon(register, new)
+        if after > register["epsilon"]:
+            raise ConfigError(
+                f"dataset {dataset_id}: {len(new)} more run(s) would take its lifetime spend to epsilon={after:.3f}, "
+                f"past its lifetime budget {register['epsilon']:g} at delta={register['delta']:g} (spent so far "
+                f"{before:.3f}); nothing was started")
+        if commit and new:
+            register["charges"].update(new)
+            _write(path, register)
+        return after

@@ -1,0 +1,130 @@
+"""A dataset's lifetime privacy budget (issue 32): set once by the owner, every DP run and study charged its plan,
+and a run or study that would pass it refused before it starts, with one line and nothing written. The composed
+figure is checked against dp_accounting composing the same planned steps (an independent accountant)."""
+
+from __future__ import annotations
+
+import json
+
+import dp_accounting
+import pytest
+
+from raydp.cli import main
+from raydp.config import TrainConfig, validate_config
+from raydp.data import load_manifest, load_texts, manifest_id
+from raydp.errors import ConfigError
+from raydp.privacy.accounting.rdp import DEFAULT_ORDERS
+from raydp.privacy.lifetime import charge, read_budget, register_path, set_budget, spent_epsilon
+from raydp.runner.privacy_setup import plan_private_run, training_units
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    out = tmp_path_factory.mktemp("budgeted") / "data"
+    assert main(["data", "build", "--output", str(out), "--n-records", "400"]) == 0
+    return out
+
+
+def tiny(dataset, **overrides) -> TrainConfig:
+    values = {"model": "embedded-tiny", "strategy": "static", "epsilon": 2.0, "data": {"source": str(dataset)},
+              "max_steps": 6, "eval_max_records": 8, "public_eval_records": 8, "warmup_steps": 2}
+    values.update(overrides)
+    return validate_config(TrainConfig, values)
+
+
+def dp_accounting_epsilon(plans, delta: float) -> float:
+    """The same planned steps composed by dp_accounting's RDP accountant (constant sigma plans)."""
+    accountant = dp_accounting.rdp.RdpAccountant(list(DEFAULT_ORDERS))
+    for plan in plans:
+        event = dp_accounting.PoissonSampledDpEvent(plan.q, dp_accounting.GaussianDpEvent(plan.sigma_map(plan.sigma_0)))
+        accountant.compose(event, plan.planned_steps)
+    return accountant.get_epsilon(delta)
+
+
+def test_a_run_past_the_lifetime_budget_is_refused_before_it_starts(dataset, tmp_path, capsys):
+    from raydp.runner.launch import train
+
+    dataset_id = manifest_id(load_manifest(dataset))
+    assert main(["data", "budget", str(dataset)]) == 0 and "no lifetime budget" in capsys.readouterr().out
+    assert main(["data", "budget", str(dataset), "--epsilon", "2.5", "--delta", "1e-5"]) == 0
+    from raydp.data.identity import owner_key_path
+
+    assert register_path(dataset_id).is_file() and register_path(dataset_id).parents[1] == owner_key_path().parent
+    config = tiny(dataset)
+    units = training_units(config, str(dataset), len(load_texts(dataset, "train")))
+    plan = plan_private_run(config, units.public_count)
+    one, two = dp_accounting_epsilon([plan], 1e-5), dp_accounting_epsilon([plan, plan], 1e-5)
+    assert one < 2.5 < two  # so the first run fits and the second does not
+
+    train(config, tmp_path / "first", progress=False)
+    register = read_budget(dataset_id)
+    assert list(register["charges"]) == [f"run:{(tmp_path / 'first').resolve()}"]
+    assert spent_epsilon(register) == pytest.approx(one, rel=1e-3)
+    train(config, tmp_path / "first", overwrite=True, progress=False)  # the same run again: not charged twice
+    assert len(read_budget(dataset_id)["charges"]) == 1
+
+    with pytest.raises(ConfigError, match=r"lifetime spend to epsilon=.*past its lifetime budget 2.5 .*nothing was started"):
+        train(config, tmp_path / "second", progress=False)
+    assert not (tmp_path / "second").exists() and len(read_budget(dataset_id)["charges"]) == 1
+    assert main(["train", "--source", str(dataset), "--model", "embedded-tiny", "--strategy", "static",
+                 "--epsilon", "2", "--output", str(tmp_path / "cli"), "--quiet", "--max-steps", "6"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "past its lifetime budget" in err[0] and not (tmp_path / "cli").exists()
+    assert main(["data", "budget", str(dataset)]) == 0
+    assert f"composed epsilon {one:.3f}" in capsys.readouterr().out
+
+    # the budget is set once; a non-private run releases nothing and is not charged
+    with pytest.raises(ConfigError, match="it is set once"):
+        set_budget(dataset_id, 5.0, 1e-5)
+    train(tiny(dataset, strategy="nonprivate", epsilon=None), tmp_path / "plain", progress=False)
+    assert len(read_budget(dataset_id)["charges"]) == 1
+
+
+def test_composition_matches_dp_accounting_and_charges_are_atomic(tmp_path, monkeypatch):
+    """Two fixed plans and an adaptive one (its Renyi-filter budget) composed by the register, against
+    dp_accounting composing the same steps; a refused charge writes nothing."""
+    monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "owner.key"))
+    from raydp.runner.privacy_setup import PrivacyPlan, planned_rdp_curve
+
+    dataset_id = "rdi1:" + "ab" * 16
+    set_budget(dataset_id, 10.0, 1e-6)
+    plans = [PrivacyPlan(q=0.02, planned_steps=300, sigma_0=1.1), PrivacyPlan(q=0.05, planned_steps=100, sigma_0=2.0)]
+    after = charge(dataset_id, {f"r{i}": planned_rdp_curve(p, 1e-6) for i, p in enumerate(plans)})
+    assert after == pytest.approx(dp_accounting_epsilon(plans, 1e-6), rel=1e-6)
+    adaptive = PrivacyPlan(q=0.02, planned_steps=300, sigma_0=1.1, accountant="rdp", adaptive=True)
+    curve = planned_rdp_curve(adaptive, 1e-6)  # the filter's budget: the same steps, with the filter's slack
+    assert (curve >= planned_rdp_curve(plans[0], 1e-6)).all() and curve[3] == pytest.approx(
+        planned_rdp_curve(plans[0], 1e-6)[3], rel=1e-3)
+    before = register_path(dataset_id).read_bytes()
+    with pytest.raises(ConfigError, match="past its lifetime budget 10"):
+        charge(dataset_id, {f"big{i}": planned_rdp_curve(plans[0], 1e-6) for i in range(40)})
+    assert register_path(dataset_id).read_bytes() == before
+    assert oct(register_path(dataset_id).stat().st_mode & 0o777) == "0o600"
+    assert charge(dataset_id, {"r0": planned_rdp_curve(plans[0], 1e-6)}) == pytest.approx(after)  # already charged
+    with pytest.raises(ConfigError, match="not a private dataset id"):
+        set_budget("public:" + "0" * 64, 1.0, 1e-5)
+    with pytest.raises(ConfigError, match="0 < epsilon"):
+        set_budget("rdi1:" + "cd" * 16, -1.0, 1e-5)
+    assert json.loads(register_path(dataset_id).read_text())["dataset_id"] == dataset_id
+
+
+def test_a_study_past_the_lifetime_budget_is_refused_and_a_search_on_a_budgeted_dataset_too(dataset, tmp_path):
+    from raydp.study.config import load_study
+    from raydp.study.runner import prepare_study
+    from tests.test_study import write_study
+
+    dataset_id = manifest_id(load_manifest(dataset))
+    if read_budget(dataset_id) is None:  # when run alone
+        set_budget(dataset_id, 2.5, 1e-5)
+    base = {"data": {"source": str(dataset)}, "max_steps": 6}
+    study = load_study(write_study(tmp_path, seeds=[0, 1, 2], strategies=["static"], base=base,
+                                   wandb={"mode": "disabled"}))
+    charges_before = dict(read_budget(dataset_id)["charges"])
+    with pytest.raises(ConfigError, match="3 more run\\(s\\) would take its lifetime spend"):
+        prepare_study(study, tmp_path / "out" / study.name, progress=False, charge_lifetime=True)
+    assert read_budget(dataset_id)["charges"] == charges_before
+    search = load_study(write_study(tmp_path, name="searched", strategies=["static"], base=base, search="optuna",
+                                    search_space={"static": {"clip": {"low": 0.01, "high": 1.0, "log": True}}},
+                                    wandb={"mode": "disabled"}))
+    with pytest.raises(ConfigError, match="must be a grid"):
+        prepare_study(search, tmp_path / "out" / search.name, progress=False)
