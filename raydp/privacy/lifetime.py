@@ -10,8 +10,9 @@ before it starts: a fixed schedule's RDP curve over its planned steps, or an ada
 (ERRATA E13). A run that stops early has still spent no more than that, so the charge is an upper bound.
 
 The register is the owner's, kept beside the owner key (``budgets/<dataset id>.json``; never in a releasable
-file): the budget, and one charge per run or study trial under a label (a run's output directory, a study
-directory and trial name), so that resuming a run or a study does not charge it twice. Only the machine that
+file): the budget, and one charge per run or study trial under a label (a fresh run's output directory and a
+random tag, as every fresh run spends anew; a study directory and trial name, so that resuming a study does not
+charge it twice; a resumed run is not charged again). Only the machine that
 starts a run or a study reads and writes it: a study charges all its trials on the driver before any starts.
 Public datasets (``public:`` ids) have no budget. Local-DP runs (EW-FT, DP-Forward) are accounted otherwise
 and are refused on a dataset with a budget; a non-private run releases nothing and is not charged.

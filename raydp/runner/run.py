@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -178,8 +179,11 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             plan = plan_local_run(config, strategy, units, classification_spec(config.task.label).n_classes)
         else:
             plan = plan_private_run(config, units.public_count, strategy) if config.is_private else None
-        if plan is not None and charge_lifetime:  # refused here, before any step, when past the lifetime budget
-            charge_lifetime_budget(manifest_id(manifest), {f"run:{Path(output).resolve()}": plan}, config.delta)
+        if plan is not None and charge_lifetime and resume is None:  # refused here, before any step, when past
+            # the lifetime budget; every fresh run is charged anew (a rerun into the same directory spends again),
+            # a resumed one was charged when it started
+            label = f"run:{Path(output).resolve()}#{uuid.uuid4().hex[:12]}"
+            charge_lifetime_budget(manifest_id(manifest), {label: plan}, config.delta)
         torch.manual_seed(config.seed)
         loaded = load_model(
             config.model,
