@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("dataset", help="dataset directory")
     budget.add_argument("--epsilon", type=float, help="set the lifetime epsilon (with --delta); once only")
     budget.add_argument("--delta", type=float, help="the lifetime delta")
+    budget.add_argument("--privacy-unit", choices=("patient", "record"), default="patient",
+                        help="what the budget protects (default: patient); runs of another unit are refused")
 
     train = commands.add_parser("train", help="run one fine-tuning, writing everything under --output")
     train.add_argument("--output", "-o", required=True, help="run directory to create")
@@ -293,20 +295,32 @@ def cmd_data_show(args) -> int:
 
 
 def cmd_data_budget(args) -> int:
+    import os
+
     from raydp.data import load_manifest, manifest_id
     from raydp.privacy.lifetime import read_budget, register_path, set_budget, spent_epsilon
 
-    dataset_id = manifest_id(load_manifest(args.dataset))
+    manifest = load_manifest(args.dataset)
+    dataset_id = manifest_id(manifest)
     if (args.epsilon is None) != (args.delta is None):
         raise ConfigError("set a lifetime budget with both --epsilon and --delta")
-    register = set_budget(dataset_id, args.epsilon, args.delta) if args.epsilon is not None \
-        else read_budget(dataset_id)
+    if args.epsilon is not None:
+        register = set_budget(dataset_id, args.epsilon, args.delta, args.privacy_unit,
+                              max_delta=1.0 / max(int(manifest["sizes"].get("train", 1)), 1))
+        # the dataset itself says it is budgeted: a run that cannot find the register is refused (fail closed)
+        manifest["lifetime_budget"] = {k: register[k] for k in ("epsilon", "delta", "privacy_unit")}
+        path = Path(args.dataset) / "manifest.json"
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(manifest, indent=2))
+        os.replace(tmp, path)
+    else:
+        register = read_budget(dataset_id)
     if register is None:
         print(f"dataset {dataset_id}: no lifetime budget (set one with --epsilon E --delta D)")
         return 0
-    print(f"dataset {dataset_id}: lifetime budget epsilon={register['epsilon']:g} at delta={register['delta']:g}; "
-          f"{len(register['charges'])} run(s) charged, composed epsilon {spent_epsilon(register):.3f} "
-          f"(kept in {register_path(dataset_id)}, private)")
+    print(f"dataset {dataset_id}: lifetime budget epsilon={register['epsilon']:g} at delta={register['delta']:g} per "
+          f"{register['privacy_unit']}; {len(register['charges'])} run(s) charged, composed epsilon "
+          f"{spent_epsilon(register):.3f} (kept in {register_path(dataset_id)}, private)")
     return 0
 
 

@@ -110,23 +110,72 @@ def test_composition_matches_dp_accounting_and_charges_are_atomic(tmp_path, monk
     assert json.loads(register_path(dataset_id).read_text())["dataset_id"] == dataset_id
 
 
-def test_a_study_past_the_lifetime_budget_is_refused_and_a_search_on_a_budgeted_dataset_too(dataset, tmp_path):
+def test_a_study_is_charged_once_per_study_run_and_refused_past_the_budget(tmp_path):
+    """All of a grid study's DP trials are charged in one step before any starts, under the study run's tag: a
+    resume (same tag) is not charged again, the same study run again (a new tag) is, and a study that would pass
+    the budget is refused with nothing charged. Optuna studies are refused on a budgeted dataset."""
     from raydp.study.config import load_study
-    from raydp.study.runner import prepare_study
+    from raydp.study.runner import LIFETIME_NONCE, prepare_study, study_lifetime_nonce
     from tests.test_study import write_study
 
-    dataset_id = manifest_id(load_manifest(dataset))
-    if read_budget(dataset_id) is None:  # when run alone
-        set_budget(dataset_id, 2.5, 1e-5)
-    base = {"data": {"source": str(dataset)}, "max_steps": 6}
-    study = load_study(write_study(tmp_path, seeds=[0, 1, 2], strategies=["static"], base=base,
-                                   wandb={"mode": "disabled"}))
-    charges_before = dict(read_budget(dataset_id)["charges"])
-    with pytest.raises(ConfigError, match="3 more run\\(s\\) would take its lifetime spend"):
-        prepare_study(study, tmp_path / "out" / study.name, progress=False, charge_lifetime=True)
-    assert read_budget(dataset_id)["charges"] == charges_before
+    data = tmp_path / "data"
+    assert main(["data", "build", "--output", str(data), "--n-records", "401"]) == 0
+    assert main(["data", "budget", str(data), "--epsilon", "4", "--delta", "1e-5"]) == 0
+    dataset_id = manifest_id(load_manifest(data))
+    assert load_manifest(data)["lifetime_budget"] == {"epsilon": 4.0, "delta": 1e-5, "privacy_unit": "patient"}
+    base = {"data": {"source": str(data)}, "max_steps": 6}
+    one = load_study(write_study(tmp_path, name="one", strategies=["static"], base=base, wandb={"mode": "disabled"}))
+    prepare_study(one, tmp_path / "out" / "one", progress=False, charge_lifetime=True, lifetime_nonce="first")
+    charges = read_budget(dataset_id)["charges"]
+    assert list(charges) == ["study:first/static_embedded-tiny_eps2_seed0"]
+    prepare_study(one, tmp_path / "out" / "one", progress=False, charge_lifetime=True, lifetime_nonce="first")
+    assert read_budget(dataset_id)["charges"] == charges  # resumed: not charged twice
+    prepare_study(one, tmp_path / "out" / "one", progress=False, lifetime_nonce="again")  # --check: checks only
+    assert read_budget(dataset_id)["charges"] == charges
+    prepare_study(one, tmp_path / "out" / "one", progress=False, charge_lifetime=True, lifetime_nonce="again")
+    assert len(read_budget(dataset_id)["charges"]) == 2  # the same study run again spends again
+
+    many = load_study(write_study(tmp_path, name="many", seeds=[0, 1, 2, 3], strategies=["static"], base=base,
+                                  wandb={"mode": "disabled"}))
+    with pytest.raises(ConfigError, match="4 more run\\(s\\) would take its lifetime spend"):
+        prepare_study(many, tmp_path / "out" / "many", progress=False, charge_lifetime=True)
+    assert len(read_budget(dataset_id)["charges"]) == 2
     search = load_study(write_study(tmp_path, name="searched", strategies=["static"], base=base, search="optuna",
                                     search_space={"static": {"clip": {"low": 0.01, "high": 1.0, "log": True}}},
                                     wandb={"mode": "disabled"}))
     with pytest.raises(ConfigError, match="must be a grid"):
         prepare_study(search, tmp_path / "out" / search.name, progress=False)
+
+    study_dir = tmp_path / "out" / "resumed"
+    (study_dir / LIFETIME_NONCE).parent.mkdir(parents=True)
+    (study_dir / LIFETIME_NONCE).write_text("kept\n")
+    assert study_lifetime_nonce(study_dir, resume=True) == "kept"
+    assert study_lifetime_nonce(study_dir, resume=False) != "kept"
+
+
+def test_a_budgeted_dataset_refuses_what_a_charge_cannot_cover(dataset, tmp_path, monkeypatch, capsys):
+    """Fail closed and refuse: a run whose epsilon carries caveats (paper mode, void randomness), a local-DP
+    plan, another privacy unit, and any run when the dataset says it is budgeted but its register is not found
+    (another owner key on this machine)."""
+    from raydp.runner.privacy_setup import LifetimeCharge, PrivacyPlan, charge_lifetime
+
+    manifest = load_manifest(dataset)
+    if read_budget(manifest_id(manifest)) is None:  # when run alone
+        assert main(["data", "budget", str(dataset), "--epsilon", "2.5", "--delta", "1e-5"]) == 0
+        manifest = load_manifest(dataset)
+    plan = PrivacyPlan(q=0.01, planned_steps=10, sigma_0=5.0)
+    with pytest.raises(ConfigError, match="caveats \\(paper mode"):
+        charge_lifetime(manifest, {"x": LifetimeCharge(plan, 1e-5, "patient", ("paper mode",))}, commit=False)
+    with pytest.raises(ConfigError, match="local-DP"):
+        charge_lifetime(manifest, {"x": LifetimeCharge(object(), 1e-5, "patient")}, commit=False)
+    with pytest.raises(ConfigError, match="per patient: a run protecting each record"):
+        charge_lifetime(manifest, {"x": LifetimeCharge(plan, 1e-5, "record")}, commit=False)
+    assert charge_lifetime(manifest, {"x": LifetimeCharge(plan, 1e-5, "patient")}, commit=False) is not None
+    monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "other.key"))
+    with pytest.raises(ConfigError, match="has a lifetime budget, but its register is not at"):
+        charge_lifetime(manifest, {"x": LifetimeCharge(plan, 1e-5, "patient")}, commit=False)
+    other = tmp_path / "other"
+    assert main(["data", "build", "--output", str(other), "--n-records", "402"]) == 0
+    capsys.readouterr()
+    assert main(["data", "budget", str(other), "--epsilon", "1", "--delta", "0.01"]) == 2  # delta >= 1/N units
+    assert "1/N units" in capsys.readouterr().err and "lifetime_budget" not in load_manifest(other)

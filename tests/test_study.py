@@ -464,11 +464,13 @@ def test_a_killed_trial_resumes_with_exactly_the_planned_ledger(tiny_study, tmp_
     killed = {}
 
     def killer():
-        deadline = time.time() + 600
+        deadline, seen = time.time() + 600, set()
         while time.time() < deadline:
-            checkpoints = list((study_dir / "tune" / "killed").glob("*/checkpoint_*"))
+            # Tune keeps two checkpoints (CHECKPOINTS_KEPT) and deletes older ones as it goes: count every one
+            # seen, so the kill lands after the third checkpoint however fast the older ones disappear
+            seen |= {p.name for p in (study_dir / "tune" / "killed").glob("*/checkpoint_*")}
             pids = list((study_dir / "work").glob("*/pid"))
-            if len(checkpoints) >= 3 and pids:
+            if len(seen) >= 3 and pids:
                 killed["pid"] = int(pids[0].read_text())
                 os.kill(killed["pid"], signal.SIGKILL)
                 return

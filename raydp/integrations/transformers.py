@@ -298,7 +298,8 @@ class DPTraining:
     ``dataset_id`` of the raydp dataset the records come from (its manifest's, :mod:`raydp.data.identity`), so
     that studies on it compose this run's spend; default: the owner-keyed id of the tokenised training records,
     which matches no raydp dataset. Never a plain hash of the records: one that anyone can recompute lets
-    whoever knows all records but one recover the last (a one-line error)."""
+    whoever knows all records but one recover the last (a one-line error). A dataset with a lifetime budget
+    (:mod:`raydp.privacy.lifetime`) is charged this run's plan when it is set up, or the run is refused."""
 
     def __init__(self, model: torch.nn.Module, train_dataset, tokenizer=None, config: TrainConfig | None = None, *,
                  units: Sequence | None = None, text_column: str = "text", loss=None, controller=None,
@@ -357,6 +358,13 @@ class DPTraining:
         self.max_length = max_length
         #: the checked request: q, planned steps, sigma_0 (no model needed; one-line errors before training)
         self.plan = plan_private_run(self.config, self.units.public_count, self.strategy)
+        if self.dataset_id is not None:  # a raydp dataset with a lifetime budget: charged (or refused) here
+            import uuid
+
+            from raydp.runner.privacy_setup import LifetimeCharge, charge_lifetime
+
+            charge_lifetime({"dataset_id": self.dataset_id}, {f"trainer:{uuid.uuid4().hex[:12]}": LifetimeCharge.of(
+                self.plan, self.config, self.strategy, self.units.name)})
         self.run: PrivateRun | None = None
         self.trainer: Trainer | None = None
         self.callback = DPCallback(self)

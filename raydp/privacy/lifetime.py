@@ -24,6 +24,7 @@ import fcntl
 import json
 import math
 import os
+import uuid
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -59,35 +60,45 @@ def _locked(path: Path):
 def _read(path: Path) -> dict | None:
     if not path.is_file():
         return None
-    register = json.loads(path.read_text())
-    if register.get("format") != FORMAT:
-        raise ConfigError(f"{path}: not a raydp lifetime budget ({register.get('format')!r})")
+    try:
+        register = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: the lifetime budget register cannot be read ({exc}); nothing was started") from None
+    if not isinstance(register, dict) or register.get("format") != FORMAT:
+        raise ConfigError(f"{path}: not a raydp lifetime budget register; nothing was started")
     return register
 
 
 def _write(path: Path, register: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as handle:
         json.dump(register, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
     os.replace(tmp, path)
 
 
-def set_budget(dataset_id: str, epsilon: float, delta: float) -> dict:
-    """Set the dataset's lifetime (epsilon, delta), once: setting it again to other values is refused (a budget
-    that can be raised bounds nothing). Runs charged before it was set are not in it."""
-    if not (0 < epsilon < math.inf) or not (0 < delta < 1):
-        raise ConfigError(f"a lifetime budget needs 0 < epsilon < inf and 0 < delta < 1, got ({epsilon}, {delta})")
+def set_budget(dataset_id: str, epsilon: float, delta: float, privacy_unit: str = "patient",
+               max_delta: float = 1.0) -> dict:
+    """Set the dataset's lifetime (epsilon, delta) for one privacy unit, once: setting it again to other values is
+    refused (a budget that can be raised bounds nothing). Runs charged before it was set are not in it.
+    ``max_delta``: delta must be below it (1/N units: a larger delta allows releasing a unit outright)."""
+    if not (0 < epsilon < math.inf) or not (0 < delta < min(1.0, max_delta)):
+        raise ConfigError(f"a lifetime budget needs 0 < epsilon < inf and 0 < delta < {min(1.0, max_delta):.3g} "
+                          f"(1/N units), got ({epsilon}, {delta})")
     path = register_path(dataset_id)
     with _locked(path):
         register = _read(path)
         if register is not None:
-            if (register["epsilon"], register["delta"]) != (float(epsilon), float(delta)):
+            if (register["epsilon"], register["delta"], register["privacy_unit"]) != \
+                    (float(epsilon), float(delta), privacy_unit):
                 raise ConfigError(f"dataset {dataset_id} already has the lifetime budget epsilon="
-                                  f"{register['epsilon']:g}, delta={register['delta']:g}: it is set once")
+                                  f"{register['epsilon']:g}, delta={register['delta']:g} per "
+                                  f"{register['privacy_unit']}: it is set once")
             return register
         register = {"format": FORMAT, "dataset_id": dataset_id, "epsilon": float(epsilon), "delta": float(delta),
-                    "orders": list(DEFAULT_ORDERS), "charges": {}}
+                    "privacy_unit": privacy_unit, "orders": list(DEFAULT_ORDERS), "charges": {}}
         _write(path, register)
         return register
 
@@ -109,24 +120,39 @@ def spent_epsilon(register: Mapping, extra: Mapping[str, Sequence[float]] | None
 
 
 def charge(dataset_id: str | None, charges: Mapping[str, Sequence[float]], orders: Sequence[float] = DEFAULT_ORDERS,
-           commit: bool = True) -> float | None:
+           commit: bool = True, privacy_unit: str = "patient", required: bool = False) -> float | None:
     """Charge runs (label -> planned RDP curve at ``orders``) to the dataset's lifetime budget, or raise a
-    one-line ConfigError, writing nothing, if the composition would exceed it. Labels already charged are not
-    charged again (a resumed run). ``commit=False`` only checks. Returns the composed epsilon after the charge,
-    or None when the dataset has no budget."""
+    one-line ConfigError, writing nothing, if the composition would exceed it. A label already charged is charged
+    again only where its new curve is larger (a resumed study whose plan changed pays the difference). Runs of
+    another privacy unit than the budget's are refused. ``commit=False`` only checks; ``required``: the dataset
+    says it has a budget, so a missing register is refused (fail closed). Returns the composed epsilon after the
+    charge, or None when the dataset has no budget."""
     if dataset_id is None or not charges:
         return None
     if not is_dataset_id(dataset_id) or dataset_id.startswith(PUBLIC_PREFIX):
         return None
     path = register_path(dataset_id)
     if not path.is_file():
+        if required:
+            raise ConfigError(f"dataset {dataset_id} has a lifetime budget, but its register is not at {path} (set "
+                              f"RAYDP_OWNER_KEY to the owner's key file on this machine); nothing was started")
         return None
     with _locked(path):
         register = _read(path)
         if [float(a) for a in orders] != [float(a) for a in register["orders"]]:
             raise ConfigError(f"{path}: charges must be RDP curves at the register's orders")
-        new = {label: [float(v) for v in curve] for label, curve in charges.items()
-               if label not in register["charges"]}
+        if privacy_unit != register.get("privacy_unit", "patient"):
+            raise ConfigError(f"dataset {dataset_id}'s lifetime budget is per {register.get('privacy_unit')}: a run "
+                              f"protecting each {privacy_unit} cannot be charged to it; nothing was started")
+        new = {}
+        for label, curve in charges.items():
+            curve = np.asarray(curve, dtype=np.float64)
+            if curve.shape != (len(orders),) or np.isnan(curve).any() or (curve < 0).any():
+                raise ConfigError(f"{label}: a charge must be a non-negative RDP curve at every order")
+            old = register["charges"].get(label)
+            merged = curve if old is None else np.maximum(curve, np.asarray(old, dtype=np.float64))
+            if old is None or (merged > np.asarray(old)).any():
+                new[label] = merged.tolist()
         before = spent_epsilon(register)
         after = spent_epsilon(register, new)
         if after > register["epsilon"]:

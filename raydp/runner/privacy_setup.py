@@ -226,19 +226,46 @@ def planned_rdp_curve(plan: PrivacyPlan, delta: float, orders=DEFAULT_ORDERS) ->
     return total
 
 
-def charge_lifetime(dataset_id: str | None, plans: dict, delta: float, commit: bool = True) -> float | None:
-    """Charge planned runs (label -> plan) to the dataset's lifetime budget, if it has one
-    (:mod:`raydp.privacy.lifetime`): a one-line ConfigError, nothing charged, when they would exceed it."""
+@dataclass(frozen=True)
+class LifetimeCharge:
+    """One run's claim on its dataset's lifetime budget: its plan, delta, privacy unit and the caveats on its
+    epsilon (a strategy's labels, void randomness): a run with caveats cannot be charged."""
+
+    plan: object  # PrivacyPlan, or a local plan (refused)
+    delta: float
+    unit: str
+    caveats: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, plan, config: TrainConfig, strategy: Strategy, unit: str) -> LifetimeCharge:
+        caveats = tuple(strategy.labels()) + (("unsafe_fixed_randomness",) if config.unsafe_fixed_randomness else ())
+        return cls(plan, config.delta, unit, caveats)
+
+
+def charge_lifetime(manifest: dict, runs: dict[str, LifetimeCharge], commit: bool = True) -> float | None:
+    """Charge planned runs (label -> :class:`LifetimeCharge`) to the dataset's lifetime budget, if it has one
+    (:mod:`raydp.privacy.lifetime`), in one step: a one-line ConfigError, nothing charged, when they would exceed
+    it. Refused on a budgeted dataset: local-DP runs (no RDP curve), runs whose epsilon carries caveats (paper
+    mode, a redacted private phase 1, void randomness: their charge would not bound what they reveal), and runs
+    of another privacy unit. A dataset marked budgeted whose register is not found is refused (fail closed)."""
+    from raydp.data import manifest_id
     from raydp.privacy.lifetime import charge, read_budget
 
-    if read_budget(dataset_id) is None:
+    dataset_id, required = manifest_id(manifest), bool(manifest.get("lifetime_budget"))
+    if not runs or (read_budget(dataset_id) is None and not required):
         return None
-    local = next((label for label, plan in plans.items() if not isinstance(plan, PrivacyPlan)), None)
-    if local is not None:
-        raise ConfigError(f"{local}: dataset {dataset_id} has a lifetime budget, and a local-DP run's accounting "
-                          f"cannot be charged to it")
-    return charge(dataset_id, {label: planned_rdp_curve(plan, delta) for label, plan in plans.items()},
-                  DEFAULT_ORDERS, commit=commit)
+    for label, run in runs.items():
+        if not isinstance(run.plan, PrivacyPlan):
+            raise ConfigError(f"{label}: dataset {dataset_id} has a lifetime budget, and a local-DP run's accounting "
+                              f"cannot be charged to it")
+        if run.caveats:
+            raise ConfigError(f"{label}: dataset {dataset_id} has a lifetime budget, and this run's epsilon carries "
+                              f"caveats ({'; '.join(run.caveats)[:120]}) that a charge cannot cover")
+    units = {run.unit for run in runs.values()}
+    if len(units) > 1:
+        raise ConfigError(f"runs on dataset {dataset_id} protect different units ({sorted(units)}): charge them apart")
+    curves = {label: planned_rdp_curve(run.plan, run.delta) for label, run in runs.items()}
+    return charge(dataset_id, curves, DEFAULT_ORDERS, commit=commit, privacy_unit=units.pop(), required=required)
 
 
 def setup_private_run(

@@ -46,6 +46,7 @@ from raydp.runner.loop import OptimizerSettings, Trainer
 from raydp.runner.output import staged_output
 from raydp.runner.privacy_setup import (
     build_strategy,
+    LifetimeCharge,
     charge_lifetime as charge_lifetime_budget,
     plan_private_run,
     privacy_summary,
@@ -183,7 +184,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             # the lifetime budget; every fresh run is charged anew (a rerun into the same directory spends again),
             # a resumed one was charged when it started
             label = f"run:{Path(output).resolve()}#{uuid.uuid4().hex[:12]}"
-            charge_lifetime_budget(manifest_id(manifest), {label: plan}, config.delta)
+            charge_lifetime_budget(manifest, {label: LifetimeCharge.of(plan, config, strategy, units.name)})
         torch.manual_seed(config.seed)
         loaded = load_model(
             config.model,

@@ -29,6 +29,7 @@ import math
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -57,12 +58,15 @@ def trial_name(trial: dict) -> str:
 
 
 def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
-                  build_models: bool = False, charge_lifetime: bool = False) -> tuple[str, list[dict]]:
+                  build_models: bool = False, charge_lifetime: bool = False,
+                  lifetime_nonce: str | None = None) -> tuple[str, list[dict]]:
     """Build the dataset, validate every trial and calibrate every plan; returns (dataset_dir, trials).
     ``build_models``: also build the embedded models the study uses, once, here (not in every trial). Where
     the dataset has a lifetime budget (:mod:`raydp.privacy.lifetime`), every DP trial's plan is checked against
-    it, and with ``charge_lifetime`` charged (under the study directory and trial's name, so a resumed study is
-    not charged twice)."""
+    it, and with ``charge_lifetime`` charged under ``lifetime_nonce`` (a random tag of this study run, kept in its
+    private ``work/``: a resumed study is not charged twice, a study run again is charged again) and each trial's
+    name."""
+    lifetime_nonce = lifetime_nonce or uuid.uuid4().hex
     from raydp.data import load_texts, resolve_dataset
     from raydp.runner.local_setup import is_local, plan_local_run
     from raydp.runner.privacy_setup import build_strategy, plan_key, plan_private_run, training_units
@@ -115,7 +119,11 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
         if not trial.get("search"):  # a corner is only checked: Optuna's trials are named when they run
             trials.append({**trial, "name": trial_name(trial)})
             if config.is_private:
-                trial_plans[f"study:{Path(study_dir).resolve()}/{trials[-1]['name']}"] = (plans[key], config.delta)
+                from raydp.runner.privacy_setup import LifetimeCharge
+
+                units = training_units(config, dataset, n_train)
+                trial_plans[f"study:{lifetime_nonce}/{trials[-1]['name']}"] = LifetimeCharge.of(
+                    plans[key], config, strategy, units.name)
     _charge_lifetime(study, dataset, trial_plans, commit=charge_lifetime)
     if build_models:
         build_study_models(trials, progress)
@@ -123,23 +131,34 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
 
 
 def _charge_lifetime(study: StudyConfig, dataset: str, trial_plans: dict, commit: bool) -> None:
-    """The study's DP trials against its dataset's lifetime budget, if the owner set one: all of them, on this
-    machine, before any starts. Optuna's and PBT's trials are not planned before they run: refused there."""
+    """The study's DP trials against its dataset's lifetime budget, if the owner set one: all of them in one
+    charge, on this machine, before any starts. Optuna's and PBT's trials are not planned before they run:
+    refused there."""
     from raydp.data import load_manifest, manifest_id
     from raydp.privacy.lifetime import read_budget
     from raydp.runner.privacy_setup import charge_lifetime
 
-    dataset_id = manifest_id(load_manifest(dataset))
-    if read_budget(dataset_id) is None:
+    manifest = load_manifest(dataset)
+    if read_budget(manifest_id(manifest)) is None and not manifest.get("lifetime_budget"):
         return
     if study.search != "grid" or search_cells(study):
-        raise ConfigError(f"dataset {dataset_id} has a lifetime budget: a study on it must be a grid (search: "
-                          f"{study.search} trials are not planned before they run, so they cannot be charged first)")
-    by_delta: dict[float, dict] = {}
-    for label, (plan, delta) in trial_plans.items():
-        by_delta.setdefault(delta, {})[label] = plan
-    for delta, plans in by_delta.items():
-        charge_lifetime(dataset_id, plans, delta, commit=commit)
+        raise ConfigError(f"dataset {manifest_id(manifest)} has a lifetime budget: a study on it must be a grid "
+                          f"(search: {study.search} trials are not planned before they run, so they cannot be "
+                          f"charged first)")
+    charge_lifetime(manifest, trial_plans, commit=commit)
+
+
+#: where a study run keeps the tag its trials were charged to a lifetime budget under (private: work/)
+LIFETIME_NONCE = Path("work") / "lifetime-nonce"
+
+
+def study_lifetime_nonce(study_dir: Path, resume: bool) -> str:
+    """A resumed study's tag (read back; a new one if it has none, which charges it again: conservative), or a
+    fresh study's new one."""
+    path = Path(study_dir) / LIFETIME_NONCE
+    if resume and path.is_file():
+        return path.read_text().strip()
+    return uuid.uuid4().hex
 
 
 def build_study_models(trials: list[dict], progress: bool) -> None:
@@ -583,7 +602,9 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
     created = not study_dir.exists()
     try:
         study_dir.mkdir(parents=True, exist_ok=True)
-        dataset, trials = prepare_study(study, study_dir, progress=progress, charge_lifetime=True)
+        nonce = study_lifetime_nonce(study_dir, resume)
+        dataset, trials = prepare_study(study, study_dir, progress=progress, charge_lifetime=True,
+                                        lifetime_nonce=nonce)
         ensure_ray()
         cpus, gpus = study.resources.cpus_per_trial, study.resources.gpus_per_trial
         if cpus > ray.cluster_resources().get("CPU", 0):
@@ -598,6 +619,9 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
         raise
     (study_dir / "PRIVACY.txt").write_text(STUDY_PRIVACY_NOTE)
     (study_dir / "study.json").write_text(json.dumps(study.model_dump(mode="json"), indent=2))
+    if not (study_dir / LIFETIME_NONCE).is_file():  # a resume is not charged twice (private: work/)
+        (study_dir / LIFETIME_NONCE).parent.mkdir(parents=True, exist_ok=True)
+        (study_dir / LIFETIME_NONCE).write_text(nonce + "\n")
     session = None
     common = {"study": study.model_dump(mode="json"), "dataset": dataset, "study_dir": str(study_dir),
               "wandb": wandb_target(study, study_dir),
