@@ -18,8 +18,23 @@ from raydp.privacy.lifetime import charge, read_budget, register_path, set_budge
 from raydp.runner.privacy_setup import plan_private_run, training_units
 
 
+@pytest.fixture(scope="module", autouse=True)
+def own_owner_key(tmp_path_factory):
+    """This module's datasets under an owner key of their own: the same records under the session's key have the
+    same id as other tests' datasets, which must not inherit the budgets set here."""
+    import os
+
+    before = os.environ.get("RAYDP_OWNER_KEY")
+    os.environ["RAYDP_OWNER_KEY"] = str(tmp_path_factory.mktemp("lifetime-owner") / "owner.key")
+    yield
+    if before is None:
+        os.environ.pop("RAYDP_OWNER_KEY", None)
+    else:
+        os.environ["RAYDP_OWNER_KEY"] = before
+
+
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
+def dataset(tmp_path_factory, own_owner_key):
     out = tmp_path_factory.mktemp("budgeted") / "data"
     assert main(["data", "build", "--output", str(out), "--n-records", "400"]) == 0
     return out
