@@ -238,7 +238,9 @@ class LifetimeCharge:
 
     @classmethod
     def of(cls, plan, config: TrainConfig, strategy: Strategy, unit: str) -> LifetimeCharge:
-        caveats = tuple(strategy.labels()) + (("unsafe_fixed_randomness",) if config.unsafe_fixed_randomness else ())
+        labels = getattr(strategy, "labels", None)  # a local strategy has none (it is refused on its plan)
+        caveats = tuple(labels() if labels else ()) + (
+            ("unsafe_fixed_randomness",) if config.unsafe_fixed_randomness else ())
         return cls(plan, config.delta, unit, caveats)
 
 
