@@ -673,7 +673,7 @@ def test_wandb_settings_honour_wandb_environment_variables(monkeypatch):
 
 
 @pytest.mark.parametrize("opt_in", [False, True])
-def test_wandb_sends_attack_results_only_on_opt_in_labelled_unprotected(tmp_path, opt_in):
+def test_wandb_sends_attack_results_only_on_opt_in_labelled_unprotected(tmp_path, opt_in, monkeypatch, capfd):
     """Attack and audit results are measured on the private records: wandb (a third party) gets them only when the
     study says ``wandb: {attacks: true}``, under ``unprotected/``. The same trial run again resumes its wandb run."""
     from wandb_records import records
@@ -682,6 +682,7 @@ def test_wandb_sends_attack_results_only_on_opt_in_labelled_unprotected(tmp_path
     from raydp.study.config import load_study
     from raydp.study.runner import _Reporter
 
+    monkeypatch.delenv("WANDB_SILENT", raising=False)  # raydp silences wandb itself (a study's log stays clean)
     study = load_study(write_study(tmp_path, wandb={"mode": "offline", "attacks": opt_in}))
     for _ in range(2):  # a retried trial: the same wandb run, resumed
         reporter = _Reporter(study, {"name": "static_x_eps2_seed0"}, TrainConfig(strategy="static", epsilon=2.0),
@@ -690,6 +691,7 @@ def test_wandb_sends_attack_results_only_on_opt_in_labelled_unprotected(tmp_path
         reporter.close({"mia_auc": 0.52, "evaluation_error": "text is never sent"})
     files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len({f.name for f in files}) == 1  # one run id for both attempts
+    assert "wandb:" not in "".join(capfd.readouterr())
     summary = {item.key: json.loads(item.value_json) for f in files for r in records(f)
                if r.WhichOneof("record_type") == "summary" for item in r.summary.update}
     assert ("unprotected/mia_auc" in summary) is opt_in and "mia_auc" not in summary

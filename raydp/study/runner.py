@@ -248,6 +248,7 @@ class _Reporter:
         import wandb
 
         safe = {k: v for k, v in trial.items() if k not in ("policy_path",)}  # settings only, no data
+        os.environ.setdefault("WANDB_SILENT", "true")  # no "syncing is offline" lines per trial in a study's log
         run_id = hashlib.sha256(f"{target['id_base']}|{trial['name']}".encode()).hexdigest()[:24]
         self.run = wandb.init(
             project=target["project"], entity=target["entity"], mode=target["mode"], id=run_id, resume="allow",
