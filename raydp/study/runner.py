@@ -90,7 +90,7 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
             raise ConfigError(f"the study declares its data public (private_data: false, a shared policy or "
                               f"save_policy), but {dataset} is not raydp's public population")
     n_train = len(load_texts(dataset, "train"))
-    trials, plans, trial_plans = [], {}, {}
+    trials, plans, trial_plans, unit_names = [], {}, {}, {}
     for trial in trial_grid(study) + corners:
         config = trial_config(study, trial, dataset)
         if config.strategy == "rldp" and config.rldp.policy and not trial.get("frozen_from"):
@@ -107,6 +107,7 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
             if key not in plans:
                 try:
                     units = training_units(config, dataset, n_train)  # patients by default (E11)
+                    unit_names[key] = units.name  # the key holds the privacy unit: one per plan
                     if is_local(strategy):  # forward-pass local DP: its own plan (ERRATA E8)
                         from raydp.data.tasks import classification_spec
 
@@ -121,9 +122,8 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
             if config.is_private:
                 from raydp.runner.privacy_setup import LifetimeCharge
 
-                units = training_units(config, dataset, n_train)
                 trial_plans[f"study:{lifetime_nonce}/{trials[-1]['name']}"] = LifetimeCharge.of(
-                    plans[key], config, strategy, units.name)
+                    plans[key], config, strategy, unit_names[key])
     _charge_lifetime(study, dataset, trial_plans, commit=charge_lifetime)
     if build_models:
         build_study_models(trials, progress)
@@ -139,10 +139,11 @@ def _charge_lifetime(study: StudyConfig, dataset: str, trial_plans: dict, commit
     from raydp.runner.privacy_setup import charge_lifetime
 
     manifest = load_manifest(dataset)
-    if read_budget(manifest_id(manifest)) is None and not manifest.get("lifetime_budget"):
+    dataset_id = manifest_id(manifest)
+    if read_budget(dataset_id) is None and not manifest.get("lifetime_budget"):
         return
     if study.search != "grid" or search_cells(study):
-        raise ConfigError(f"dataset {manifest_id(manifest)} has a lifetime budget: a study on it must be a grid "
+        raise ConfigError(f"dataset {dataset_id} has a lifetime budget: a study on it must be a grid "
                           f"(search: {study.search} trials are not planned before they run, so they cannot be "
                           f"charged first)")
     charge_lifetime(manifest, trial_plans, commit=commit)
