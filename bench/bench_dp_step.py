@@ -1,114 +1,145 @@
-"""Benchmark: cost of the pairwise DP step on this machine (issue 3 targets).
+"""Benchmark: cost of the pairwise DP step (issue 3 targets; issue 28 on a GPU).
 
-Prints, from one run:
+Prints, per model, from one run:
   * pairwise DP step time / non-private LoRA step time          (target <= 1.05)
   * pairwise DP step time / Opacus flat DP step time             (target <= 1.0)
   * accountant time per step / DP step time                      (target <= 1%)
-Each "step" is sampling-free: the same batch of embedded-default narratives goes through gradient
-computation and the AdamW update; times are medians over interleaved rounds after a warm-up. The
-accounting cost per step is the ledger append plus the guard calls and the final epsilon spread over
-a 3,600-step run. The epsilon error of the fast ledger versus exact per-step PLD is printed by
-bench/bench_accounting.py.
+Each "step" is sampling-free: the same batch goes through gradient computation and the AdamW update; times
+are medians over interleaved rounds after a warm-up, the device synchronised around each step (a CUDA step
+is timed to its end, not to its last launch). The accounting cost per step is the ledger append plus the
+guard calls and the final epsilon spread over a 3,600-step run. The epsilon error of the fast ledger versus
+exact per-step PLD is printed by bench/bench_accounting.py.
 
-Run: python bench/bench_dp_step.py [--steps 30] [--batch 16] [--model embedded]
+Models: ``embedded`` (the default: its narratives, ~50 tokens); ``gpt2-small-config`` (GPT-2 small's width
+and depth, 12 LoRA pairs) and ``llama-1b-config`` (Llama 3.2 1B's shape: 16 layers, width 2048, GQA 32/8
+heads, vocabulary 128,256; 32 LoRA pairs on q_proj and v_proj), built from config with random weights (cost,
+not utility) on random tokens of ``--length``. On CUDA the frozen base is bf16 and LoRA fp32, as in a run.
+
+``--compare-with DIR`` also runs this bench with the raydp package found in DIR (for example an older
+commit: ``git archive REV raydp | tar -x -C DIR``) in a subprocess, and prints both side by side.
+
+Run: python bench/bench_dp_step.py [--models embedded,gpt2-small-config] [--steps 30] [--batch 16] [--length 128]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import warnings
 
 import torch
 
+warnings.filterwarnings("ignore", message="Full backward hook is firing")  # Opacus's hooks on LoRA layers
+CONFIG_MODELS = ("gpt2-small-config", "llama-1b-config")
 
-def interleaved_medians(fns: dict, rounds: int, warmup: int = 3) -> dict:
+
+def interleaved_medians(fns: dict, rounds: int, warmup: int = 3, sync=lambda: None) -> dict:
     """Median time of each step function, measured in interleaved rounds (fair under drifting load)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
+    sync()
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
             started = time.perf_counter()
             fn()
+            sync()
             times[name].append(time.perf_counter() - started)
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--model", default="embedded")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def build(model_name: str, texts: list[str], batch_size: int, length: int):
+    """(loaded model, batch): an embedded model on its narratives, or a config-built shape on random tokens."""
+    from raydp.model import disable_dropout, load_model
+    from raydp.model.adapters import discover_adapter_pairs
+    from raydp.model.batches import Batch, TokenizedSplit
+    from raydp.model.loading import LoraSettings, apply_lora
 
+    torch.manual_seed(0)
+    loaded = load_model("embedded" if model_name in CONFIG_MODELS else model_name, device="auto", progress=False)
+    if model_name in CONFIG_MODELS:
+        from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+        device = loaded.device
+        with torch.device(device):
+            if model_name == "gpt2-small-config":
+                base = GPT2LMHeadModel(GPT2Config(vocab_size=50_257, n_positions=1024, n_embd=768, n_layer=12,
+                                                  n_head=12))
+                model_type, vocab = "gpt2", 50_257
+            else:
+                base = LlamaForCausalLM(LlamaConfig(
+                    vocab_size=128_256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
+                    tie_word_embeddings=True))
+                model_type, vocab = "llama", 128_256
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            base = base.to(torch.bfloat16)  # as load_model: bf16 base, fp32 LoRA
+        loaded.model = apply_lora(base, model_type, LoraSettings())
+        loaded.model.to(device)
+        loaded.pairs = discover_adapter_pairs(loaded.model)
+        generator = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (batch_size, length), generator=generator)
+        batch = Batch(list(range(batch_size)), ids.to(device), torch.ones_like(ids).to(device))
+    else:
+        split = TokenizedSplit(texts, loaded.tokenizer, min(loaded.max_positions, 512))
+        batch = split.collate(list(range(batch_size)), loaded.device)
+    disable_dropout(loaded.model)  # as every DP run (ERRATA E12)
+    loaded.model.train()
+    return loaded, batch
+
+
+def bench_model(model_name: str, texts: list[str], args) -> dict:
     from opacus.optimizers import DPOptimizer
 
-    from raydp.data import build_dataset, load_texts
-    from raydp.model import load_model
-    from raydp.model.batches import TokenizedSplit
-    from raydp.privacy import (
-        BudgetGuard,
-        PrivacyLedger,
-        allocate_noise,
-        calibrate_sigma,
-        get_accountant,
-        gradient_release,
-    )
+    from raydp.model.loss import per_sequence_nll
+    from raydp.privacy import BudgetGuard, PrivacyLedger, calibrate_sigma
     from raydp.privacy.clipping import PerSampleGradientComputer
     from raydp.privacy.engine import DPStep
     from raydp.runner.gradients import NonPrivateGradient
     from raydp.strategies.base import StrategyContext
     from raydp.strategies.static import StaticPairwiseStrategy
-    from raydp.model.loss import per_sequence_nll
-
-    with tempfile.TemporaryDirectory() as tmp:
-        build_dataset(f"{tmp}/data", n_records=400, seed=0, progress=False)
-        texts = load_texts(f"{tmp}/data", "train")
 
     def fresh():
-        torch.manual_seed(0)
-        loaded = load_model(args.model, device="auto", progress=False)
-        loaded.model.train()
-        split = TokenizedSplit(texts, loaded.tokenizer, min(loaded.max_positions, 512))
-        batch = split.collate(list(range(args.batch)), loaded.device)
+        loaded, batch = build(model_name, texts, args.batch, args.length)
         optimizer = torch.optim.AdamW(loaded.trainable_parameters(), lr=5e-4, weight_decay=0.0)
         return loaded, batch, optimizer
 
     # Non-private LoRA step.
     loaded, batch, optimizer = fresh()
     plain = NonPrivateGradient()
+    plain_model = loaded.model
 
     def nonprivate_step():
-        plain.compute(loaded.model, batch)
+        plain.compute(plain_model, batch)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-
     # Pairwise DP step (ours), sigma fixed, guard consulted once (constant sigma).
-    loaded, batch, optimizer = fresh()
-    n_pairs, planned, epsilon = len(loaded.pairs), 3_600, 8.0
+    dp_loaded, dp_batch, dp_optimizer_ours = fresh()
+    n_pairs, planned, epsilon = len(dp_loaded.pairs), 3_600, 8.0
     q = args.batch / 20_000
     sigma_0 = calibrate_sigma(epsilon, 1e-5, q, planned, "pld").sigma
     strategy = StaticPairwiseStrategy(clip=0.1)
-    strategy.setup(StrategyContext(n_pairs, tuple(p.relative_depth for p in loaded.pairs), q, planned, sigma_0,
+    strategy.setup(StrategyContext(n_pairs, tuple(p.relative_depth for p in dp_loaded.pairs), q, planned, sigma_0,
                                    epsilon, 1e-5))
     ledger = PrivacyLedger(delta=1e-5, epsilon_target=epsilon)
     guard = BudgetGuard("pld", epsilon_target=epsilon, delta=1e-5, planned_steps=planned, q=q)
-    dp = DPStep(loaded.model, loaded.pairs, strategy, ledger, guard, q=q, expected_batch_size=args.batch,
-                planned_steps=planned, device=loaded.device)
+    dp = DPStep(dp_loaded.model, dp_loaded.pairs, strategy, ledger, guard, q=q, expected_batch_size=args.batch,
+                planned_steps=planned + 10_000, device=dp_loaded.device)
 
     def dp_step():
-        dp.compute(loaded.model, batch)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        dp.after_update(loaded.model)
-
+        dp.compute(dp_loaded.model, dp_batch)
+        dp_optimizer_ours.step()
+        dp_optimizer_ours.zero_grad(set_to_none=True)
+        dp.after_update(dp_loaded.model)
 
     # Opacus flat DP-SGD (GradSampleModule + DPOptimizer), same model and batch.
     opacus_loaded, opacus_batch, _ = fresh()
@@ -124,16 +155,55 @@ def main() -> None:
         dp_optimizer.step()
         dp_optimizer.zero_grad(set_to_none=True)
 
-    medians = interleaved_medians({"plain": nonprivate_step, "dp": dp_step, "opacus": opacus_step}, args.steps)
-    t_plain, t_dp, t_opacus = medians["plain"], medians["dp"], medians["opacus"]
+    cuda = dp_loaded.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if args.profile == model_name:
+        profile_steps({"non-private": nonprivate_step, "pairwise DP": dp_step, "Opacus flat": opacus_step}, sync)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    medians = interleaved_medians({"plain": nonprivate_step, "dp": dp_step, "opacus": opacus_step}, args.steps,
+                                  sync=sync)
+    out = {"model": model_name, "pairs": n_pairs, "batch": args.batch, "device": str(dp_loaded.device),
+           "device_name": torch.cuda.get_device_name() if cuda else "cpu", "threads": torch.get_num_threads(),
+           "tokens": int(dp_batch.input_ids.shape[1]), "sigma_0": sigma_0, **{f"ms_{k}": 1e3 * v for k, v in medians.items()}}
+    if cuda:
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
 
-    # Accounting cost per step over a 3,600-step run: the ledger append every step, a guard call each
-    # time the strategy changes sigma (every T_RL = 112 steps for RLDP; once for a static strategy),
-    # and the final recomputation of epsilon from the whole ledger, spread over the run.
+
+def profile_steps(fns: dict, sync) -> None:
+    """torch.profiler over 5 steps of each: the ops with the most host time, and the launches and syncs per step
+    (to stderr, so that --json stays one line)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    for name, fn in fns.items():
+        for _ in range(3):
+            fn()
+        sync()
+        with profile(activities=activities) as prof:
+            for _ in range(5):
+                fn()
+            sync()
+        events = prof.key_averages()
+        count = {e.key: e.count for e in events}
+        launches = sum(c for k, c in count.items() if k in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"))
+        syncs = sum(c for k, c in count.items() if "Synchronize" in k) + count.get("cudaMemcpyAsync", 0)
+        print(f"\n== {name}: per step {launches / 5:.0f} kernel launches, {syncs / 5:.1f} syncs and copies",
+              file=sys.stderr)
+        print(events.table(sort_by="self_cpu_time_total", row_limit=18), file=sys.stderr)
+
+
+def accounting_cost(n_pairs: int, t_dp: float) -> dict:
+    """The accountant's share of a DP step over a 3,600-step run (issue 3)."""
+    from raydp.privacy import BudgetGuard, PrivacyLedger, allocate_noise, calibrate_sigma, get_accountant, gradient_release
+
+    planned, epsilon, q = 3_600, 8.0, 16 / 20_000
+    sigma_0 = calibrate_sigma(epsilon, 1e-5, q, planned, "pld").sigma
     bench_ledger = PrivacyLedger(delta=1e-5, epsilon_target=epsilon)
     clips = [0.1] * n_pairs
     started = time.perf_counter()
-    for t in range(planned // 2):
+    for _ in range(planned // 2):
         bench_ledger.record(q, [gradient_release(clips, allocate_noise(sigma_0, clips))], clip=clips,
                             allocation="proportional")
     t_record = (time.perf_counter() - started) / (planned // 2)
@@ -152,21 +222,77 @@ def main() -> None:
     started = time.perf_counter()
     get_accountant("pld").epsilon(full, 1e-5)
     t_final = time.perf_counter() - started
-    per_step_static = t_record + (t_guard + t_final) / planned
-    per_step_rldp = t_record + t_guard / 112 + t_final / planned
+    return {"us_record": 1e6 * t_record, "ms_guard": 1e3 * t_guard, "ms_final": 1e3 * t_final,
+            "static_share": (t_record + (t_guard + t_final) / planned) / t_dp,
+            "rldp_share": (t_record + t_guard / 112 + t_final / planned) / t_dp}
 
-    print(f"model={args.model} pairs={n_pairs} batch={args.batch} steps={args.steps} "
-          f"device={loaded.device} threads={torch.get_num_threads()}")
-    print(f"non-private LoRA step      {t_plain * 1e3:8.1f} ms")
-    print(f"pairwise DP step (raydp)   {t_dp * 1e3:8.1f} ms")
-    print(f"Opacus flat DP step        {t_opacus * 1e3:8.1f} ms")
-    print(f"ledger append              {t_record * 1e6:8.1f} us per step")
-    print(f"guard call (PLD, new sigma){t_guard * 1e3:8.1f} ms (median of 5, ledger of {planned // 2} steps)")
-    print(f"final PLD epsilon          {t_final * 1e3:8.1f} ms ({planned} steps, sigma changing every 112)")
-    print(f"ratio DP / non-private     {t_dp / t_plain:8.3f}   (target <= 1.05)")
-    print(f"ratio DP / Opacus flat     {t_dp / t_opacus:8.3f}   (target <= 1.0)")
-    print(f"accountant / DP step       {100 * per_step_static / t_dp:8.3f} %  static (guard once)   (target <= 1%)")
-    print(f"accountant / DP step       {100 * per_step_rldp / t_dp:8.3f} %  sigma changes every 112 steps")
+
+def measure(args) -> list[dict]:
+    from raydp.data import build_dataset, load_texts
+
+    with tempfile.TemporaryDirectory() as tmp:
+        build_dataset(f"{tmp}/data", n_records=400, seed=0, progress=False)
+        texts = load_texts(f"{tmp}/data", "train")
+    rows = []
+    for name in args.models.split(","):
+        rows.append(bench_model(name, texts, args))
+        gc.collect()  # the three copies of this model go before the next one is built
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--length", type=int, default=128, help="tokens per sequence of the config-built models")
+    parser.add_argument("--models", "--model", default="embedded")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave the default)")
+    parser.add_argument("--compare-with", default=None, help="a directory holding another raydp package to time too")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON line (no table)")
+    parser.add_argument("--no-accounting", action="store_true")
+    parser.add_argument("--profile", default=None, help="a model of --models to profile (torch.profiler, to stderr)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    rows = measure(args)
+    if args.json:
+        print(json.dumps(rows))
+        return
+    other = None
+    if args.compare_with:
+        argv = [a for a in sys.argv[1:] if not a.startswith("--compare-with")]
+        if "--compare-with" in sys.argv:  # its value too
+            i = sys.argv.index("--compare-with")
+            argv = sys.argv[1:i] + sys.argv[i + 2:]
+        path = os.pathsep.join(p for p in (os.path.abspath(args.compare_with), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path}
+        result = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--json"], env=env,
+                                capture_output=True, text=True, check=True)
+        other = {r["model"]: r for r in json.loads(result.stdout.strip().splitlines()[-1])}
+    for row in rows:
+        print(f"model={row['model']} pairs={row['pairs']} batch={row['batch']} tokens={row['tokens']} "
+              f"device={row['device_name']} threads={row['threads']}"
+              + (f" peak={row['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in row else ""))
+        columns = [("this code", row)] + ([("--compare-with", other[row["model"]])] if other else [])
+        print(f"  {'':28}" + "".join(f"{name:>16}" for name, _ in columns))
+        for key, label in (("ms_plain", "non-private LoRA step (ms)"), ("ms_dp", "pairwise DP step (ms)"),
+                           ("ms_opacus", "Opacus flat DP step (ms)")):
+            print(f"  {label:<28}" + "".join(f"{r[key]:16.2f}" for _, r in columns))
+        print(f"  {'ratio DP / non-private':<28}" + "".join(f"{r['ms_dp'] / r['ms_plain']:16.3f}" for _, r in columns)
+              + "   (target <= 1.05)")
+        print(f"  {'ratio DP / Opacus flat':<28}" + "".join(f"{r['ms_dp'] / r['ms_opacus']:16.3f}" for _, r in columns)
+              + "   (target <= 1.0)")
+        if other:
+            print(f"  {'DP step, this / compared':<28}{row['ms_dp'] / other[row['model']]['ms_dp']:16.3f}")
+    if not args.no_accounting:
+        acc = accounting_cost(rows[0]["pairs"], rows[0]["ms_dp"] / 1e3)
+        print(f"ledger append {acc['us_record']:.1f} us per step; guard call (PLD, new sigma) {acc['ms_guard']:.1f} ms; "
+              f"final PLD epsilon {acc['ms_final']:.1f} ms (3,600 steps)")
+        print(f"accountant / DP step ({rows[0]['model']}): {100 * acc['static_share']:.3f} % static, "
+              f"{100 * acc['rldp_share']:.3f} % sigma changing every 112 steps   (target <= 1%)")
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def test_clipped_sums_equal_naive_per_example_loop(mode, clips):
     norms = pair_norms(grads)
     assert torch.allclose(norms, torch.tensor(expected_norms, dtype=norms.dtype), atol=1e-6, rtol=1e-5)
     factors = clip_factors(group_norms(norms, mode), torch.tensor(clips))
-    sums_a, sums_b = clipped_sums(grads, factors, mode)
+    sums_a, sums_b = grads.layout.split(clipped_sums(grads, factors, mode), batched=False)
     for got, want in zip(sums_a + sums_b, expected_a + expected_b):
         assert (got - want).abs().max().item() <= 1e-6
     if mode == "pairwise":  # the first pair is clipped, the last (huge radius) is not
@@ -275,11 +275,11 @@ def test_a_scaling_rule_within_tolerance_is_still_capped_at_the_clip():
     dials = step.prepare(0).dials
     grads = step.per_sample_gradients(Batch(list(range(ids.shape[0])), ids, mask), dials)
     groups = group_norms(pair_norms(grads), "flat")
-    sums_a, sums_b = step.clip(grads, groups, dials, "flat")
+    step.clip(grads, groups, dials, "flat")
     # one sample at a time: each clipped contribution's norm, recomputed in float64, is <= C (1 + 1e-6)
     for row in range(ids.shape[0]):
-        one = type(grads)([g[row:row + 1] for g in grads.a], [g[row:row + 1] for g in grads.b], grads.losses[row:row + 1])
-        a, b = step.clip(one, group_norms(pair_norms(one), "flat"), dials, "flat")
+        one = type(grads)(grads.flat[row:row + 1], grads.layout, grads.losses[row:row + 1])
+        a, b = grads.layout.split(step.clip(one, group_norms(pair_norms(one), "flat"), dials, "flat"), batched=False)
         norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in a + b))
         assert norm <= 0.5 * (1 + 1e-6)
 

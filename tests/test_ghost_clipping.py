@@ -10,12 +10,16 @@ import torch
 from raydp.model.batches import Batch
 from raydp.model.loss import per_sequence_nll
 from raydp.privacy import BudgetGuard, PrivacyLedger
-from raydp.privacy.clipping import PerSampleGradientComputer, combine_units, pair_norms
+from raydp.privacy.clipping import PairLayout, PerSampleGradientComputer, combine_units, pair_norms
 from raydp.privacy.engine import DPStep
 from raydp.privacy.ghost import NORM_MARGIN, GhostClippingComputer, group_rows_by_unit
 from raydp.privacy.randomness import PrivateRandomness
 from raydp.strategies.base import Dials, Strategy, StrategyContext
 from tests.test_dp_engine import padded_batch, tiny_lora_model
+
+
+def layout_of(pairs):
+    return PairLayout.of([p.a for p in pairs], [p.b for p in pairs], batched=False)
 
 
 def naive_unit_clipped_sum(model, pairs, ids, mask, units, clip):
@@ -57,7 +61,7 @@ def test_ghost_norms_and_clipped_sum_equal_the_naive_loop(units):
     assert (flat > clip).any() and (flat < clip).any() or len(set(units)) < 5  # some units are clipped
     norms = torch.tensor(want_norms).unsqueeze(1)  # clip with the naive norms: the sums must then agree exactly
     factors = torch.clamp(clip / (norms + 1e-6), max=1.0)
-    sums_a, sums_b = contributions.clipped_sums(factors, "flat")
+    sums_a, sums_b = layout_of(pairs).split(contributions.clipped_sums(factors, "flat"), batched=False)
     got = [t for pair in zip(sums_a, sums_b) for t in pair]
     for g, w in zip(got, want):
         assert (g - w).abs().max().item() <= 1e-6 * max(1.0, w.abs().max().item())
@@ -133,12 +137,12 @@ def test_ghost_clipping_refuses_pairwise_clipping_and_zeroes_a_non_finite_unit()
     bad = GhostClippingComputer(model2, pairs2, loss=poisoned).contributions(Batch(list(range(5)), ids, mask))
     assert not bool(bad.finite[1]) and bool(bad.finite[[0, 2, 3, 4]].all())
     assert float(bad.pair_norms()[1].abs().sum()) == 0.0 and float(bad.losses[1]) == 0.0
-    sums_a, sums_b = bad.clipped_sums(torch.ones(5, 1), "flat")
+    sums_a, sums_b = layout_of(pairs2).split(bad.clipped_sums(torch.ones(5, 1), "flat"), batched=False)
     assert all(torch.isfinite(t).all() for t in sums_a + sums_b)
     keep = torch.tensor([0, 2, 3, 4])
     model3, pairs3 = tiny_lora_model(seed=2)
     ref = GhostClippingComputer(model3, pairs3).contributions(Batch([0, 1, 2, 3], ids[keep], mask[keep]))
-    ref_a, ref_b = ref.clipped_sums(torch.ones(4, 1), "flat")
+    ref_a, ref_b = layout_of(pairs3).split(ref.clipped_sums(torch.ones(4, 1), "flat"), batched=False)
     for g, w in zip(sums_a + sums_b, ref_a + ref_b):
         assert torch.allclose(g, w, atol=1e-6)
 

@@ -87,7 +87,8 @@ def test_scaling_rules_pass_the_engine_clip_stage_and_give_the_hand_clipped_sum(
         dials = step.prepare(0).dials
         grads = step.per_sample_gradients(Batch(list(range(ids.shape[0])), ids, mask), dials)
         norms = group_norms(pair_norms(grads), "flat")[:, 0].double().numpy()
-        sums_a, sums_b = step.clip(grads, group_norms(pair_norms(grads), "flat"), dials, "flat")
+        sums_a, sums_b = step.layout.split(step.clip(grads, group_norms(pair_norms(grads), "flat"), dials, "flat"),
+                                           batched=False)
         if strategy.name == "auto-clip":
             factor = 0.05 / (norms + 0.01)
         else:

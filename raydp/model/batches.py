@@ -21,6 +21,8 @@ class Batch:
     labels: torch.Tensor | None = None
     #: 1 at the tokens that overlap a field value's characters (the value-token metric), or None
     value_mask: torch.Tensor | None = None
+    #: the number of units, known on the host when collated (None: read from ``unit_index``, a device sync)
+    units_count: int | None = None
 
     @property
     def size(self) -> int:
@@ -29,7 +31,11 @@ class Batch:
     @property
     def n_units(self) -> int:
         """Privacy units in the batch (the DP step sums one clipped contribution per unit)."""
-        return self.size if self.unit_index is None else int(self.unit_index.max()) + 1 if self.size else 0
+        if self.unit_index is None:
+            return self.size
+        if self.units_count is None:
+            self.units_count = int(self.unit_index.max()) + 1 if self.size else 0
+        return self.units_count
 
 
 class TokenizedSplit:
@@ -81,10 +87,11 @@ class TokenizedSplit:
             seq = self.sequences[i]
             input_ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
             attention_mask[row, : len(seq)] = 1
-        unit_index = None
+        unit_index, units_count = None, None
         if self.units is not None:
-            _, inverse = np.unique(self.units[np.asarray(indices, dtype=np.int64)], return_inverse=True)
+            distinct, inverse = np.unique(self.units[np.asarray(indices, dtype=np.int64)], return_inverse=True)
             unit_index = torch.as_tensor(inverse.reshape(-1), dtype=torch.long, device=device)
+            units_count = len(distinct)
         if self.fixed_length:
             attention_mask.fill_(1)  # the left fill is content, not padding (no length in the mask)
         labels = None
@@ -97,7 +104,8 @@ class TokenizedSplit:
             for row, i in enumerate(indices):
                 value_mask[row, : len(self.value_masks[i])] = torch.from_numpy(self.value_masks[i])
             value_mask = value_mask.to(device)
-        return Batch(list(indices), input_ids.to(device), attention_mask.to(device), unit_index, labels, value_mask)
+        return Batch(list(indices), input_ids.to(device), attention_mask.to(device), unit_index, labels, value_mask,
+                     units_count)
 
 
 def value_token_mask(offsets, spans) -> np.ndarray:

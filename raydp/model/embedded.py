@@ -76,6 +76,10 @@ EMBEDDED_PRESETS: dict[str, EmbeddedModelSpec] = {
     # GPT-2 small's width and depth (768 x 12 layers, 12 heads) on the embedded tokenizer: for benchmarks
     # at a realistic adapter size (a GPU is advised; briefly pre-trained, so its perplexity means little)
     "embedded-small": EmbeddedModelSpec(n_layer=12, n_embd=768, n_head=12, pretrain_steps=60, pretrain_lr=5e-4),
+    # the default model with GPT-2's word pre-tokenisation (~340 tokens per narrative instead of ~50): the embedded
+    # tokenizer before the structured benchmark, kept for the throughput comparison (bench/bench_episode.py) and
+    # its equivalence study (trials/throughput-equivalence.yaml)
+    "embedded-words": EmbeddedModelSpec(pretokenize="words"),
 }
 
 

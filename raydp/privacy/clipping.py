@@ -7,13 +7,21 @@ vector at every step (ERRATA E1: Opacus's per-layer optimizer fixes ||C||_2 at c
 
 Clip groups: ``pairwise`` clips each pair ``(A_i, B_i)`` jointly to its own radius C_i (Eq. 4-5);
 ``flat`` clips the concatenation of all LoRA gradients to one radius C (vanilla DP-SGD on LoRA).
+
+Layout: the per-sample gradients of all pairs are ONE ``[batch, D]`` matrix, pair by pair (A_0, B_0, A_1,
+B_1, ...: :func:`raydp.privacy.mechanism.flatten_pairs`'s order), and every stage after the hooks (zeroing
+non-finite units, summing a unit's records, pair norms, clip factors, the clipped sum, noise) is a few
+whole-matrix operations whatever the number of pairs: on a GPU the step is not bound by kernel launches
+per pair (issue 28), and nothing in it waits for the device.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
+import numpy as np
 import torch
 from opacus import GradSampleModule
 
@@ -24,13 +32,98 @@ from raydp.privacy.mechanism import CLIP, CLIP_EPS  # noqa: F401  (CLIP_EPS: Eq.
 CLIP_MODES = ("pairwise", "flat")
 
 
+@dataclass(frozen=True)
+class PairLayout:
+    """Where each pair's A and B sit in a flattened gradient (A_0, B_0, A_1, B_1, ...)."""
+
+    shapes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (shape of A_i, shape of B_i) per pair
+
+    @classmethod
+    def of(cls, a, b, batched: bool) -> "PairLayout":
+        cut = 1 if batched else 0
+        return cls(tuple((tuple(ta.shape[cut:]), tuple(tb.shape[cut:])) for ta, tb in zip(a, b)))
+
+    @property
+    def n_pairs(self) -> int:
+        return len(self.shapes)
+
+    @cached_property
+    def sizes(self) -> tuple[int, ...]:
+        """Entries of each pair (A and B together)."""
+        return tuple(int(np.prod(sa)) + int(np.prod(sb)) for sa, sb in self.shapes)
+
+    @property
+    def dim(self) -> int:
+        return sum(self.sizes)
+
+    def pair_of_column(self, device: torch.device) -> torch.Tensor:
+        """The pair index of each of the D columns (cached per device)."""
+        cache = self.__dict__.setdefault("_columns", {})
+        key = str(device)
+        if key not in cache:
+            cache[key] = torch.from_numpy(np.repeat(np.arange(self.n_pairs), self.sizes)).to(device)
+        return cache[key]
+
+    def split(self, flat: torch.Tensor, batched: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Views of ``flat`` (``[batch, D]`` or ``[D]``) as the A and B tensors of each pair (no copy)."""
+        a, b, at = [], [], 0
+        lead = (flat.shape[0],) if batched else ()
+        for sa, sb in self.shapes:
+            for shape, out in ((sa, a), (sb, b)):
+                n = int(np.prod(shape))
+                chunk = flat[:, at:at + n] if batched else flat[at:at + n]
+                out.append(chunk.view(*lead, *shape))
+                at += n
+        return a, b
+
+    def segment_norms(self, flat: torch.Tensor) -> torch.Tensor:
+        """L2 norm of each pair's segment of ``flat`` ([batch, D] -> [batch, n_pairs]; [D] -> [n_pairs]).
+
+        The squares are summed in float64 (one ``index_add_`` over all columns): the result, rounded once to
+        ``flat``'s dtype, is within float32 rounding of the exact norm, which the noise margin covers."""
+        squares = flat.detach().double().pow(2)
+        columns = self.pair_of_column(flat.device)
+        if flat.dim() == 1:
+            out = torch.zeros(self.n_pairs, dtype=torch.float64, device=flat.device).index_add_(0, columns, squares)
+        else:
+            out = torch.zeros(flat.shape[0], self.n_pairs, dtype=torch.float64, device=flat.device)
+            out = out.index_add_(1, columns, squares)
+        return out.sqrt().to(flat.dtype)
+
+
 @dataclass
 class PerSampleGrads:
-    """Per-sample gradients of every pair: ``a[i]`` has shape ``[batch, *A_i.shape]``, likewise ``b[i]``."""
+    """Per-sample gradients of every pair as one ``[batch, D]`` matrix (module docstring), and the losses.
 
-    a: list[torch.Tensor]
-    b: list[torch.Tensor]
+    ``a[i]`` / ``b[i]`` are views of shape ``[batch, *A_i.shape]`` / ``[batch, *B_i.shape]``."""
+
+    flat: torch.Tensor  # [batch, D]
+    layout: PairLayout
     losses: torch.Tensor  # per-sequence losses, [batch]
+    _views: tuple | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_pairs(cls, a, b, losses: torch.Tensor, layout: PairLayout | None = None) -> "PerSampleGrads":
+        """From per-pair tensors ``[batch, *shape]`` (one copy into the matrix); pass the ``layout`` of a fixed
+        model to keep its cached column index."""
+        layout = layout if layout is not None else PairLayout.of(a, b, batched=True)
+        rows = int(losses.shape[0])
+        parts = [t.reshape(rows, -1) for ta, tb in zip(a, b) for t in (ta, tb)]
+        flat = torch.cat(parts, dim=1) if parts else losses.new_zeros((rows, 0))
+        return cls(flat, layout, losses)
+
+    @property
+    def a(self) -> list[torch.Tensor]:
+        return self._split()[0]
+
+    @property
+    def b(self) -> list[torch.Tensor]:
+        return self._split()[1]
+
+    def _split(self):
+        if self._views is None:
+            self._views = self.layout.split(self.flat, batched=True)
+        return self._views
 
     @property
     def batch_size(self) -> int:
@@ -39,7 +132,7 @@ class PerSampleGrads:
     def pair_norms(self) -> torch.Tensor:
         return pair_norms(self)
 
-    def clipped_sums(self, factors: torch.Tensor, mode: str) -> tuple[list, list]:
+    def clipped_sums(self, factors: torch.Tensor, mode: str) -> torch.Tensor:
         return clipped_sums(self, factors, mode)
 
 
@@ -55,6 +148,7 @@ class PerSampleGradientComputer:
         self.module = GradSampleModule(model, batch_first=True, loss_reduction="sum")
         self._params = [t for pair in pairs for t in (pair.a, pair.b)]
         self._hooked = [m for m in self.module.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+        self.layout = PairLayout.of([p.a for p in pairs], [p.b for p in pairs], batched=False)
 
     def compute(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 labels: torch.Tensor | None = None) -> PerSampleGrads:
@@ -66,12 +160,10 @@ class PerSampleGradientComputer:
         with warnings.catch_warnings():  # Opacus's hooks on LoRA layers whose inputs need no grad
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             losses.sum().backward()
-        a, b = [], []
-        for pair in self.pairs:
-            a.append(pair.a.grad_sample)
-            b.append(pair.b.grad_sample)
+        grads = PerSampleGrads.from_pairs([p.a.grad_sample for p in self.pairs],
+                                          [p.b.grad_sample for p in self.pairs], losses.detach(), self.layout)
         self._reset()
-        return PerSampleGrads(a, b, losses.detach())
+        return grads
 
     def _reset(self) -> None:
         for p in self._params:
@@ -86,44 +178,33 @@ def zero_nonfinite(grads: PerSampleGrads) -> PerSampleGrads:
     """A sample whose loss or gradient has a non-finite entry contributes zero (loss 0, gradient 0).
 
     Otherwise one NaN turns the whole noisy release into NaN, which reveals that the sample was drawn:
-    a release no accountant bounds. Zeroing keeps the contribution's norm (0) within every clip."""
-    finite = torch.isfinite(grads.losses)
-    for ga, gb in zip(grads.a, grads.b):
-        finite &= torch.isfinite(ga.flatten(1)).all(1) & torch.isfinite(gb.flatten(1)).all(1)
-    if bool(finite.all()):
-        return grads
-
-    def keep(t: torch.Tensor) -> torch.Tensor:
-        mask = finite.view(-1, *([1] * (t.dim() - 1)))
-        return torch.where(mask, t, torch.zeros((), dtype=t.dtype, device=t.device))
-
-    return PerSampleGrads([keep(g) for g in grads.a], [keep(g) for g in grads.b], keep(grads.losses))
+    a release no accountant bounds. Zeroing keeps the contribution's norm (0) within every clip. Applied
+    unconditionally (no device sync to ask whether anything is non-finite)."""
+    finite = torch.isfinite(grads.losses) & torch.isfinite(grads.flat).all(1)
+    zero = torch.zeros((), dtype=grads.flat.dtype, device=grads.flat.device)
+    return PerSampleGrads(torch.where(finite.unsqueeze(1), grads.flat, zero), grads.layout,
+                          torch.where(finite, grads.losses, zero.to(grads.losses.dtype)))
 
 
-def combine_units(grads: PerSampleGrads, unit_index: torch.Tensor | None) -> PerSampleGrads:
+def combine_units(grads: PerSampleGrads, unit_index: torch.Tensor | None, n_units: int | None = None) -> PerSampleGrads:
     """One contribution per privacy unit (ERRATA E11; user-level DP-SGD, McMahan et al. 2018): the
     gradients of a unit's records are summed (then clipped as one sample), and its loss is the mean of
     its records' losses (so a loss clipped to L still has sensitivity L). ``unit_index`` maps rows to
-    units 0..k-1; None means every row is its own unit."""
+    units 0..k-1; None means every row is its own unit. ``n_units`` (k), when the caller knows it on the
+    host, saves a device sync."""
     if unit_index is None:
         return grads
-    n_units = int(unit_index.max()) + 1 if unit_index.numel() else 0
-
-    def summed(t: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros((n_units, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        return out.index_add_(0, unit_index, t)
-
+    if n_units is None:
+        n_units = int(unit_index.max()) + 1 if unit_index.numel() else 0
+    flat = grads.flat.new_zeros((n_units, grads.flat.shape[1])).index_add_(0, unit_index, grads.flat)
+    losses = grads.losses.new_zeros(n_units).index_add_(0, unit_index, grads.losses)
     counts = torch.bincount(unit_index, minlength=n_units).to(grads.losses.dtype)
-    return PerSampleGrads([summed(g) for g in grads.a], [summed(g) for g in grads.b],
-                          summed(grads.losses) / counts.clamp_min(1))
+    return PerSampleGrads(flat, grads.layout, losses / counts.clamp_min(1))
 
 
 def pair_norms(grads: PerSampleGrads) -> torch.Tensor:
     """Joint L2 norm of (g_A_i, g_B_i) per sample and pair, shape ``[batch, n_pairs]`` (Eq. 4)."""
-    squared = [
-        ga.flatten(1).pow(2).sum(1) + gb.flatten(1).pow(2).sum(1) for ga, gb in zip(grads.a, grads.b)
-    ]
-    return torch.stack(squared, dim=1).sqrt()
+    return grads.layout.segment_norms(grads.flat)
 
 
 def group_norms(norms: torch.Tensor, mode: str) -> torch.Tensor:
@@ -131,7 +212,7 @@ def group_norms(norms: torch.Tensor, mode: str) -> torch.Tensor:
     if mode == "pairwise":
         return norms
     if mode == "flat":
-        return norms.pow(2).sum(dim=1, keepdim=True).sqrt()
+        return norms.double().pow(2).sum(dim=1, keepdim=True).sqrt().to(norms.dtype)
     raise ValueError(f"unknown clip mode {mode!r}")
 
 
@@ -140,14 +221,13 @@ def clip_factors(norms: torch.Tensor, clips: torch.Tensor) -> torch.Tensor:
     return CLIP.factors(norms, clips)
 
 
-def clipped_sums(grads: PerSampleGrads, factors: torch.Tensor, mode: str) -> tuple[list, list]:
-    """Sum over the batch of the clipped per-sample gradients of each pair (Eq. 5, before noise)."""
-    sums_a, sums_b = [], []
-    for i, (ga, gb) in enumerate(zip(grads.a, grads.b)):
-        f = factors[:, i if mode == "pairwise" else 0].to(ga.dtype)
-        sums_a.append(torch.einsum("b,b...->...", f, ga))
-        sums_b.append(torch.einsum("b,b...->...", f, gb))
-    return sums_a, sums_b
+def clipped_sums(grads: PerSampleGrads, factors: torch.Tensor, mode: str) -> torch.Tensor:
+    """Sum over the batch of the clipped per-sample gradients (Eq. 5, before noise), flattened ``[D]``."""
+    if mode == "pairwise":
+        per_column = factors.to(grads.flat.dtype)[:, grads.layout.pair_of_column(grads.flat.device)]
+    else:
+        per_column = factors[:, :1].to(grads.flat.dtype)
+    return (per_column * grads.flat).sum(0)
 
 
 def pair_noise_stds(group_stds, n_pairs: int, mode: str) -> list[float]:

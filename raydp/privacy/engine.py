@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from raydp.privacy.clipping import (
+    PairLayout,
     PerSampleGradientComputer,
     PerSampleGrads,
     combine_units,
@@ -55,7 +56,6 @@ from raydp.privacy.mechanism import (
     StepRelease,
     flatten_pairs,
     release_precisions,
-    unflatten_pairs,
 )
 from raydp.privacy.randomness import PrivateRandomness
 from raydp.privacy.schedule import SigmaSchedule
@@ -107,6 +107,9 @@ class DPStep:
         self.device = device
         self.name = f"dp:{strategy.name}"
         self.per_sample = gradients if gradients is not None else PerSampleGradientComputer(model, pairs)
+        self.layout = getattr(self.per_sample, "layout", None) or PairLayout.of(
+            [p.a for p in pairs], [p.b for p in pairs], batched=False)
+        self._constants: dict[tuple, torch.Tensor] = {}  # small host values on the device, by value (no copy per step)
         self.randomness = randomness if randomness is not None else PrivateRandomness.fresh()
         self.noise = self.randomness.noise(device)
         self.adaptive = bool(strategy.adaptive_sigma)
@@ -118,7 +121,7 @@ class DPStep:
         self._prepared: _Prepared | None = None
         self._last_proposal: tuple[float, float, bool] | None = None
         self._pending: StepRelease | None = None
-        self._before_update: list[torch.Tensor] = []
+        self._before_update: torch.Tensor | None = None
         self.clamp_events: list[dict] = []
         self._last_clip: tuple[float, ...] | None = None  # the previous step's clips (for clip_changes)
         self._clip_change: tuple[float, ...] = ()
@@ -212,25 +215,26 @@ class DPStep:
         grads = self.per_sample_gradients(batch, dials)  # 2
         norms = grads.pair_norms()
         groups = group_norms(norms, mode)
-        sums_a, sums_b = self.clip(grads, groups, dials, mode)  # 3
+        clipped = self.clip(grads, groups, dials, mode)  # 3
         charged_stds = allocate_noise(dials.sigma, dials.clip, self.strategy.allocation)  # E1, once per step
         releases = self.declare(dials, charged_stds)  # 4
         self.guard.admit(self.ledger, self.q, combine_sigma_eff(releases))
-        noisy_a, noisy_b = self.add_noise(sums_a, sums_b, charged_stds, mode)  # 5
-        gradient = self.set_gradient(noisy_a, noisy_b, dials)  # 6
+        noisy = self.add_noise(clipped, charged_stds, mode)  # 5
+        gradient = self.set_gradient(noisy, dials)  # 6
         sample = SampleView(norms, groups, grads.losses, dials)
         statistics, statistics_std = self.release_statistics(sample, releases[1:])
         sigma_eff = self.ledger.record(self.q, releases, clip=dials.clip, allocation=self.strategy.allocation)  # 7
-        squares = torch.stack([a.double().pow(2).sum() + b.double().pow(2).sum() for a, b in zip(noisy_a, noisy_b)])
-        values = torch.cat([squares.sqrt(), gradient.double().norm().reshape(1)]).cpu().numpy()  # one sync
+        noisy_pair_norms = self.layout.segment_norms(noisy.double())
+        values = torch.cat([noisy_pair_norms, gradient.double().norm().reshape(1)]).cpu().numpy()  # the step's one sync
         noisy_norms, grad_norm = values[:-1], values[-1]
+        noisy_a, noisy_b = self.layout.split(noisy, batched=False)
         self._pending = StepRelease(step, dials, sigma_eff, prepared.clamped, noisy_a, noisy_b, noisy_norms,
                                     noisy_gradient=gradient, statistics=statistics,
                                     statistics_noise_std=statistics_std)
         if self.strategy.privacy_mode == "paper":  # unprivatized, labelled (ERRATA E3)
             self._pending.raw_pair_norms = norms.detach().cpu().numpy()
             self._pending.raw_losses = grads.losses.detach().cpu().numpy()
-        self._before_update = [t.detach().clone() for p in self.pairs for t in (p.a, p.b)]
+        self._before_update = self._parameters_flat()
         self._prepared = None
         self._clip_change = () if self._last_clip is None else tuple(
             new / old for new, old in zip(dials.clip, self._last_clip))
@@ -256,15 +260,14 @@ class DPStep:
             return self.per_sample.contributions(batch)
         if batch.size > 0:
             grads = self._per_sample(batch)
-            grads = zero_nonfinite(combine_units(zero_nonfinite(grads), batch.unit_index))
+            n_units = batch.n_units if batch.unit_index is not None else None
+            grads = zero_nonfinite(combine_units(zero_nonfinite(grads), batch.unit_index, n_units))
         else:  # an empty Poisson sample still releases noise
-            grads = PerSampleGrads([p.a.detach().new_zeros((0, *p.a.shape)) for p in self.pairs],
-                                   [p.b.detach().new_zeros((0, *p.b.shape)) for p in self.pairs],
+            dtype = self.pairs[0].a.dtype if self.pairs else torch.float32
+            grads = PerSampleGrads(torch.zeros((0, self.layout.dim), dtype=dtype, device=self.device), self.layout,
                                    torch.zeros(0, device=self.device))
         if dials.transform is not None:  # a finite gradient may overflow in T: zero it again after T
-            flat = dials.transform.forward(flatten_pairs(grads.a, grads.b, batched=True))
-            a, b = unflatten_pairs(flat, grads.a, grads.b, batched=True)
-            grads = zero_nonfinite(PerSampleGrads(a, b, grads.losses))
+            grads = zero_nonfinite(PerSampleGrads(dials.transform.forward(grads.flat), grads.layout, grads.losses))
         return grads
 
     def _per_sample(self, batch) -> PerSampleGrads:
@@ -276,22 +279,34 @@ class DPStep:
         return self.per_sample.compute(batch.input_ids, batch.attention_mask, labels)
 
     # -- 3. clipping ---------------------------------------------------------------------------------
-    def clip(self, grads: PerSampleGrads, groups: torch.Tensor, dials: Dials, mode: str):
-        """Scale each unit's group to norm <= C (the scaling rule's bound is checked) and sum."""
-        clips = torch.tensor(dials.clip, dtype=groups.dtype, device=groups.device)
+    def clip(self, grads: PerSampleGrads, groups: torch.Tensor, dials: Dials, mode: str) -> torch.Tensor:
+        """Scale each unit's group to norm <= C and sum (flattened, ``[D]``). A strategy's own scaling rule has
+        its bound checked (a device sync); the standard rule (Eq. 5) meets it by construction."""
+        clips = self._on_device(tuple(dials.clip), groups.dtype)
         scaling = dials.scaling if dials.scaling is not None else CLIP
         factors = scaling.factors(groups, clips)
         if factors.shape != groups.shape:
             raise ValueError(f"scaling rule {scaling.name!r} must give factors of shape {tuple(groups.shape)}")
-        scaled = factors * groups
-        broken = ~torch.isfinite(scaled) | (factors < 0) | (scaled > clips.unsqueeze(0) * (1 + SCALING_TOLERANCE))
-        if bool(broken.any()):  # one device sync
-            raise ValueError(f"scaling rule {scaling.name!r} broke its bound 0 <= scale, scale * norm <= C; the "
-                             "sensitivity would exceed the clip")
+        if scaling is not CLIP:
+            scaled = factors * groups
+            broken = ~torch.isfinite(scaled) | (factors < 0) | (scaled > clips.unsqueeze(0) * (1 + SCALING_TOLERANCE))
+            if bool(broken.any()):  # one device sync
+                raise ValueError(f"scaling rule {scaling.name!r} broke its bound 0 <= scale, scale * norm <= C; the "
+                                 "sensitivity would exceed the clip")
         # Within the tolerance is still not within C: cap every factor at C / norm, so the sensitivity is C
-        # up to float32 rounding (~1e-7, covered by the noise margin).
+        # up to float32 rounding (~1e-7, covered by the noise margin). This cap alone bounds every contribution.
         factors = torch.where(groups > 0, torch.minimum(factors, clips.unsqueeze(0) / groups), factors)
         return grads.clipped_sums(factors, mode)
+
+    def _on_device(self, values: tuple[float, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A small tuple of public floats as a device tensor, copied once per distinct value (a fixed clip vector
+        costs no host-to-device copy per step)."""
+        key = (values, dtype)
+        if key not in self._constants:
+            if len(self._constants) > 64:
+                self._constants.clear()
+            self._constants[key] = torch.tensor(values, dtype=dtype, device=self.device)
+        return self._constants[key]
 
     # -- 4. the step's releases ------------------------------------------------------------------------
     def declare(self, dials: Dials, charged_stds) -> list[Release]:
@@ -303,13 +318,15 @@ class DPStep:
         return releases
 
     # -- 5. noise ----------------------------------------------------------------------------------------
-    def add_noise(self, sums_a, sums_b, charged_stds, mode: str):
-        """Noise is drawn in float32 (relative rounding ~6e-8): add noise for a sigma a hair above the one
+    def add_noise(self, clipped: torch.Tensor, charged_stds, mode: str) -> torch.Tensor:
+        """Gaussian noise on the flattened clipped sum, each pair's entries with its std (one draw of D values).
+
+        Noise is drawn in float32 (relative rounding ~6e-8): add noise for a sigma a hair above the one
         the guard approved and the ledger charges, so the charge never exceeds the noise added."""
         stds = pair_noise_stds(charged_stds / (1.0 - NOISE_ROUNDING_MARGIN), len(self.pairs), mode)
-        noisy_a = [s + std * self.noise.randn(s.shape) for s, std in zip(sums_a, stds)]
-        noisy_b = [s + std * self.noise.randn(s.shape) for s, std in zip(sums_b, stds)]
-        return noisy_a, noisy_b
+        per_pair = self._on_device(tuple(stds), clipped.dtype)
+        per_column = per_pair[self.layout.pair_of_column(clipped.device)]
+        return clipped + per_column * self.noise.randn(clipped.shape).to(clipped.device)
 
     def release_statistics(self, sample: SampleView, releases: list[Release]):
         statistics, stds = {}, {}
@@ -321,15 +338,14 @@ class DPStep:
         return statistics, stds
 
     # -- 6. the gradient -------------------------------------------------------------------------------
-    def set_gradient(self, noisy_a, noisy_b, dials: Dials) -> torch.Tensor:
+    def set_gradient(self, noisy: torch.Tensor, dials: Dials) -> torch.Tensor:
         """Mean gradient over the EXPECTED number of units (E5), in the original coordinates; returns it
         flattened (post-processing of the release)."""
-        flat = flatten_pairs(noisy_a, noisy_b, batched=False)
         if dials.transform is not None:
-            flat = dials.transform.inverse_mean(flat, self.expected_batch_size)
+            flat = dials.transform.inverse_mean(noisy, self.expected_batch_size)
         else:
-            flat = flat / self.expected_batch_size
-        grad_a, grad_b = unflatten_pairs(flat, [p.a for p in self.pairs], [p.b for p in self.pairs], batched=False)
+            flat = noisy / self.expected_batch_size
+        grad_a, grad_b = self.layout.split(flat, batched=False)
         for pair, ga, gb in zip(self.pairs, grad_a, grad_b):
             pair.a.grad = ga.to(pair.a.dtype)
             pair.b.grad = gb.to(pair.b.dtype)
@@ -378,7 +394,11 @@ class DPStep:
         """Hand the release (now with the parameter update) to the strategy."""
         if self._pending is None:
             return
-        after = [t.detach() for p in self.pairs for t in (p.a, p.b)]
-        self._pending.update = [new - old for new, old in zip(after, self._before_update)]
+        change_a, change_b = self.layout.split(self._parameters_flat() - self._before_update, batched=False)
+        self._pending.update = [t for pair in zip(change_a, change_b) for t in pair]
         self.strategy.observe(self._pending, self.ledger)
-        self._pending, self._before_update = None, []
+        self._pending, self._before_update = None, None
+
+    def _parameters_flat(self) -> torch.Tensor:
+        """The LoRA parameters as one flat copy (A_0, B_0, A_1, ...)."""
+        return flatten_pairs([p.a.detach() for p in self.pairs], [p.b.detach() for p in self.pairs], batched=False)

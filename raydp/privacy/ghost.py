@@ -47,6 +47,7 @@ from opacus.grad_sample.linear import compute_linear_norm_sample
 
 from raydp.model.adapters import AdapterPair
 from raydp.model.loss import per_sequence_nll
+from raydp.privacy.mechanism import flatten_pairs
 
 
 #: Ghost norms are scaled up by this much before clipping. The norm is computed (in float64) from the
@@ -111,14 +112,15 @@ class GhostContributions:
     def pair_norms(self) -> torch.Tensor:
         return self.norms
 
-    def clipped_sums(self, factors: torch.Tensor, mode: str):
-        """sum_u f_u g_u per pair, without any per-sample gradient; flat clipping only."""
+    def clipped_sums(self, factors: torch.Tensor, mode: str) -> torch.Tensor:
+        """sum_u f_u g_u, flattened pair by pair (``[D]``, as :func:`raydp.privacy.clipping.clipped_sums`), without any
+        per-sample gradient; flat clipping only."""
         if mode != "flat":
             raise ValueError("ghost clipping clips flat (one radius over all LoRA gradients); "
                              f"clip mode {mode!r} needs per-sample gradients")
         weights = torch.where(self.finite, factors[:, 0].to(self.losses.dtype), torch.zeros_like(self.losses))
         try:
-            return self.source.weighted_sum(self, weights)
+            return flatten_pairs(*self.source.weighted_sum(self, weights), batched=False)
         finally:
             self.row_losses = None  # free the kept graph
 
