@@ -97,11 +97,11 @@ def build(model_name: str, texts: list[str], batch_size: int, length: int):
 
 
 def bench_model(model_name: str, texts: list[str], args) -> dict:
+    from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
 
     from raydp.model.loss import per_sequence_nll
     from raydp.privacy import BudgetGuard, PrivacyLedger, calibrate_sigma
-    from raydp.privacy.clipping import PerSampleGradientComputer
     from raydp.privacy.engine import DPStep
     from raydp.runner.gradients import NonPrivateGradient
     from raydp.strategies.base import StrategyContext
@@ -143,7 +143,7 @@ def bench_model(model_name: str, texts: list[str], args) -> dict:
 
     # Opacus flat DP-SGD (GradSampleModule + DPOptimizer), same model and batch.
     opacus_loaded, opacus_batch, _ = fresh()
-    module = PerSampleGradientComputer(opacus_loaded.model, opacus_loaded.pairs).module
+    module = GradSampleModule(opacus_loaded.model, batch_first=True, loss_reduction="sum")
     dp_optimizer = DPOptimizer(
         torch.optim.AdamW(opacus_loaded.trainable_parameters(), lr=5e-4, weight_decay=0.0),
         noise_multiplier=sigma_0, max_grad_norm=1.0, expected_batch_size=args.batch,

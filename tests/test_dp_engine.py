@@ -86,6 +86,61 @@ def test_clipped_sums_equal_naive_per_example_loop(mode, clips):
         assert (factors[:, 0] < 1).all() and (factors[:, 2] == 1).all()
 
 
+def _llama_lora_model(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    model = apply_lora(base, "llama", LoraSettings(r=4, alpha=8, dropout=0.0))
+    pairs = discover_adapter_pairs(model)
+    with torch.no_grad():
+        for pair in pairs:
+            pair.b.normal_(0, 0.5)
+    model.train()
+    return model, pairs
+
+
+@pytest.mark.parametrize("build", [tiny_lora_model, _llama_lora_model], ids=["gpt2", "llama"])
+def test_per_sample_gradients_equal_opacus_grad_sample_module(build):
+    """Our one-hook-per-matrix gradients against Opacus's GradSampleModule (an independent implementation of the
+    linear rule), on a padded batch, GPT-2 (fused c_attn, Conv1D base) and Llama (q_proj and v_proj of two sizes)."""
+    import warnings
+
+    from opacus import GradSampleModule
+
+    ids, mask = padded_batch()
+    model, pairs = build()
+    ours = PerSampleGradientComputer(model, pairs).compute(ids, mask)
+    assert all(p.a.grad is None and p.b.grad is None for p in pairs)  # only the per-sample gradients are kept
+    reference_model, reference_pairs = build()
+    module = GradSampleModule(reference_model, batch_first=True, loss_reduction="sum")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        per_sequence_nll(module(input_ids=ids, attention_mask=mask).logits, ids, mask).sum().backward()
+    for got_a, got_b, pair in zip(ours.a, ours.b, reference_pairs):
+        assert got_a.shape == pair.a.grad_sample.shape and got_b.shape == pair.b.grad_sample.shape
+        assert torch.allclose(got_a, pair.a.grad_sample, atol=1e-6, rtol=1e-5)
+        assert torch.allclose(got_b, pair.b.grad_sample, atol=1e-6, rtol=1e-5)
+        assert got_b.abs().sum() > 0 and got_a.abs().sum() > 0
+    if build is _llama_lora_model:
+        assert len({p.b.shape for p in pairs}) == 2  # q_proj and v_proj (grouped-query attention) differ
+
+
+def test_per_sample_hooks_act_only_inside_compute():
+    model, pairs = tiny_lora_model()
+    ids, mask = padded_batch()
+    computer = PerSampleGradientComputer(model, pairs)
+    per_sequence_nll(model(input_ids=ids, attention_mask=mask).logits, ids, mask).sum().backward()
+    summed = [p.a.grad.clone() for p in pairs]  # an ordinary backward elsewhere: ordinary gradients, no state kept
+    model.zero_grad(set_to_none=True)
+    grads = computer.compute(ids, mask)
+    for total, per_sample in zip(summed, grads.a):
+        assert torch.allclose(per_sample.sum(0), total, atol=1e-6)
+    computer.remove()
+    assert not any(m._forward_hooks for m in model.modules())
+
+
 class FixedDials(Strategy):
     """Test strategy: fixed, distinct per-pair clips and a fixed sigma."""
 
