@@ -13,6 +13,12 @@ within one invocation only. The phases come from cProfile's cumulative times of 
 (``PHASES``), so they overlap where one phase calls another (forward inside per-sample gradients); the shares say
 where time goes, not a partition.
 
+Issue 28's comparison, this code against 034c558 (before the issue's changes) and the word-level tokenizer:
+  git archive 034c558 raydp | tar -x -C /tmp/old034
+  python bench/bench_episode.py --runs 1 --configs default,eval-7@/tmp/old034,words-eval-7@/tmp/old034
+(``words-eval-7`` needs the ``embedded-words`` preset, which 034c558 lacks: time it with this code, or add the
+preset to the old package's copy.)
+
 Run: python bench/bench_episode.py [--runs 2] [--threads 1] [--configs default,eval-start-end]
 """
 
@@ -24,6 +30,8 @@ import json
 import os
 import pstats
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -48,6 +56,11 @@ CONFIGS = {
     # evaluation only before and after training (no intermediate curve): what a study that needs only the final
     # figure may choose
     "eval-start-end": {"eval_every": 100_000},
+    # the evaluation cadence before issue 28 (every 250 steps besides step 0 and epoch ends: 7 in a default run)
+    "eval-7": {"eval_every": 250},
+    # the word-level tokenizer (~340 tokens per narrative) with the old cadence: the benchmark default as run before
+    # the clause tokenizer (issue 28's "today")
+    "words-eval-7": {"model": "embedded-words", "eval_every": 250},
 }
 
 
@@ -83,20 +96,34 @@ def timed(cfg, out: Path) -> float:
     return time.perf_counter() - started
 
 
+def timed_elsewhere(name: str, package: str, threads: int) -> float:
+    """One run of ``name`` with the raydp package in the directory ``package`` (another commit), in a subprocess."""
+    path = os.pathsep.join(p for p in (os.path.abspath(package), os.environ.get("PYTHONPATH")) if p)
+    result = subprocess.run([sys.executable, os.path.abspath(__file__), "--time-one", name, "--threads", str(threads)],
+                            env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, check=True)
+    return float(result.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run (a study gives each trial 1)")
-    parser.add_argument("--configs", default="default,eval-start-end")
+    parser.add_argument("--configs", default="default,eval-start-end",
+                        help="configurations to time with this code; a name@DIR times it with the raydp package in DIR "
+                             "(for example another commit: git archive REV raydp | tar -x -C DIR)")
+    parser.add_argument("--time-one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(args.threads)
     os.environ.setdefault("WANDB_MODE", "disabled")
     root = Path(tempfile.mkdtemp(prefix="bench-episode-"))
+    if args.time_one:  # a subprocess of --configs NAME@DIR: print the wall time only
+        print(timed(config(args.time_one), root / args.time_one))
+        return
     names = args.configs.split(",")
 
-    first = profile(config(names[0]), root / "profile")
+    first = profile(config(names[0].split("@")[0]), root / "profile")
     print(f"one DP run of the benchmark default ({first['steps']} steps, {args.threads} thread(s)): "
           f"{first['wall']:.1f} s wall, training loop {first['train_loop']:.1f} s")
     for phase, seconds in first["phases"].items():
@@ -105,7 +132,9 @@ def main() -> None:
     walls = {name: [] for name in names}
     for _ in range(args.runs):
         for name in names:  # interleaved: fair under drifting load
-            walls[name].append(timed(config(name), root / name))
+            config_name, _, package = name.partition("@")
+            walls[name].append(timed_elsewhere(config_name, package, args.threads) if package
+                               else timed(config(config_name), root / config_name))
     base = statistics.median(walls[names[0]])
     print(f"\nwall per run, median of {args.runs} (episodes per CPU-hour at {args.threads} CPU per run):")
     for name in names:
@@ -113,8 +142,9 @@ def main() -> None:
         print(f"  {name:<20} {med:7.1f} s   {3600 / (med * args.threads):6.1f} episodes/CPU-hour   "
               f"{med / base:5.2f}x of {names[0]}")
 
-    private = profile(config(names[0], max_steps=100, eval_every=100_000), root / "dp")
-    public = profile(config(names[0], strategy="nonprivate", max_steps=100, eval_every=100_000), root / "np")
+    base = names[0].split("@")[0]
+    private = profile(config(base, max_steps=100, eval_every=100_000), root / "dp")
+    public = profile(config(base, strategy="nonprivate", max_steps=100, eval_every=100_000), root / "np")
     print(f"\nDP / non-private training loop per step (100 steps): "
           f"{(private['train_loop'] / private['steps']) / (public['train_loop'] / public['steps']):.2f}")
     (root / "bench_episode.json").write_text(json.dumps({"profile": first, "walls": walls}, indent=2))

@@ -55,7 +55,7 @@ def _num_layers(model: torch.nn.Module, found_layers: list[int]) -> int:
 def discover_adapter_pairs(model: torch.nn.Module, adapter_name: str = "default") -> list[AdapterPair]:
     """The ordered LoRA pairs of a PEFT model (GPT-2 ``c_attn``, Llama/Mistral ``q_proj``/``v_proj``).
 
-    Works on the PEFT model itself or on a wrapper (e.g. Opacus ``GradSampleModule``): the returned
+    Works on the PEFT model itself or on a wrapper (e.g. Opacus's ``GradSampleModule``): the returned
     parameters are the model's own tensors.
     """
     found = []

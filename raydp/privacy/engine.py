@@ -8,7 +8,7 @@ Opacus's ``DPOptimizer.pre_step``):
 1. ``prepare``: the strategy's dials; sigma is the plan's sigma_t for a fixed schedule, or the strategy's
    proposal for adaptive sigma, which the Renyi filter's guard may raise (E4, E13);
 2. ``per_sample_gradients``: one contribution per privacy unit (a patient, E11: its records' gradients
-   summed) from the gradient source: per-sample gradients of the LoRA pairs (Opacus hooks; the
+   summed) from the gradient source: per-sample gradients of the LoRA pairs (one hook per matrix; the
    strategy's transform, if any, is applied), or, for a ghost-clipping source
    (:mod:`raydp.privacy.ghost`), the contributions' norms only; a unit with a non-finite loss or
    gradient contributes zero;
@@ -80,7 +80,7 @@ class DPStep:
     :class:`~raydp.privacy.filter.FilterGuard` (adaptive sigma). ``sigma_0``: the plan's scale (default:
     the strategy context's). ``randomness``: the run's secret seeds (default: fresh OS entropy, ERRATA
     E12); only the noise seed is used here. ``gradients``: the per-sample gradient source (default:
-    Opacus hooks on the model)."""
+    one hook per LoRA matrix, :class:`~raydp.privacy.clipping.PerSampleGradientComputer`)."""
 
     def __init__(
         self,

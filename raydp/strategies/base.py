@@ -97,7 +97,7 @@ class Strategy(ABC):
     #: the pydantic model of the strategy's settings (:mod:`raydp.strategies.registry`); its constructor
     #: takes an instance as its first argument
     settings_model: type | None = None
-    #: where the DP step's per-unit contributions come from: ``"per_sample"`` (Opacus hooks, per-sample
+    #: where the DP step's per-unit contributions come from: ``"per_sample"`` (LoRA hooks, per-sample
     #: gradients) or ``"ghost"`` (ghost clipping, norms only; flat clipping, :mod:`raydp.privacy.ghost`)
     gradient_source: str = "per_sample"
 
