@@ -130,7 +130,7 @@ def test_a_study_is_charged_once_per_study_run_and_refused_past_the_budget(tmp_p
     resume (same tag) is not charged again, the same study run again (a new tag) is, and a study that would pass
     the budget is refused with nothing charged. Optuna studies are refused on a budgeted dataset."""
     from raydp.study.config import load_study
-    from raydp.study.runner import LIFETIME_NONCE, prepare_study, study_lifetime_nonce
+    from raydp.study.runner import LIFETIME_NONCE, prepare_study, study_lifetime_nonce, write_lifetime_nonce
     from tests.test_study import write_study
 
     data = tmp_path / "data"
@@ -162,10 +162,16 @@ def test_a_study_is_charged_once_per_study_run_and_refused_past_the_budget(tmp_p
         prepare_study(search, tmp_path / "out" / search.name, progress=False)
 
     study_dir = tmp_path / "out" / "resumed"
-    (study_dir / LIFETIME_NONCE).parent.mkdir(parents=True)
-    (study_dir / LIFETIME_NONCE).write_text("kept\n")
+    write_lifetime_nonce(study_dir, "kept")
     assert study_lifetime_nonce(study_dir, resume=True) == "kept"
     assert study_lifetime_nonce(study_dir, resume=False) != "kept"
+    # a copy of the directory (or its tag pasted elsewhere) resumed there runs its trials again: charged again
+    import shutil
+
+    shutil.copytree(study_dir, tmp_path / "copy")
+    assert study_lifetime_nonce(tmp_path / "copy", resume=True) != "kept"
+    (study_dir / LIFETIME_NONCE).write_text("kept\n")  # a tag without its directory (an older study): a new one
+    assert study_lifetime_nonce(study_dir, resume=True) != "kept"
 
 
 def test_a_budgeted_dataset_refuses_what_a_charge_cannot_cover(dataset, tmp_path, monkeypatch, capsys):

@@ -372,6 +372,23 @@ def test_resume_restores_a_finished_study_without_rerunning(tiny_study):
     assert _trial_footprint(tiny_study) == footprint  # Tuner.restore found both trials finished: none re-ran
 
 
+def test_a_changed_study_file_is_not_resumed(tiny_study, tmp_path):
+    """Issue 32 review: the trials were charged and are restored under their names; a plan changed under the same
+    names would run trials no charge covers. Only fields that change nothing a trial runs or spends may differ."""
+    import yaml
+
+    from raydp.study.runner import run_study
+
+    original = yaml.safe_load((tiny_study / ".." / ".." / "tiny.yaml").read_text())
+    changed = tmp_path / "changed" / "tiny.yaml"
+    changed.parent.mkdir()
+    changed.write_text(yaml.safe_dump({**original, "epsilons": [4.0]}))
+    before = {p: p.stat().st_mtime_ns for p in tiny_study.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match="study file changed since .* \\(epsilons\\)"):
+        run_study(changed, tiny_study.parent, progress=False, resume=True)
+    assert {p: p.stat().st_mtime_ns for p in tiny_study.rglob("*") if p.is_file()} == before
+
+
 def test_resume_without_tune_state_is_refused_and_writes_nothing(tmp_path):
     """--resume on a directory whose Tune state is gone must not build a fresh Tuner over its trials: their spend
     would drop out of the tuning-aware epsilon (E7/E14)."""

@@ -154,12 +154,41 @@ LIFETIME_NONCE = Path("work") / "lifetime-nonce"
 
 
 def study_lifetime_nonce(study_dir: Path, resume: bool) -> str:
-    """A resumed study's tag (read back; a new one if it has none, which charges it again: conservative), or a
-    fresh study's new one."""
+    """A resumed study's tag, or a fresh study's new one. The tag is kept with the directory it was drawn for: a
+    resume reads it back only in that same directory, so a copy of a study directory (or a tag pasted into
+    another) resumed elsewhere runs its trials again and is charged again; so is a moved one, or one whose tag
+    file is missing (conservative: charged twice rather than not at all)."""
     path = Path(study_dir) / LIFETIME_NONCE
     if resume and path.is_file():
-        return path.read_text().strip()
+        lines = path.read_text().splitlines()
+        if len(lines) == 2 and lines[1] == str(Path(study_dir).resolve()):
+            return lines[0].strip()
     return uuid.uuid4().hex
+
+
+def write_lifetime_nonce(study_dir: Path, nonce: str) -> None:
+    """Keep the study run's tag, and the directory it belongs to, in the study's private ``work/``."""
+    path = Path(study_dir) / LIFETIME_NONCE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{nonce}\n{Path(study_dir).resolve()}\n")
+
+
+#: study-file fields a resume may change: none of them changes what a trial runs or spends
+RESUMABLE_CHANGES = ("description", "resources", "wandb", "max_failures")
+
+
+def check_resumed_study(study: StudyConfig, study_dir: Path) -> None:
+    """A resumed study must be the study that ran: its trials were charged (and Tune restores them) under their
+    names, so a plan changed under the same names would run trials that no charge covers."""
+    saved_path = Path(study_dir) / "study.json"
+    if not saved_path.is_file():
+        raise ConfigError(f"{study_dir} has no study.json: it cannot be resumed (nothing says which study ran there)")
+    saved = json.loads(saved_path.read_text())
+    now = json.loads(json.dumps(study.model_dump(mode="json")))
+    changed = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
+    if changed:
+        raise ConfigError(f"the study file changed since {study_dir} ran ({', '.join(changed)}): resume it with the "
+                          "file it ran with, or run the changed study into another --results-dir")
 
 
 def build_study_models(trials: list[dict], progress: bool) -> None:
@@ -601,6 +630,8 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
         raise ConfigError(f"policy {saved_policy} already exists: remove it or set another save_policy")
     # Validate everything before anything stays on disk: a study directory that did not exist is removed again
     # when preparing fails (a bad trial, an unreachable budget, too many CPUs per trial)
+    if resume:
+        check_resumed_study(study, study_dir)
     created = not study_dir.exists()
     try:
         study_dir.mkdir(parents=True, exist_ok=True)
@@ -621,9 +652,7 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
         raise
     (study_dir / "PRIVACY.txt").write_text(STUDY_PRIVACY_NOTE)
     (study_dir / "study.json").write_text(json.dumps(study.model_dump(mode="json"), indent=2))
-    if not (study_dir / LIFETIME_NONCE).is_file():  # a resume is not charged twice (private: work/)
-        (study_dir / LIFETIME_NONCE).parent.mkdir(parents=True, exist_ok=True)
-        (study_dir / LIFETIME_NONCE).write_text(nonce + "\n")
+    write_lifetime_nonce(study_dir, nonce)  # a resume here is not charged twice (private: work/)
     session = None
     common = {"study": study.model_dump(mode="json"), "dataset": dataset, "study_dir": str(study_dir),
               "wandb": wandb_target(study, study_dir),
