@@ -12,7 +12,14 @@ from raydp.model.adapters import discover_adapter_pairs
 from raydp.model.batches import Batch
 from raydp.model.loss import per_sequence_nll
 from raydp.privacy import BudgetGuard, PrivacyLedger
-from raydp.privacy.clipping import PerSampleGradientComputer, clip_factors, clipped_sums, group_norms, pair_norms
+from raydp.privacy.clipping import (
+    PerSampleGradientComputer,
+    PerSampleGrads,
+    clip_factors,
+    clipped_sums,
+    group_norms,
+    pair_norms,
+)
 from raydp.privacy.engine import DPStep
 from raydp.privacy.randomness import PrivateRandomness
 from raydp.runner.sampling import PoissonSampler
@@ -353,3 +360,111 @@ def test_a_fixed_schedule_refuses_to_resume_a_ledger_from_another_plan():
     model, pairs, same = _flat_step(WithMechanism())
     same.load_state_dict(state)
     assert len(same.ledger) == 3
+
+
+# -- review of the grouped DP step (issue 28): float-range edges of the clip bound ------------------------------
+
+class _PairwiseWith(Strategy):
+    name = "pairwise-with"
+    clip_mode = "pairwise"
+    allocation = "proportional"
+
+    def __init__(self, clip, **mechanism):
+        self.clip, self.mechanism = clip, mechanism
+
+    def dials(self, step):
+        return Dials((self.clip,) * self.context.n_pairs, **self.mechanism)
+
+
+def _pairwise_step(strategy):
+    model, pairs = tiny_lora_model(n_layer=2)
+    strategy.setup(StrategyContext(len(pairs), (0.0, 1.0), q=0.5, planned_steps=10, sigma_0=1.0,
+                                   epsilon_target=1e6, delta=1e-5))
+    guard = BudgetGuard("rdp", epsilon_target=1e6, delta=1e-5, planned_steps=10, q=0.5)
+    return pairs, DPStep(model, pairs, strategy, PrivacyLedger(delta=1e-5), guard, q=0.5, expected_batch_size=2.5,
+                         planned_steps=10, randomness=PrivateRandomness.unsafe_from_seed(3), device=torch.device("cpu"))
+
+
+def _contribution_norms(step, grads, dials):
+    """Each unit's clipped contribution alone, per pair, in float64 (the sum of a batch of one)."""
+    out = []
+    for row in range(grads.batch_size):
+        one = PerSampleGrads(grads.flat[row:row + 1], grads.layout, grads.losses[row:row + 1])
+        out.append(grads.layout.segment_norms(step.clip(one, pair_norms(one), dials, "pairwise").double()))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("clip", [1.0, 1e-2, 1e-5, 2.2e-7])
+def test_a_huge_finite_gradient_is_still_clipped_to_its_radius(clip):
+    """Found in review: with norms summed in float64, a gradient near the top of the float32 range has a finite
+    norm, and C / norm falls among float32's subnormal numbers, where rounding is coarse (up to 2x at C = 2e-7). Such
+    a unit now contributes nothing; every contribution stays within C (1 + 1e-6)."""
+    pairs, step = _pairwise_step(_PairwiseWith(clip))
+    layout = step.layout
+    g = torch.Generator().manual_seed(0)
+    flat = torch.randn(4, layout.dim, generator=g) * 1e37
+    flat[:, 0] = 3.3e38  # finite in float32; its square is not
+    flat[3] = torch.randn(layout.dim, generator=g) * 1e-3  # an ordinary unit beside them
+    grads = PerSampleGrads(flat, layout, torch.zeros(4))
+    norms = _contribution_norms(step, grads, step.prepare(0).dials)
+    assert (norms <= clip * (1 + 1e-6)).all()
+    assert (norms[3] > 0).all()  # the ordinary unit still counts
+
+
+def test_a_custom_scaling_rule_with_an_overflowing_norm_gives_zero_not_an_error():
+    """A norm beyond float32's range is inf: a rule that maps it to 0 must not fail the step on 0 * inf (which
+    sample was drawn would decide whether the run crashes)."""
+    class _Auto:
+        name = "auto"
+
+        def factors(self, norms, clips):
+            return clips.unsqueeze(0) / (norms + 0.01)
+
+    pairs, step = _pairwise_step(_PairwiseWith(0.5, scaling=_Auto()))
+    flat = torch.full((2, step.layout.dim), 1e-3)
+    flat[0, :] = 3e38  # its norm, finite in float64, is beyond float32: inf once cast
+    grads = PerSampleGrads(flat, step.layout, torch.zeros(2))
+    norms = _contribution_norms(step, grads, step.prepare(0).dials)
+    assert float(norms[0].abs().sum()) == 0.0 and (norms[1] > 0).all() and (norms <= 0.5 * (1 + 1e-6)).all()
+
+
+def test_adding_one_unit_moves_the_clipped_sum_by_at_most_its_radius():
+    """Found in review: a float32 sum over the batch rounds differently with one more unit, by ~4e-6 C over 4,096
+    units (more than the noise margin covers). The sum is float64: the neighbouring sums differ by the unit's clipped
+    contribution to within ~1e-12."""
+    pairs, step = _pairwise_step(_PairwiseWith(1.0))
+    g = torch.Generator().manual_seed(1)
+    flat = torch.randn(4097, step.layout.dim, generator=g)
+    dials = step.prepare(0).dials
+    with_unit = PerSampleGrads(flat, step.layout, torch.zeros(4097))
+    without = PerSampleGrads(flat[1:], step.layout, torch.zeros(4096))
+    difference = step.clip(with_unit, pair_norms(with_unit), dials, "pairwise") - \
+        step.clip(without, pair_norms(without), dials, "pairwise")
+    assert (step.layout.segment_norms(difference) <= 1.0 + 1e-9).all()
+
+
+def test_a_lora_input_without_the_batch_dimension_is_refused():
+    """Found in review: an adapter also applied to a tensor shared by the batch ([1, ...], a learned prefix) would
+    have its gradient broadcast into every row, so each row's "per-sample" gradient would carry the others'."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+
+    class Prefixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(50, 8)
+            self.proj = torch.nn.Linear(8, 8)
+            self.head = torch.nn.Linear(8, 50)
+            self.prefix = torch.nn.Parameter(torch.randn(1, 2, 8), requires_grad=False)
+
+        def forward(self, input_ids, attention_mask=None):
+            x = self.proj(self.embed(input_ids)) + self.proj(self.prefix).sum(1, keepdim=True)
+            return SimpleNamespace(logits=self.head(x))
+
+    torch.manual_seed(0)
+    model = get_peft_model(Prefixed(), LoraConfig(r=2, target_modules=["proj"]))
+    pairs = discover_adapter_pairs(model)
+    ids, mask = padded_batch()
+    with pytest.raises(ValueError, match="carry the batch dimension"):
+        PerSampleGradientComputer(model, pairs).compute(ids, mask)

@@ -38,7 +38,7 @@ def test_the_audit_catches_a_mechanism_with_its_noise_off(tmp_path, monkeypatch,
     from raydp.cli import main
     from raydp.privacy.engine import DPStep
 
-    monkeypatch.setattr(DPStep, "add_noise", lambda self, clipped, stds, mode: clipped)
+    monkeypatch.setattr(DPStep, "add_noise", lambda self, clipped, stds, mode: clipped.float())
     # Fixed sampling randomness: with secret randomness the one-run audit's power varies from run to run (0.24-1.91
     # over 9 runs, 5x the claim in only 4), and a test must not flake; fixed, it measures 1.54 every time.
     # Fixed randomness labels the epsilon void, which the audit rightly does not compare; the bug under test is

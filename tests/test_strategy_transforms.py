@@ -225,7 +225,7 @@ def test_dp_step_with_transform_clips_in_transformed_coordinates(make):
     for t in range(6):
         transform = strategy.dials(t).transform
         if t == 5:  # a zero-noise probe: the release is then exactly the clipped sum
-            step.add_noise = lambda clipped, *args: clipped
+            step.add_noise = lambda clipped, *args: clipped.float()
         metrics = step.compute(model, batch)
         flat_grad = flatten_pairs([p.a.grad for p in pairs], [p.b.grad for p in pairs], batched=False)
         assert torch.isfinite(flat_grad).all() and math.isfinite(metrics["noisy_grad_norm"])

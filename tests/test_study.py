@@ -389,6 +389,20 @@ def test_a_changed_study_file_is_not_resumed(tiny_study, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in tiny_study.rglob("*") if p.is_file()} == before
 
 
+def test_a_second_driver_in_the_same_study_directory_is_refused(tmp_path):
+    """Issue 32 review: two drivers in one directory would both run its unfinished trials under one lifetime charge."""
+    from raydp.study.runner import lock_study_dir, run_study
+
+    path = write_study(tmp_path)
+    held = lock_study_dir(tmp_path / "out" / "tiny")  # the first driver
+    try:
+        with pytest.raises(ConfigError, match="another raydp study is running"):
+            run_study(path, tmp_path / "out", progress=False)
+    finally:
+        held.close()
+    assert not (tmp_path / "out" / "tiny" / "trials").exists()
+
+
 def test_resume_without_tune_state_is_refused_and_writes_nothing(tmp_path):
     """--resume on a directory whose Tune state is gone must not build a fresh Tuner over its trials: their spend
     would drop out of the tuning-aware epsilon (E7/E14)."""

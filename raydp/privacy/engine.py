@@ -287,8 +287,11 @@ class DPStep:
         factors = scaling.factors(groups, clips)
         if factors.shape != groups.shape:
             raise ValueError(f"scaling rule {scaling.name!r} must give factors of shape {tuple(groups.shape)}")
+        zero = torch.zeros((), dtype=factors.dtype, device=factors.device)
+        finite = torch.isfinite(groups)  # a norm beyond the float range: that unit contributes nothing
+        factors = torch.where(finite, factors, zero)
         if scaling is not CLIP:
-            scaled = factors * groups
+            scaled = factors * torch.where(finite, groups, zero)
             broken = ~torch.isfinite(scaled) | (factors < 0) | (scaled > clips.unsqueeze(0) * (1 + SCALING_TOLERANCE))
             if bool(broken.any()):  # one device sync
                 raise ValueError(f"scaling rule {scaling.name!r} broke its bound 0 <= scale, scale * norm <= C; the "
@@ -296,6 +299,9 @@ class DPStep:
         # Within the tolerance is still not within C: cap every factor at C / norm, so the sensitivity is C
         # up to float32 rounding (~1e-7, covered by the noise margin). This cap alone bounds every contribution.
         factors = torch.where(groups > 0, torch.minimum(factors, clips.unsqueeze(0) / groups), factors)
+        # A factor below the smallest normal number has lost its relative precision (a finite norm near the top of
+        # the float range): C / norm may round up by far more than the margin, so such a unit contributes nothing.
+        factors = torch.where(factors >= torch.finfo(factors.dtype).tiny, factors, zero)
         return grads.clipped_sums(factors, mode)
 
     def _on_device(self, values: tuple[float, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -319,14 +325,17 @@ class DPStep:
 
     # -- 5. noise ----------------------------------------------------------------------------------------
     def add_noise(self, clipped: torch.Tensor, charged_stds, mode: str) -> torch.Tensor:
-        """Gaussian noise on the flattened clipped sum, each pair's entries with its std (one draw of D values).
+        """Gaussian noise on the flattened clipped sum, each pair's entries with its std (one draw of D values); the
+        noisy sum is returned in the parameters' dtype.
 
         Noise is drawn in float32 (relative rounding ~6e-8): add noise for a sigma a hair above the one
         the guard approved and the ledger charges, so the charge never exceeds the noise added."""
         stds = pair_noise_stds(charged_stds / (1.0 - NOISE_ROUNDING_MARGIN), len(self.pairs), mode)
-        per_pair = self._on_device(tuple(stds), clipped.dtype)
+        per_pair = self._on_device(tuple(stds), torch.float64)
         per_column = per_pair[self.layout.pair_of_column(clipped.device)]
-        return clipped + per_column * self.noise.randn(clipped.shape).to(clipped.device)
+        noise = self.noise.randn(clipped.shape).to(clipped.device)
+        noisy = clipped.double() + per_column * noise.double()  # the sum is float64 (clipped_sums): added there
+        return noisy.to(self.pairs[0].a.dtype if self.pairs else torch.float32)  # rounding the release: post-processing
 
     def release_statistics(self, sample: SampleView, releases: list[Release]):
         statistics, stds = {}, {}

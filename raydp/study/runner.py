@@ -169,8 +169,27 @@ def study_lifetime_nonce(study_dir: Path, resume: bool) -> str:
 def write_lifetime_nonce(study_dir: Path, nonce: str) -> None:
     """Keep the study run's tag, and the directory it belongs to, in the study's private ``work/``."""
     path = Path(study_dir) / LIFETIME_NONCE
+    text = f"{nonce}\n{Path(study_dir).resolve()}\n"
+    if not path.is_file() or path.read_text() != text:  # a resume leaves it as it was
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def lock_study_dir(study_dir: Path):
+    """An exclusive lock on the study directory for this driver's lifetime (the open file holds it; closing it, or
+    the process ending, releases it). Two drivers in one directory would both run its unfinished trials, with fresh
+    noise, under one lifetime charge; the second is refused."""
+    import fcntl
+
+    path = Path(study_dir) / "work" / "driver.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"{nonce}\n{Path(study_dir).resolve()}\n")
+    handle = open(path, "a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise ConfigError(f"another raydp study is running in {study_dir}: wait for it, or stop it first") from None
+    return handle
 
 
 #: study-file fields a resume may change: none of them changes what a trial runs or spends
@@ -592,7 +611,17 @@ def _param_space(study: StudyConfig, trials: list[dict], common: dict) -> dict:
 
 def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progress: bool = True,
               resume: bool = False) -> Path:
-    """Run (or, with ``resume``, restore and finish) a study; returns its directory."""
+    """Run (or, with ``resume``, restore and finish) a study; returns its directory. The study directory is locked
+    while this runs (:func:`lock_study_dir`)."""
+    held: list = []
+    try:
+        return _run_study(path, results_dir, progress, resume, held)
+    finally:
+        for handle in held:
+            handle.close()
+
+
+def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume: bool, held: list) -> Path:
     import ray
     from ray import tune
 
@@ -635,6 +664,7 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
     created = not study_dir.exists()
     try:
         study_dir.mkdir(parents=True, exist_ok=True)
+        held.append(lock_study_dir(study_dir))  # released by run_study when this returns or fails
         nonce = study_lifetime_nonce(study_dir, resume)
         dataset, trials = prepare_study(study, study_dir, progress=progress, charge_lifetime=True,
                                         lifetime_nonce=nonce)
