@@ -28,9 +28,12 @@ from raydp.strategies.base import Dials, Strategy, StrategyContext
 
 def tiny_lora_model(seed=0, n_layer=3):
     torch.manual_seed(seed)
-    base = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=n_layer, n_head=2,
-                                      embd_pdrop=0, attn_pdrop=0, resid_pdrop=0))
-    model = apply_lora(base, "gpt2", LoraSettings(r=4, alpha=8, dropout=0.0))
+    return _with_lora(GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=n_layer, n_head=2,
+                                                 embd_pdrop=0, attn_pdrop=0, resid_pdrop=0)), "gpt2")
+
+
+def _with_lora(base, model_type):
+    model = apply_lora(base, model_type, LoraSettings(r=4, alpha=8, dropout=0.0))
     pairs = discover_adapter_pairs(model)
     with torch.no_grad():  # B starts at zero in LoRA; make both A and B gradients non-trivial
         for pair in pairs:
@@ -97,15 +100,9 @@ def _llama_lora_model(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    base = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
-    model = apply_lora(base, "llama", LoraSettings(r=4, alpha=8, dropout=0.0))
-    pairs = discover_adapter_pairs(model)
-    with torch.no_grad():
-        for pair in pairs:
-            pair.b.normal_(0, 0.5)
-    model.train()
-    return model, pairs
+    return _with_lora(LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                   max_position_embeddings=32)), "llama")
 
 
 @pytest.mark.parametrize("build", [tiny_lora_model, _llama_lora_model], ids=["gpt2", "llama"])
