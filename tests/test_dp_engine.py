@@ -425,6 +425,35 @@ def test_a_custom_scaling_rule_with_an_overflowing_norm_gives_zero_not_an_error(
     assert float(norms[0].abs().sum()) == 0.0 and (norms[1] > 0).all() and (norms <= 0.5 * (1 + 1e-6)).all()
 
 
+class _AutoS:
+    """AUTO-S's shape (C / (norm + gamma)), optionally in float64."""
+
+    name = "auto-s-like"
+
+    def __init__(self, dtype=None):
+        self.dtype = dtype
+
+    def factors(self, norms, clips):
+        out = clips.unsqueeze(0) / (norms + 0.01)
+        return out if self.dtype is None else out.to(self.dtype)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float64], ids=["float32", "float64"])
+def test_a_custom_rule_on_huge_finite_gradients_neither_crashes_nor_exceeds_the_radius(dtype):
+    """Second review: a custom rule's C / norm for a norm near the top of float32's range is subnormal and rounds
+    past the check's tolerance, so the step raised depending on which units were drawn; and a rule giving float64
+    factors escaped the float32 threshold. Such units contribute nothing; the others stay within C (1 + 1e-6)."""
+    clip = 1e-5
+    pairs, step = _pairwise_step(_PairwiseWith(clip, scaling=_AutoS(dtype)))
+    g = torch.Generator().manual_seed(2)
+    flat = torch.randn(6, step.layout.dim, generator=g) * torch.logspace(35, 37, 6).unsqueeze(1)
+    flat[:, 0] = 3.3e38
+    flat[5] = torch.randn(step.layout.dim, generator=g) * 1e-3
+    grads = PerSampleGrads(flat, step.layout, torch.zeros(6))
+    norms = _contribution_norms(step, grads, step.prepare(0).dials)
+    assert (norms <= clip * (1 + 1e-6)).all() and (norms[5] > 0).all()
+
+
 def test_adding_one_unit_moves_the_clipped_sum_by_at_most_its_radius():
     """Found in review: a float32 sum over the batch rounds differently with one more unit, by ~4e-6 C over 4,096
     units (more than the noise margin covers). The sum is float64: the neighbouring sums differ by the unit's clipped

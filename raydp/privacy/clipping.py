@@ -266,11 +266,9 @@ def clipped_sums(grads: PerSampleGrads, factors: torch.Tensor, mode: str) -> tor
     In float32 the sum's rounding depends on every unit in it, so adding one unit could move the sum by more than
     its clipped contribution (by ~4e-6 C over 4,096 units, measured in review: more than the noise margin covers;
     Casacuberta et al. 2022 on floating-point DP). In float64 that excess is ~1e-12 C."""
-    if mode == "pairwise":
-        per_column = factors.double()[:, grads.layout.pair_of_column(grads.flat.device)]
-    else:
-        per_column = factors[:, :1].double()
-    return (per_column * grads.flat.double()).sum(0)
+    if mode == "pairwise":  # one [batch, D] float64 temporary, scaled in place
+        return factors.double()[:, grads.layout.pair_of_column(grads.flat.device)].mul_(grads.flat).sum(0)
+    return (factors[:, :1].double() * grads.flat).sum(0)
 
 
 def pair_noise_stds(group_stds, n_pairs: int, mode: str) -> list[float]:

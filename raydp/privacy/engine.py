@@ -287,9 +287,14 @@ class DPStep:
         factors = scaling.factors(groups, clips)
         if factors.shape != groups.shape:
             raise ValueError(f"scaling rule {scaling.name!r} must give factors of shape {tuple(groups.shape)}")
+        factors = factors.to(groups.dtype)  # the cap below and the threshold are in the norms' dtype
         zero = torch.zeros((), dtype=factors.dtype, device=factors.device)
+        tiny = torch.finfo(factors.dtype).tiny
         finite = torch.isfinite(groups)  # a norm beyond the float range: that unit contributes nothing
-        factors = torch.where(finite, factors, zero)
+        # A factor below the smallest normal number has lost its relative precision (a finite norm near the top of
+        # the float range): C / norm may round up by far more than the margin, so such a unit contributes nothing
+        # (negative factors are kept for the check: a rule that gives one is broken).
+        factors = torch.where(finite & ((factors >= tiny) | (factors < 0)), factors, zero)
         if scaling is not CLIP:
             scaled = factors * torch.where(finite, groups, zero)
             broken = ~torch.isfinite(scaled) | (factors < 0) | (scaled > clips.unsqueeze(0) * (1 + SCALING_TOLERANCE))
@@ -299,9 +304,7 @@ class DPStep:
         # Within the tolerance is still not within C: cap every factor at C / norm, so the sensitivity is C
         # up to float32 rounding (~1e-7, covered by the noise margin). This cap alone bounds every contribution.
         factors = torch.where(groups > 0, torch.minimum(factors, clips.unsqueeze(0) / groups), factors)
-        # A factor below the smallest normal number has lost its relative precision (a finite norm near the top of
-        # the float range): C / norm may round up by far more than the margin, so such a unit contributes nothing.
-        factors = torch.where(factors >= torch.finfo(factors.dtype).tiny, factors, zero)
+        factors = torch.where(factors >= tiny, factors, zero)  # the cap C / norm may itself be subnormal
         return grads.clipped_sums(factors, mode)
 
     def _on_device(self, values: tuple[float, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -675,7 +675,7 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
                               f"{int(ray.cluster_resources().get('CPU', 0))} CPUs: no trial could ever start")
         build_study_models(trials, progress)
     except BaseException:
-        if created:
+        if created and held:  # only the driver that holds the lock removes what it created
             import shutil
 
             shutil.rmtree(study_dir, ignore_errors=True)
