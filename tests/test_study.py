@@ -389,6 +389,24 @@ def test_a_changed_study_file_is_not_resumed(tiny_study, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in tiny_study.rglob("*") if p.is_file()} == before
 
 
+def test_a_stopped_tuner_counts_its_unfinished_and_unsampled_trials():
+    """Found running trials/schedule-search.yaml: a Ctrl-C stopped one search cell's Tuner, and the study went on to
+    the next cell (and wrote a tuning record from the partial search). The runner stops at the first Tuner with
+    unfinished trials; a search cell's samples never drawn count as unfinished."""
+    from types import SimpleNamespace
+
+    from raydp.study.runner import unfinished_in
+
+    done = SimpleNamespace(error=None, metrics={"done": True, "step": 9})
+    failed = SimpleNamespace(error=RuntimeError("x"), metrics={"step": 3})
+    cut = SimpleNamespace(error=None, metrics={"step": 3})  # reported, then stopped
+    never = SimpleNamespace(error=None, metrics={})  # created, never started
+    assert unfinished_in([done, failed]) == 0
+    assert unfinished_in([done, cut, never]) == 2
+    assert unfinished_in([done, done], planned=10) == 8  # the searcher was stopped after two samples
+    assert unfinished_in([done] * 10, planned=10) == 0
+
+
 def test_a_second_driver_in_the_same_study_directory_is_refused(tmp_path):
     """Issue 32 review: two drivers in one directory would both run its unfinished trials under one lifetime charge."""
     from raydp.study.runner import lock_study_dir, run_study

@@ -702,7 +702,7 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     stages = [[t for t in trials if t.get("stage") == "source"],
               [t for t in trials if t.get("stage") not in ("source", "pbt")]]  # PBT members: _fit_pbt
     sources = {source_key(t): str(study_dir / "trials" / t["name"] / "policy") for t in stages[0]}
-    grids = []
+    grids, stopped = [], 0
     try:
         for i, stage in enumerate(s for s in stages if s):
             for t in stage:
@@ -710,12 +710,18 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
                     t["policy_path"] = sources[t["frozen_from"]]
             name = study.name if i == len([s for s in stages if s]) - 1 else f"{study.name}-source"
             grids.append(_fit(trainable, _param_space(study, stage, common), storage, name, study, progress, resume))
-        if study.search_space:
-            for cell in search_cells(study):
+            stopped = unfinished_in(grids[-1])
+            if stopped:  # Ctrl-C: Tune saved this stage and returned; the next stages wait for --resume
+                break
+        if not stopped and study.search_space:
+            for cell in search_cells(study):  # one Tuner per cell: a Ctrl-C in one must not go on to the next
                 grids.append(_fit_search(trainable, study, cell, common, storage, progress, resume))
-        elif study.search == "optuna":
+                stopped = unfinished_in(grids[-1], planned=study.optuna.num_samples)
+                if stopped:
+                    break
+        elif not stopped and study.search == "optuna":
             grids.append(_fit_optuna(trainable, study, common, storage, progress, resume))
-        if study.search == "pbt":
+        if not stopped and study.search == "pbt":
             grids.append(_fit_pbt(study, [t for t in trials if t.get("stage") == "pbt"], common, storage, progress))
         shared_counters = session.counters() if session is not None else None
         if saved_policy is not None:
@@ -735,7 +741,9 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     summary.update(population_summary(study_dir))  # PBT: the population's epsilon (empty otherwise)
     if shared_counters is not None:
         summary["shared_policy"] = shared_counters
-    if summary.get("search_best") and not study.private_data:  # a public search: its record, for tuned_from
+    unfinished = int(table["status"].isin(("INTERRUPTED", "NOT_RUN")).sum()) if "status" in table else 0
+    unfinished = max(unfinished, stopped)  # a stopped search cell's trials not yet sampled are in no table
+    if summary.get("search_best") and not study.private_data and not unfinished:  # a finished public search's record
         from raydp.study.config import TUNING_FORMAT, TUNING_RECORD
 
         ids = sorted(set(table["dataset_id"].dropna())) if "dataset_id" in table else []
@@ -744,11 +752,18 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
             "dataset_ids": ids, "search_best": summary["search_best"],
             "note": "the best values of each search cell, chosen on public episodes (raydp study ... tuned_from)"},
             indent=2) + "\n")
-    unfinished = int(table["status"].isin(("INTERRUPTED", "NOT_RUN")).sum()) if "status" in table else 0
     if unfinished:  # stopped (Ctrl-C: Tune saved its state and returned): finished trials are in the results
         summary["unfinished_trials"] = unfinished
     (study_dir / "study_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return study_dir
+
+
+def unfinished_in(grid, planned: int | None = None) -> int:
+    """How many of one Tuner's trials did not finish (after a Ctrl-C Tune saves its state and returns): those that
+    neither ended (``done``) nor failed, and, for a search of ``planned`` samples, those never sampled."""
+    results = list(grid)
+    running = sum(1 for r in results if r.error is None and not (r.metrics or {}).get("done"))
+    return running + (max(0, planned - len(results)) if planned is not None else 0)
 
 
 def _save_study_policy(session, path: Path, study: StudyConfig, dataset: str, results, wall: float,
