@@ -722,3 +722,17 @@ def test_audit_canaries_are_own_patients_in_train_by_a_fair_coin(tmp_path: Path)
     other = build_dataset(tmp_path / "c", n_records=1000, n_audit=400, canary_seed=7, progress=False)
     assert list(load_split(tmp_path / "c", "audit")["included"]) != list(audit["included"])
     assert other["content_sha256"] != m["content_sha256"]
+
+
+def test_a_public_dataset_built_for_a_study_is_reused_by_its_resume(tmp_path):
+    """Found resuming trials/schedule-search.yaml: the public population is built without canaries or audit records
+    (public episodes carry none), and the reuse check compared the manifest with the settings' defaults (10
+    canaries), so every resumed study on public data was refused as a leftover of other settings."""
+    from raydp.config import DataConfig
+    from raydp.data.build import resolve_dataset
+
+    data = DataConfig(source="public", n_records=300)
+    first = resolve_dataset(data, tmp_path / "dataset", progress=False)
+    assert resolve_dataset(data, tmp_path / "dataset", progress=False) == first  # the resume finds it as built
+    with pytest.raises(Exception, match="other data settings"):  # a leftover of other settings is still refused
+        resolve_dataset(DataConfig(source="public", n_records=300, seed=1), tmp_path / "dataset", progress=False)

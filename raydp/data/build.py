@@ -60,8 +60,10 @@ def _matches(manifest: dict, data) -> bool:
 
     from raydp.data.splits import check_fractions
 
-    common = (manifest.get("seed") == data.seed and manifest.get("n_canary") == data.n_canary
-              and manifest.get("canary_seed") == data.canary_seed and manifest.get("n_audit", 0) == data.n_audit
+    # the public population carries no canaries or audit records whatever the settings say (build_dataset)
+    n_canary, n_audit = (0, 0) if data.source == PUBLIC_SOURCE else (data.n_canary, data.n_audit)
+    common = (manifest.get("seed") == data.seed and manifest.get("n_canary") == n_canary
+              and manifest.get("canary_seed") == data.canary_seed and manifest.get("n_audit", 0) == n_audit
               and manifest.get("split_fractions") == check_fractions(data.fractions)
               and manifest.get("sample_fraction") == data.sample_fraction)
     if data.source in ("synthetic", PUBLIC_SOURCE):
