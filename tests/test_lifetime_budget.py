@@ -200,3 +200,30 @@ def test_a_budgeted_dataset_refuses_what_a_charge_cannot_cover(dataset, tmp_path
     capsys.readouterr()
     assert main(["data", "budget", str(other), "--epsilon", "1", "--delta", "0.01"]) == 2  # delta >= 1/N units
     assert "1/N units" in capsys.readouterr().err and "lifetime_budget" not in load_manifest(other)
+
+
+def test_a_trainer_given_the_dataset_directory_fails_closed(tmp_path, monkeypatch):
+    """Second review, finding 4: DPTraining given only a dataset_id cannot know that the dataset has a budget, so a
+    missing register meant an uncharged run. Given the dataset directory, its manifest says so: charged, or refused
+    where the register is not found."""
+    from raydp.integrations.transformers import DPTraining
+    from raydp.model import load_model
+
+    data = tmp_path / "data"
+    assert main(["data", "build", "--output", str(data), "--n-records", "403"]) == 0
+    assert main(["data", "budget", str(data), "--epsilon", "6", "--delta", "1e-5"]) == 0
+    dataset_id = manifest_id(load_manifest(data))
+    from raydp.data import load_units
+
+    texts = load_texts(data, "train")
+    loaded = load_model("embedded-tiny", progress=False)
+    settings = dict(strategy="static", epsilon=2.0, delta=1e-5, batch_size=8, epochs=1, max_length=64,
+                    units=load_units(data, "train"))  # per patient, as the budget
+    DPTraining(loaded.model, texts, loaded.tokenizer, **settings, dataset=data)
+    assert len(read_budget(dataset_id)["charges"]) == 1  # charged at set-up
+    with pytest.raises(ConfigError, match="dataset_id is not the id of"):
+        DPTraining(loaded.model, texts, loaded.tokenizer, **settings, dataset=data, dataset_id="rdi1:" + "e" * 64)
+    monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "another.key"))  # another machine's owner key
+    with pytest.raises(ConfigError, match="has a lifetime budget, but its register is not at"):
+        DPTraining(loaded.model, texts, loaded.tokenizer, **settings, dataset=data)
+    DPTraining(loaded.model, texts, loaded.tokenizer, **settings, dataset_id=dataset_id)  # the id alone: not refused

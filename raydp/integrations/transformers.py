@@ -73,6 +73,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from raydp.config import TrainConfig
+from raydp.data import load_manifest, manifest_id
 from raydp.data.identity import is_dataset_id, keyed_id
 from raydp.errors import ConfigError
 from raydp.model.adapters import discover_adapter_pairs
@@ -299,13 +300,16 @@ class DPTraining:
     that studies on it compose this run's spend; default: the owner-keyed id of the tokenised training records,
     which matches no raydp dataset. Never a plain hash of the records: one that anyone can recompute lets
     whoever knows all records but one recover the last (a one-line error). A dataset with a lifetime budget
-    (:mod:`raydp.privacy.lifetime`) is charged this run's plan when it is set up, or the run is refused."""
+    (:mod:`raydp.privacy.lifetime`) is charged this run's plan when it is set up, or the run is refused.
+    ``dataset``: the raydp dataset directory the records come from, instead of its ``dataset_id``: its manifest
+    gives the id and says whether it has a lifetime budget, so a budgeted dataset whose register is not found
+    here is refused (fail closed), which a bare ``dataset_id`` cannot do."""
 
     def __init__(self, model: torch.nn.Module, train_dataset, tokenizer=None, config: TrainConfig | None = None, *,
                  units: Sequence | None = None, text_column: str = "text", loss=None, controller=None,
                  public_texts: list[str] | None = None, ledger_path: str | Path | None = None,
                  eval_data_is_public: bool = False, log_epsilon: bool = True, dataset_id: str | None = None,
-                 **config_fields: Any):
+                 dataset: str | Path | None = None, **config_fields: Any):
         if config is not None and config_fields:
             raise ConfigError("pass a TrainConfig or its fields as keyword arguments, not both")
         self.config = config if config is not None else TrainConfig(**config_fields)
@@ -321,6 +325,12 @@ class DPTraining:
         if self.config.common_random_numbers or self.config.data.source == "public":
             raise ConfigError("DPTraining trains on the records it is given, which it cannot tell public: "
                               "common_random_numbers (and data.source: public) are for raydp's own public episodes")
+        self.manifest = {"dataset_id": dataset_id}  # what the lifetime charge reads
+        if dataset is not None:
+            self.manifest = load_manifest(dataset)
+            if dataset_id is not None and dataset_id != manifest_id(self.manifest):
+                raise ConfigError(f"dataset_id is not the id of {dataset}: give one of them")
+            dataset_id = manifest_id(self.manifest)
         if isinstance(dataset_id, str) and dataset_id.startswith("public:"):
             raise ConfigError("dataset_id 'public:...' names raydp's public population; the Trainer's records are "
                               "private: give the 'rdi1:' id of their raydp dataset (or none)")
@@ -363,7 +373,7 @@ class DPTraining:
 
             from raydp.runner.privacy_setup import LifetimeCharge, charge_lifetime
 
-            charge_lifetime({"dataset_id": self.dataset_id}, {f"trainer:{uuid.uuid4().hex[:12]}": LifetimeCharge.of(
+            charge_lifetime(self.manifest, {f"trainer:{uuid.uuid4().hex[:12]}": LifetimeCharge.of(
                 self.plan, self.config, self.strategy, self.units.name)})
         self.run: PrivateRun | None = None
         self.trainer: Trainer | None = None
