@@ -25,7 +25,7 @@ import torch
 
 from raydp.model.adapters import AdapterPair
 from raydp.model.loss import per_sequence_nll
-from raydp.privacy.mechanism import CLIP, CLIP_EPS  # noqa: F401  (CLIP_EPS: Eq. 5's stabiliser)
+from raydp.privacy.mechanism import CLIP, CLIP_EPS, flatten_pairs  # noqa: F401  (CLIP_EPS: Eq. 5's stabiliser)
 
 CLIP_MODES = ("pairwise", "flat")
 
@@ -105,9 +105,7 @@ class PerSampleGrads:
         """From per-pair tensors ``[batch, *shape]`` (one copy into the matrix); pass the ``layout`` of a fixed
         model to keep its cached column index."""
         layout = layout if layout is not None else PairLayout.of(a, b, batched=True)
-        rows = int(losses.shape[0])
-        parts = [t.reshape(rows, -1) for ta, tb in zip(a, b) for t in (ta, tb)]
-        flat = torch.cat(parts, dim=1) if parts else losses.new_zeros((rows, 0))
+        flat = flatten_pairs(a, b, batched=True) if len(a) else losses.new_zeros((int(losses.shape[0]), 0))
         return cls(flat, layout, losses)
 
     @property

@@ -178,17 +178,3 @@ def flatten_pairs(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], batched:
         parts += [ta.flatten(1), tb.flatten(1)] if batched else [ta.flatten(), tb.flatten()]
     return torch.cat(parts, dim=1 if batched else 0)
 
-
-def unflatten_pairs(flat: torch.Tensor, like_a: Sequence[torch.Tensor], like_b: Sequence[torch.Tensor],
-                    batched: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Inverse of :func:`flatten_pairs`; ``like_*`` give the shapes (per sample when batched)."""
-    a, b, at = [], [], 0
-    lead = (flat.shape[0],) if batched else ()
-    for ta, tb in zip(like_a, like_b):
-        for like, out in ((ta, a), (tb, b)):
-            shape = like.shape[1:] if batched else like.shape
-            n = int(np.prod(shape)) if len(shape) else 1
-            chunk = flat[:, at:at + n] if batched else flat[at:at + n]
-            out.append(chunk.reshape(*lead, *shape))
-            at += n
-    return a, b
