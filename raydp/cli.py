@@ -18,7 +18,7 @@ from pathlib import Path
 
 from raydp import __version__
 from raydp.errors import ConfigError, RaydpError
-from raydp.strategies.registry import STRATEGY_CHOICES
+from raydp.strategies.registry import STRATEGY_CHOICES, controller_settings_field
 
 
 def _add_data_source_args(parser: argparse.ArgumentParser, defaults: bool) -> None:
@@ -234,14 +234,15 @@ def train_config_from_args(args: argparse.Namespace):
             task[key] = getattr(args, flag)
     if task:
         values["task"] = task
-    rldp = dict(values.get("rldp") or {})
+    block = controller_settings_field()  # the controller's settings block (RLDP's `rldp`)
+    rldp = dict(values.get(block) or {})
     for flag, key in (("privacy_mode", "privacy_mode"), ("t_warm", "t_warm"), ("t_rl", "t_rl"), ("b_sac", "b_sac"),
                       ("k", "k"), ("r_max", "r_max"), ("policy_arch", "architecture"), ("policy", "policy"),
                       ("frozen", "frozen"), ("save_policy", "save_policy"), ("policy_dir", "policy_dir")):
         if getattr(args, flag) is not None:
             rldp[key] = getattr(args, flag)
     if rldp:
-        values["rldp"] = rldp
+        values[block] = rldp
     return validate_config(TrainConfig, values)
 
 

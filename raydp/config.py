@@ -14,7 +14,7 @@ from pydantic import Field, field_validator, model_validator
 
 from raydp.data.splits import check_fractions
 from raydp.settings import StrictModel, load_yaml_mapping, validate_config  # noqa: F401  (re-exported)
-from raydp.strategies.registry import STRATEGY_CHOICES, strategy_class, strategy_settings
+from raydp.strategies.registry import STRATEGY_CHOICES, get_spec, strategy_class, strategy_settings
 
 
 #: records of the embedded default's synthetic dataset (the benchmark, issue 27): with the default split fractions,
@@ -211,9 +211,14 @@ class TrainConfig(StrictModel):
 
     @model_validator(mode="after")
     def _consistent(self):
+        if self.strategy not in STRATEGY_CHOICES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; known: {', '.join(STRATEGY_CHOICES)}")
+        spec = get_spec(self.strategy)
         if self.controller != "broker":
-            if self.strategy != "rldp":
-                raise ValueError(f"controller {self.controller!r} drives an RLDP run only (strategy rldp)")
+            if not spec.controller:
+                raise ValueError(f"controller {self.controller!r} drives a run whose dials a policy sets (strategy "
+                                 f"{', '.join(s for s in STRATEGY_CHOICES if get_spec(s).controller)}), not "
+                                 f"{self.strategy!r}")
             for key in ("policy", "frozen", "save_policy"):
                 if getattr(self.rldp, key):
                     raise ValueError(f"rldp.{key} does not apply with controller {self.controller!r}: the policy "
@@ -222,14 +227,12 @@ class TrainConfig(StrictModel):
             # a dataset directory (a study's built dataset) is checked when the run starts: its manifest says
             raise ValueError("common_random_numbers fixes the DP sampling and noise: it is for public data only "
                              "(data.source: public); on private data the randomness is secret (ERRATA E12)")
-        if self.strategy not in STRATEGY_CHOICES:
-            raise ValueError(f"unknown strategy {self.strategy!r}; known: {', '.join(STRATEGY_CHOICES)}")
-        if self.strategy != "nonprivate" and self.epsilon is None:
+        if spec.private and self.epsilon is None:
             raise ValueError(f"strategy {self.strategy!r} needs a target epsilon")
-        if self.settings and self.strategy in ("nonprivate", "rldp"):
+        if self.settings and (not spec.private or spec.config_field):
             raise ValueError(f"strategy {self.strategy!r} takes no `settings`" +
-                             (" (its settings are the `rldp` block)" if self.strategy == "rldp" else ""))
-        if self.strategy not in ("nonprivate", "rldp"):
+                             (f" (its settings are the `{spec.config_field}` block)" if spec.config_field else ""))
+        if spec.private and not spec.config_field:
             self.strategy_settings()  # a bad setting is an error naming it, before anything runs
             if getattr(strategy_class(self.strategy), "mechanism", None) == "local":
                 if self.task.kind != "classification":
@@ -241,11 +244,17 @@ class TrainConfig(StrictModel):
         return self
 
     def strategy_settings(self):
-        """The strategy's validated settings model (RLDP: the ``rldp`` block)."""
-        if self.strategy == "rldp":
-            return self.rldp
+        """The strategy's validated settings model (RLDP: the ``rldp`` block, its spec's ``config_field``)."""
+        field = get_spec(self.strategy).config_field
+        if field:
+            return getattr(self, field)
         return strategy_settings(self.strategy, self.settings, clip=self.clip, batch_size=self.batch_size)
 
     @property
     def is_private(self) -> bool:
-        return self.strategy != "nonprivate"
+        return get_spec(self.strategy).private
+
+    @property
+    def is_controlled(self) -> bool:
+        """A live policy sets this run's dials (it needs a policy client)."""
+        return get_spec(self.strategy).controller

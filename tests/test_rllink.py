@@ -225,8 +225,8 @@ def test_controller_urls_and_their_one_line_errors(capsys):
                          ("rllink://127.0.0.1:1/x", "nothing after")):
         with pytest.raises(ConfigError, match=f"invalid config: controller: .*{message}"):
             tiny_config(controller=bad)
-    with pytest.raises(ConfigError, match="RLDP run only"):
-        validate_config(TrainConfig, {"strategy": "dpsgd", "epsilon": 1.0, "controller": "rllink://:5555"})
+    with pytest.raises(ConfigError, match="drives a run whose dials a policy sets \\(strategy rldp\\), not 'static'"):
+        validate_config(TrainConfig, {"strategy": "static", "epsilon": 1.0, "controller": "rllink://:5555"})
     with pytest.raises(ConfigError, match="rldp.save_policy does not apply"):
         tiny_config(controller="rllink://:5555", rldp={"save_policy": "p"})
     from raydp.cli import main

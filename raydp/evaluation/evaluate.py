@@ -106,7 +106,7 @@ def _claimed(summary: dict, config) -> dict:
     elif any("epsilon covers phase 2 only" in label for label in labels):
         claimed.update(comparable=False, note="phase 1 trained non-privately on redacted private records (ERRATA E16): "
                        "the audit tests the whole pipeline, the claimed epsilon covers phase 2 only")
-    elif config.strategy == "rldp" and config.rldp.policy:
+    elif config.is_controlled and config.strategy_settings().policy:
         claimed.update(comparable=False, note="the run's dials came from a saved policy trained on other runs: its "
                        "model's epsilon composes theirs (ERRATA E14; the study's tuning-aware figure), not this run's")
     return claimed

@@ -339,8 +339,8 @@ class DPTraining:
                               "dataset's manifest.json, 'rdi1:...'): a plain hash of the records would reveal them")
         self.dataset_id = dataset_id
         self.log_epsilon = bool(log_epsilon)
-        if self.config.strategy == "rldp" and controller is None:
-            raise ConfigError("strategy 'rldp' needs a policy client: DPTraining(..., controller=client)")
+        if self.config.is_controlled and controller is None:
+            raise ConfigError(f"strategy {self.config.strategy!r} needs a policy client: DPTraining(..., controller=client)")
         if controller is not None:
             _check_served_policy(controller, self.config)
         self.client = controller

@@ -106,6 +106,7 @@ class DPStep:
         self.planned_steps = planned_steps
         self.device = device
         self.name = f"dp:{strategy.name}"
+        self.private = True
         self.per_sample = gradients if gradients is not None else PerSampleGradientComputer(model, pairs)
         self.layout = getattr(self.per_sample, "layout", None) or PairLayout.of(
             [p.a for p in pairs], [p.b for p in pairs], batched=False)

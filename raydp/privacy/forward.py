@@ -138,6 +138,7 @@ class ForwardLDPStep:
         self.steps_per_epoch = int(steps_per_epoch)
         self.loss = loss
         self.name = f"local:{strategy_name}"
+        self.private = True
         self.planned_steps = self.steps_per_epoch * len(self.sigmas)
         self.step = 0
         self.train_split = train_split

@@ -22,6 +22,8 @@ import numpy as np  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator, ScalarFormatter  # noqa: E402
 
+from raydp.strategies.registry import STRATEGY_CHOICES, is_private, with_capability  # noqa: E402
+
 STYLE = {
     "svg.fonttype": "none",
     "svg.hashsalt": "raydp-report",  # stable ids: the same inputs give the same page
@@ -39,8 +41,10 @@ STYLE = {
     "grid.linewidth": 0.6,
 }
 
-#: strategies with a fixed colour (the rest cycle through the palette in order of appearance)
-FIXED_COLOURS = {"rldp": "#d62728", "nonprivate": "#7f7f7f"}
+#: strategies with a fixed colour, by capability: controllers red, the non-private reference grey (the rest cycle
+#: through the palette in order of appearance)
+FIXED_COLOURS = {**{name: "#d62728" for name in with_capability(STRATEGY_CHOICES, "controller")},
+                 **{name: "#7f7f7f" for name in STRATEGY_CHOICES if not is_private(name)}}
 PALETTE = ["#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
            "#393b79", "#637939", "#8c6d31", "#843c39"]
 

@@ -51,7 +51,7 @@ from raydp.study.report import (
     table3,
     verdicts,
 )
-from raydp.study.results import METRIC_COLUMNS
+from raydp.study.results import CONTROLLERS, METRIC_COLUMNS, NONPRIVATE_ARMS
 
 MAX_DIALS = 24
 EVALUATION_FILE = "evaluation.json"
@@ -267,7 +267,7 @@ def _single_run(root: Path) -> Report:
     privacy = s.get("privacy") or {}
     strategy = privacy.get("strategy") if isinstance(privacy.get("strategy"), dict) else {}
     eps = privacy.get("epsilon_by_accountant") or {}
-    rldp = s.get("strategy") == "rldp"
+    rldp = s.get("strategy") in CONTROLLERS
     row = {
         "trial": root.name, "status": "STOPPED EARLY" if s.get("stopped_early") else "FINISHED",
         "model": s.get("model"), "strategy": s.get("strategy"), "epsilon_target": privacy.get("epsilon_target"),
@@ -304,7 +304,7 @@ def _with_arms(results: pd.DataFrame) -> pd.DataFrame:
 
     def arm(row) -> str:
         name = str(row["strategy"])
-        if name == "rldp":
+        if name in CONTROLLERS:
             if "t_rl" in row and not _missing(row.get("t_rl")):
                 name += " " + _cell_label(row)
             if bool(row.get("frozen_policy")) and not _missing(row.get("frozen_policy")):
@@ -337,10 +337,15 @@ def _groups(results: pd.DataFrame):
         yield model, eps, results[mask]
 
 
+def _controller_arm(arm: str) -> bool:
+    """Whether ``arm`` is a controller's SAC cell trained in its trials (not a frozen policy's)."""
+    return str(arm).split(" ")[0] in CONTROLLERS and "frozen" not in str(arm)
+
+
 def _best_rldp_cell(group: pd.DataFrame, column: str) -> tuple[str | None, int]:
     """The RLDP arm (SAC cell, not frozen) with the lowest mean final selection perplexity, and the
     number of RLDP cells (the same choice as Table 2: :func:`raydp.study.report.table2`)."""
-    rldp = group[group["arm"].str.startswith("rldp") & ~group["arm"].str.contains("frozen")]
+    rldp = group[group["arm"].map(_controller_arm).astype(bool)]
     if rldp.empty:
         return None, 0
     means = rldp.groupby("arm")[column].mean()
@@ -409,24 +414,26 @@ def utility(r: Report, colours: dict[str, str]) -> str:
         panel = figures.Panel(f"{model} · ε = {_eps(eps)}")
         best, n_cells = _best_rldp_cell(group, r.column)
         if best is not None:
-            rldp_notes.append(f"ε={_eps(eps)}: best cell {best[5:]}" + (f" of {n_cells}" if n_cells > 1 else ""))
+            rldp_notes.append(f"ε={_eps(eps)}: best cell {best.partition(' ')[2]}" + (f" of {n_cells}" if n_cells > 1 else ""))
         for arm in dict.fromkeys(group["arm"]):
             rows = group[group["arm"] == arm]
-            is_rldp = arm.startswith("rldp") and "frozen" not in arm
+            is_rldp = _controller_arm(arm)
+            controller = arm.split(" ")[0]
             if is_rldp and arm != best:
-                s = _series(r, rows, "rldp other SAC cells (thin, mean over seeds)", colours["rldp"], band=False)
+                s = _series(r, rows, f"{controller} other SAC cells (thin, mean over seeds)", colours[controller],
+                            band=False)
                 if s is not None:
                     s.thin = True
                     panel.series.append(s)
                 continue
-            label = f"rldp (best cell {arm[5:]})" if is_rldp and n_cells > 1 else arm
+            label = f"{controller} (best cell {arm.partition(' ')[2]})" if is_rldp and n_cells > 1 else arm
             s = _series(r, rows, label, colours.get(arm, colours.get(arm.split(" ")[0], "#333333")))
             if s is not None:
                 panel.series.append(s)
         if not _missing(eps):
             for arm in dict.fromkeys(nonprivate[nonprivate["model"] == model]["arm"]):
                 s = _series(r, nonprivate[(nonprivate["model"] == model) & (nonprivate["arm"] == arm)],
-                            "non-private (reference)", colours["nonprivate"], band=False)
+                            "non-private (reference)", colours[arm.split(" ")[0]], band=False)
                 if s is not None:
                     s.dashed = True
                     panel.series.append(s)
@@ -477,7 +484,7 @@ def dials(r: Report) -> str:
             continue
         best, _ = _best_rldp_cell(group, r.column)
         for arm in dict.fromkeys(group["arm"]):
-            if arm.startswith("rldp") and "frozen" not in arm and arm != best:
+            if _controller_arm(arm) and arm != best:
                 continue  # RLDP: its best SAC cell only
             rows = group[group["arm"] == arm]
             rows = rows.sort_values("seed", kind="stable") if "seed" in rows else rows
@@ -1017,7 +1024,7 @@ def render(r: Report) -> str:
     """The whole page as one HTML string."""
     from raydp import __version__
 
-    strategies = list(dict.fromkeys(["rldp", "nonprivate", *r.results["arm"].astype(str),
+    strategies = list(dict.fromkeys([*CONTROLLERS, *NONPRIVATE_ARMS, *r.results["arm"].astype(str),
                                      *r.results["strategy"].astype(str)]))
     colours = figures.strategy_colours(strategies)
     title = f"raydp {'study' if r.kind == 'study' else 'run'} report: {r.name}"

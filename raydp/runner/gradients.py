@@ -20,6 +20,8 @@ class GradientComputation(Protocol):
     """Fills ``.grad`` of the trainable parameters for one batch and returns metrics of the step."""
 
     name: str
+    #: a DP step: its time depends on the secret sampling (ERRATA E5), so the loop does not record it
+    private: bool
 
     def compute(self, model: torch.nn.Module, batch: Batch) -> dict: ...
 
@@ -46,6 +48,7 @@ class NonPrivateGradient:
     per-example loss (:class:`raydp.runner.task.Task`; language modelling by default)."""
 
     name = "nonprivate"
+    private = False
 
     def __init__(self, loss=None):
         self.loss = loss

@@ -88,7 +88,7 @@ def _rewrite_json(path: Path, payload: dict) -> None:
 def train(config: TrainConfig, output: str | Path, overwrite: bool = False, progress: bool = True,
           overwrite_policy: bool = False) -> dict:
     """Run one fine-tuning; an RLDP run becomes a Ray actor controlled by a live policy."""
-    if config.strategy != "rldp":
+    if not config.is_controlled:
         from raydp.runner.run import run_training
 
         return run_training(config, output, overwrite=overwrite, progress=progress)

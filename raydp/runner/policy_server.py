@@ -84,10 +84,11 @@ def run(args) -> int:
     from raydp.control.rllink import resolve_secret
     from raydp.control.store import resolve_policy
     from raydp.errors import ConfigError
+    from raydp.strategies.registry import STRATEGY_CHOICES, with_capability
 
     save = _check_args(args)
     values = load_yaml_mapping(args.config)
-    values.setdefault("strategy", "rldp")
+    values.setdefault("strategy", with_capability(STRATEGY_CHOICES, "controller")[0])  # the policy's strategy
     values.pop("controller", None)  # the runs' transport, not the server's
     config = validate_config(TrainConfig, values)
     for key in ("policy", "frozen", "save_policy"):  # the server's policy is given by its flags

@@ -177,7 +177,7 @@ def planned_dp_steps(config: TrainConfig, q: float) -> int:
 
 def build_strategy(config: TrainConfig, controller=None) -> Strategy:
     """The configured strategy with its settings (RLDP also takes a policy client)."""
-    extra = {"client": controller} if config.strategy == "rldp" else {}
+    extra = {"client": controller} if config.is_controlled else {}
     return make_strategy(config.strategy, config.strategy_settings(), **extra)
 
 

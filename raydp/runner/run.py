@@ -166,8 +166,8 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
     trials itself, before they start)."""
     started = time.perf_counter()
     check_model_name(config.model)  # fail on a bad model before building anything
-    if config.strategy == "rldp" and client is None:
-        raise ConfigError("an RLDP run needs a policy client; start it with raydp.runner.launch.train")
+    if config.is_controlled and client is None:
+        raise ConfigError(f"a {config.strategy} run needs a policy client; start it with raydp.runner.launch.train")
     with staged_output(output, overwrite=overwrite) as staging:
         dataset_dir = prepare_dataset(config, staging, progress=progress)
         manifest = load_manifest(dataset_dir)

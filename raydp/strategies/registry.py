@@ -6,8 +6,13 @@ reading the names costs nothing. A strategy's settings come from ``TrainConfig.s
 its ``settings_model``; the top-level ``clip`` fills a ``clip`` setting left unset); RLDP's come from the
 ``rldp`` block of the config, which the controller and the studies share.
 
-Capabilities (like Opacus's ``get_optimizer_class`` table): ``adaptive_sigma`` says the strategy chooses
-sigma from earlier releases, so its runs are enforced and reported by the Renyi filter (ERRATA E13).
+Capabilities are declared here, in each strategy's :class:`StrategySpec` (like Opacus's ``get_optimizer_class``
+table), and code outside a strategy's own module asks for a capability, never for a name: ``private`` (False for
+``nonprivate`` only), ``config_field`` (the config block that holds the settings), ``controller`` (a live policy
+sets the dials: the run needs a policy client, and studies grid its SAC cell), ``population`` (Tune's PBT sets the
+dials across a population) and ``challenger`` (a learned method that reports test against the tuned baselines).
+A strategy class's ``adaptive_sigma`` says it chooses sigma from earlier releases, so its runs are enforced and
+reported by the Renyi filter (ERRATA E13).
 """
 
 from __future__ import annotations
@@ -27,8 +32,19 @@ class StrategySpec:
     summary: str
     #: the TrainConfig field holding the settings instead of ``settings`` (RLDP: ``rldp``)
     config_field: str | None = None
+    #: False for the one non-private strategy: no epsilon, no DP step
+    private: bool = True
+    #: a live policy sets the dials: the run needs a policy client (:mod:`raydp.control`), runs as a Ray actor,
+    #: and a study grids (or searches) its SAC cell, can share, save and transfer its policy
+    controller: bool = False
+    #: the dials are set by Tune's Population Based Training across a population (``search: pbt``)
+    population: bool = False
+    #: a learned method (a controller or a learned schedule) that study reports test against the tuned baselines
+    challenger: bool = False
 
     def load(self):
+        if not self.target:
+            raise ConfigError(f"{self.name!r} has no strategy class: it is the non-private gradient")
         module, _, attr = self.target.partition(":")
         return getattr(importlib.import_module(module), attr)
 
@@ -41,7 +57,8 @@ _SPECS = (
     StrategySpec("static-pairwise", "raydp.strategies.static:StaticPairwiseStrategy",
                  "pairwise clipping with C_i=0.1 per LoRA pair, constant sigma_0"),
     StrategySpec("clip-schedule", "raydp.strategies.clipschedule:ClipScheduleStrategy",
-                 "an open-loop per-pair clip schedule (multiples of public gradient norms), searched on public data"),
+                 "an open-loop per-pair clip schedule (multiples of public gradient norms), searched on public data",
+                 challenger=True),
     StrategySpec("ewpba", "raydp.strategies.ewpba:EWPBAStrategy",
                  "EW-FT's epoch-weighted noise schedule (EWPBA, Alg. 1) on static DP-SGD, flat clip C=1"),
     StrategySpec("ewft", "raydp.strategies.forward:EWFTStrategy",
@@ -52,7 +69,8 @@ _SPECS = (
                  "DualTune-GhostDP: non-private phase 1 (public, or redacted private: labelled), then flat DP-SGD "
                  "with ghost clipping"),
     StrategySpec("rldp", "raydp.strategies.rldp:RLDPStrategy",
-                 "RLDP: a SAC policy sets per-pair clips and sigma online (Renyi filter)", config_field="rldp"),
+                 "RLDP: a SAC policy sets per-pair clips and sigma online (Renyi filter)", config_field="rldp",
+                 controller=True, challenger=True),
     StrategySpec("adaclip", "raydp.strategies.adaclip:AdaClipStrategy",
                  "AdaClip (Pichapati et al. 2019): per-coordinate centring and scaling from noisy gradients"),
     StrategySpec("auto-clip", "raydp.strategies.autoclip:AutoClipStrategy",
@@ -68,19 +86,44 @@ _SPECS = (
     StrategySpec("psac", "raydp.strategies.psac:PSACStrategy",
                  "PSAC (Xia et al. 2023): per-sample adaptive clipping, non-monotonic weight"),
     StrategySpec("pbt", "raydp.strategies.pbt:PBTStrategy",
-                 "a Population Based Training member: (clip, sigma) set by Ray Tune's PBT (Renyi filter)"),
+                 "a Population Based Training member: (clip, sigma) set by Ray Tune's PBT (Renyi filter)", population=True),
 )
 
+#: the DP strategies
 STRATEGIES: dict[str, StrategySpec] = {spec.name: spec for spec in _SPECS}
-#: every value of ``TrainConfig.strategy``
-STRATEGY_CHOICES: tuple[str, ...] = (NONPRIVATE, *STRATEGIES)
+#: every value of ``TrainConfig.strategy``: the DP strategies and the non-private gradient
+SPECS: dict[str, StrategySpec] = {
+    NONPRIVATE: StrategySpec(NONPRIVATE, "", "no privacy: the plain mini-batch gradient (the reference arm)",
+                             private=False),
+    **STRATEGIES}
+STRATEGY_CHOICES: tuple[str, ...] = tuple(SPECS)
 
 
 def get_spec(name: str) -> StrategySpec:
     try:
-        return STRATEGIES[name]
+        return SPECS[name]
     except KeyError:
         raise ConfigError(f"unknown strategy {name!r}; known: {', '.join(STRATEGY_CHOICES)}") from None
+
+
+def is_private(name: str) -> bool:
+    return get_spec(name).private
+
+
+def is_controller(name: str) -> bool:
+    """A live policy sets the strategy's dials (it needs a policy client)."""
+    return get_spec(name).controller
+
+
+def with_capability(names, capability: str) -> list[str]:
+    """The names among ``names`` whose spec declares ``capability`` (e.g. ``"controller"``)."""
+    return [name for name in names if getattr(get_spec(name), capability)]
+
+
+def controller_settings_field(names=None) -> str | None:
+    """The config block of the controller strategy among ``names`` (default: all), or None without one."""
+    found = with_capability(STRATEGY_CHOICES if names is None else names, "controller")
+    return get_spec(found[0]).config_field if found else None
 
 
 def strategy_class(name: str):

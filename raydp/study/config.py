@@ -22,8 +22,11 @@ from pydantic import AfterValidator, Field, model_validator
 from raydp.config import StrictModel, TrainConfig, load_yaml_mapping, validate_config
 from raydp.errors import ConfigError
 from raydp.evaluation.results import EvalConfig
+from raydp.strategies.registry import STRATEGY_CHOICES, get_spec, strategy_class, with_capability
 
-from raydp.strategies.registry import STRATEGY_CHOICES
+
+def _controllers() -> str:
+    return " or ".join(repr(s) for s in with_capability(STRATEGY_CHOICES, "controller"))
 
 
 def _known_strategy(name: str) -> str:
@@ -247,41 +250,47 @@ class StudyConfig(StrictModel):
         if self.search_space:
             self._check_search_space()
         elif self.search == "optuna":
-            if "rldp" not in self.strategies:
-                raise ValueError("search: optuna tunes the SAC settings; it needs 'rldp' in strategies")
+            if self.controller_strategy is None:
+                raise ValueError("search: optuna without a search_space tunes a controller's SAC settings; it needs "
+                                 f"{_controllers()} in strategies")
             if len(self.models) * len(self.epsilons) * len(self.seeds) != 1 or self.transfer is not None:
                 raise ValueError("search: optuna tunes the SAC settings on one cell: give one model, one "
                                  "epsilon and one seed (and no transfer)")
-        if self.search == "pbt" or "pbt" in self.strategies:
+        if self.search == "pbt" or self.population_strategy is not None:
             self._check_pbt()
         if self.storage is not None and (self.search == "pbt" or self.transfer is not None or self.policy == "shared"):
             raise ValueError("storage: PBT, transfer and shared-policy studies keep state on the driver's machine; run "
                              "them without storage (or with a directory every node mounts as results_dir)")
         if self.transfer is not None:
-            if "rldp" not in self.strategies:
-                raise ValueError("transfer needs 'rldp' in strategies")
-            if (self.base.get("rldp") or {}).get("architecture") == "paper":
-                raise ValueError("transfer needs the size-agnostic policy (rldp.architecture: shared)")
+            controller = self.controller_strategy
+            if controller is None:
+                raise ValueError(f"transfer moves a controller's policy: it needs {_controllers()} in strategies")
+            block = get_spec(controller).config_field
+            if (self.base.get(block) or {}).get("architecture") == "paper":
+                raise ValueError(f"transfer needs the size-agnostic policy ({block}.architecture: shared)")
             if self.policy == "shared":
                 raise ValueError("transfer trains one policy per source trial; use policy: per-trial")
-            if "rldp" in self.settings_grid:
-                raise ValueError("transfer pairs each frozen trial with one source trial: no settings_grid.rldp")
+            if controller in self.settings_grid:
+                raise ValueError(f"transfer pairs each frozen trial with one source trial: no settings_grid.{controller}")
         for strategy, grid in self.settings_grid.items():
-            if strategy not in self.strategies or strategy in ("nonprivate", "pbt"):
+            spec = get_spec(strategy)
+            if strategy not in self.strategies or not spec.private or spec.population:
                 raise ValueError(f"settings_grid.{strategy}: not a DP strategy of this study (strategies)")
             if not grid or any(not isinstance(v, list) or not v for v in grid.values()):
                 raise ValueError(f"settings_grid.{strategy}: give each setting a non-empty list of values")
-            if strategy == "rldp" and set(grid) & GRID_FORBIDDEN_RLDP:
-                raise ValueError(f"settings_grid.rldp cannot vary {sorted(set(grid) & GRID_FORBIDDEN_RLDP)[0]}: the "
-                                 "policy a trial starts from is the study's (base.rldp), so its provenance is composed")
-            if strategy == "rldp" and self.policy == "shared":
-                raise ValueError("settings_grid.rldp: one shared policy cannot act under several rldp settings; "
-                                 "use policy: per-trial")
-            if strategy != "rldp" and set(grid) & set(self.strategy_settings.get(strategy) or {}):
+            if spec.controller and set(grid) & GRID_FORBIDDEN_RLDP:
+                raise ValueError(f"settings_grid.{strategy} cannot vary {sorted(set(grid) & GRID_FORBIDDEN_RLDP)[0]}: "
+                                 f"the policy a trial starts from is the study's (base.{spec.config_field}), so its "
+                                 "provenance is composed")
+            if spec.controller and self.policy == "shared":
+                raise ValueError(f"settings_grid.{strategy}: one shared policy cannot act under several "
+                                 f"{spec.config_field} settings; use policy: per-trial")
+            if not spec.controller and set(grid) & set(self.strategy_settings.get(strategy) or {}):
                 raise ValueError(f"settings_grid.{strategy} and strategy_settings.{strategy} both set "
                                  f"{sorted(set(grid) & set(self.strategy_settings[strategy]))[0]}")
-        if self.save_policy is not None and (self.policy != "shared" or "rldp" not in self.strategies):
-            raise ValueError("save_policy saves a study's shared policy: it needs policy: shared and rldp in strategies")
+        if self.save_policy is not None and (self.policy != "shared" or self.controller_strategy is None):
+            raise ValueError("save_policy saves a study's shared policy: it needs policy: shared and "
+                             f"{_controllers()} in strategies")
         source = (self.base.get("data") or {}).get("source", "synthetic")
         if self.save_policy is not None and source != "public":
             # a trial that fails for good has trained the shared policy but left no provenance entry (E14)
@@ -289,7 +298,7 @@ class StudyConfig(StrictModel):
         if not self.private_data and source != "public":
             raise ValueError("private_data: false is for public data only (base.data.source: public); other data "
                              "is private and the study reports its tuning-aware epsilon (ERRATA E7)")
-        if self.policy == "shared" and "rldp" in self.strategies:
+        if self.policy == "shared" and self.controller_strategy is not None:
             if len(self.sac_grid.b_sac) > 1 or len(self.sac_grid.k) > 1 or self.search == "optuna":
                 raise ValueError("a shared policy has one B_SAC and one K (they are the policy service's "
                                  "settings): give single sac_grid.b_sac and sac_grid.k values and search: grid")
@@ -318,12 +327,11 @@ class StudyConfig(StrictModel):
         if len(self.seeds) != 1:
             raise ValueError("a search_space search runs every candidate at the study's one seed (common random "
                              "numbers on public data): give one seed, and run the chosen values on more seeds after")
-        from raydp.strategies.registry import strategy_class
-
         for strategy, space in self.search_space.items():
-            if strategy not in self.strategies or strategy in ("nonprivate", "rldp", "pbt"):
+            spec = get_spec(strategy)
+            if strategy not in self.strategies or not spec.private or spec.controller or spec.population:
                 raise ValueError(f"search_space.{strategy}: not a strategy of this study with settings to search "
-                                 "(strategies; RLDP's SAC cell is searched without a search_space)")
+                                 "(strategies; a controller's SAC cell is searched without a search_space)")
             if not space:
                 raise ValueError(f"search_space.{strategy}: name at least one setting to search")
             model = strategy_class(strategy).settings_model
@@ -338,11 +346,22 @@ class StudyConfig(StrictModel):
                     raise ValueError(f"search_space.{strategy}.{name} is also fixed in strategy_settings or "
                                      "settings_grid: give it one place")
 
+    @property
+    def controller_strategy(self) -> str | None:
+        """The study's strategy whose dials a live policy sets (RLDP), or None."""
+        return next(iter(with_capability(self.strategies, "controller")), None)
+
+    @property
+    def population_strategy(self) -> str | None:
+        """The study's strategy whose members Tune's PBT trains, or None."""
+        return next(iter(with_capability(self.strategies, "population")), None)
+
     def _check_pbt(self) -> None:
         if self.search != "pbt":
-            raise ValueError("strategy 'pbt' trains a population: set search: pbt")
-        if "pbt" not in self.strategies:
-            raise ValueError("search: pbt trains a population of 'pbt' members: add 'pbt' to strategies")
+            raise ValueError(f"strategy {self.population_strategy!r} trains a population: set search: pbt")
+        if self.population_strategy is None:
+            names = " or ".join(repr(s) for s in with_capability(STRATEGY_CHOICES, "population"))
+            raise ValueError(f"search: pbt trains a population of {names} members: add {names} to strategies")
         if len(self.models) * len(self.epsilons) * len(self.seeds) != 1 or self.transfer is not None:
             raise ValueError("search: pbt trains one population: give one model, one epsilon and one seed "
                              "(and no transfer)")
@@ -352,9 +371,9 @@ class StudyConfig(StrictModel):
         if not self.base.get("eval_every"):
             raise ValueError("search: pbt perturbs every pbt.perturbation_interval evaluations: set base.eval_every "
                              "(steps between evaluations)")
-        if self.strategy_settings.get("pbt"):
-            raise ValueError("the pbt members' settings are PBT's: give their ranges in pbt.hyperparam_mutations, "
-                             "not strategy_settings.pbt")
+        if self.strategy_settings.get(self.population_strategy):
+            raise ValueError(f"the {self.population_strategy} members' settings are PBT's: give their ranges in "
+                             f"pbt.hyperparam_mutations, not strategy_settings.{self.population_strategy}")
 
 
 def load_study(path: str | Path) -> StudyConfig:
@@ -375,7 +394,8 @@ def load_study(path: str | Path) -> StudyConfig:
 
 def optuna_trial(study: StudyConfig, t_rl: int, b_sac: int, k: int, trial_id: str) -> dict:
     """An Optuna-sampled RLDP trial on the study's single (model, epsilon, seed) cell."""
-    return {"model": study.models[0], "epsilon": study.epsilons[0], "seed": study.seeds[0], "strategy": "rldp",
+    return {"model": study.models[0], "epsilon": study.epsilons[0], "seed": study.seeds[0],
+            "strategy": study.controller_strategy,
             "t_rl": int(t_rl), "b_sac": int(b_sac), "k": int(k), "optuna_id": trial_id}
 
 
@@ -386,16 +406,19 @@ def trial_grid(study: StudyConfig) -> list[dict]:
     trials = _grid(study, study.models)
     if study.search_space:  # the searched strategies' trials are Optuna's (search_cells); the rest stay a grid
         return [t for t in trials if t["strategy"] not in study.search_space]
+    controller = study.controller_strategy
     if study.search == "optuna":  # the SAC cells are Optuna's to choose; the baselines stay a grid
-        return [t for t in trials if t["strategy"] != "rldp"]
+        return [t for t in trials if t["strategy"] != controller]
     if study.search == "pbt":  # the population's members (stage "pbt", run by PBT); the baselines stay a grid
-        return [m for t in trials for m in (pbt_members(study, t) if t["strategy"] == "pbt" else [t])]
+        population = study.population_strategy
+        return [m for t in trials for m in (pbt_members(study, t) if t["strategy"] == population else [t])]
     if study.transfer is None:
         return trials
-    sources = [{**t, "stage": "source"} for t in _grid(study, [study.transfer.source_model]) if t["strategy"] == "rldp"]
+    sources = [{**t, "stage": "source"} for t in _grid(study, [study.transfer.source_model])
+               if t["strategy"] == controller]
     frozen = []
     for t in trials:
-        if t["strategy"] == "rldp":
+        if t["strategy"] == controller:
             source = next(s for s in sources if all(s[k] == t[k] for k in ("epsilon", "seed", "t_rl", "b_sac", "k")))
             frozen.append({**t, "frozen_from": source_key(source)})
     return sources + trials + frozen
@@ -508,12 +531,13 @@ def _grid(study: StudyConfig, models: list[str]) -> list[dict]:
     tuned = tuned_values(study)
     trials = []
     for model, eps, seed, strategy in itertools.product(models, study.epsilons, study.seeds, study.strategies):
-        if strategy == "nonprivate":
-            if (model, seed) in {(t["model"], t["seed"]) for t in trials if t["strategy"] == "nonprivate"}:
+        spec = get_spec(strategy)
+        if not spec.private:
+            if (model, seed) in {(t["model"], t["seed"]) for t in trials if t["strategy"] == strategy}:
                 continue  # no epsilon: one non-private trial per model and seed
             trials.append({"model": model, "epsilon": None, "seed": seed, "strategy": strategy})
             continue
-        sac = itertools.product(study.sac_grid.t_rl, study.sac_grid.b_sac, study.sac_grid.k) if strategy == "rldp" \
+        sac = itertools.product(study.sac_grid.t_rl, study.sac_grid.b_sac, study.sac_grid.k) if spec.controller \
             else [(None, None, None)]
         grid = study.settings_grid.get(strategy) or {}
         variants = [dict(zip(grid, values)) for values in itertools.product(*grid.values())] if grid else [None]
@@ -543,24 +567,25 @@ def trial_config(study: StudyConfig, trial: dict, dataset_dir: str | None = None
         values["settings"] = dict(study.strategy_settings[trial["strategy"]])
     if trial.get("settings"):  # a PBT member's current (clip, sigma_scale)
         values["settings"] = {**values.get("settings", {}), **trial["settings"]}
+    spec = get_spec(trial["strategy"])
     for key in ("grid", "tuned", "search"):  # settings_grid; tuned_from's best; an Optuna-sampled trial's values
-        if key == "grid" and trial["strategy"] == "rldp":
-            continue  # RLDP's grid values are rldp settings (below)
+        if key == "grid" and spec.controller:
+            continue  # a controller's grid values are its settings block's (below)
         if trial.get(key):  # run fields, then the strategy's settings
             run = {k: v for k, v in trial[key].items() if k in SEARCHABLE_RUN_FIELDS}
             values.update(run)
             settings = {k: v for k, v in trial[key].items() if k not in run}
             if settings:
                 values["settings"] = {**values.get("settings", {}), **settings}
-    if trial["strategy"] == "rldp":
-        rldp = dict(values.get("rldp") or {})
+    if spec.controller:
+        rldp = dict(values.get(spec.config_field) or {})
         rldp.update(trial.get("grid") or {})
         rldp.update({k: trial[k] for k in ("t_rl", "b_sac", "k") if trial.get(k) is not None})
         if trial.get("frozen_from"):
             rldp.update({"policy": policy_path or "(source policy, saved in stage 1)", "frozen": True})
         elif policy_path:  # the study's rldp.policy, resolved to an absolute path by the driver
             rldp["policy"] = policy_path
-        values["rldp"] = rldp
+        values[spec.config_field] = rldp
     where = ", ".join(f"{k}={v}" for k, v in trial.items()
                       if v is not None and k not in ("frozen_from", "optuna_id", "settings", "stage", "grid", "policy_path",
                                                      "search", "tuned"))

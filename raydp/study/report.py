@@ -23,7 +23,7 @@ import pandas as pd
 
 from raydp.data.identity import frame_ids as dataset_ids
 from raydp.errors import ConfigError
-from raydp.study.results import BASELINE_EXCLUDED, CHALLENGERS
+from raydp.study.results import BASELINE_EXCLUDED, CHALLENGERS, CONTROLLERS, NONPRIVATE_ARMS
 
 
 def load_results(study_dir: str | Path) -> tuple[pd.DataFrame, dict]:
@@ -81,7 +81,7 @@ def cell_arm_keys(results: pd.DataFrame) -> pd.Series:
         return keys
     frozen = results["frozen_policy"] if "frozen_policy" in results else pd.Series(False, index=results.index)
     return pd.Series([f"{a} T_RL={t:g} B_SAC={b:g} K={k:g}" + (" (frozen policy)" if f is True or f == 1 else "")
-                      if s == "rldp" else a for s, a, t, b, k, f in
+                      if s in CONTROLLERS else a for s, a, t, b, k, f in
                       zip(results["strategy"], keys, results["t_rl"], results["b_sac"], results["k"], frozen)],
                      index=results.index, dtype=object)
 
@@ -102,7 +102,7 @@ def verdicts(results: pd.DataFrame, column: str = "final_public_perplexity") -> 
     data["_arm"] = cell_arm_keys(data)
     rows = []
     for (model, eps), group in data.groupby(["model", "epsilon_target"]):
-        rldp, base = group[group["strategy"] == "rldp"], group[~group["strategy"].isin(BASELINES_EXCLUDED)]
+        rldp, base = group[group["strategy"].isin(CONTROLLERS)], group[~group["strategy"].isin(BASELINES_EXCLUDED)]
         if rldp.empty or base.empty:
             continue
         r_arm = rldp.groupby("_arm")[column].mean().idxmin()
@@ -177,8 +177,8 @@ def challenge(results: pd.DataFrame, column: str, challenger: str) -> pd.DataFra
     eval_col = "value_nll" if column.endswith("value_nll") else "perplexity"
     rows = []
     for model, group in done.groupby("model"):
-        nonprivate = group[group["strategy"] == "nonprivate"]
-        for eps, cell in group[group["strategy"] != "nonprivate"].groupby("_eps"):
+        nonprivate = group[group["strategy"].isin(NONPRIVATE_ARMS)]
+        for eps, cell in group[~group["strategy"].isin(NONPRIVATE_ARMS)].groupby("_eps"):
             ch = cell[cell["strategy"] == challenger]
             base = cell[~cell["strategy"].isin(BASELINES_EXCLUDED)]
             if ch.empty or base.empty:
@@ -234,7 +234,7 @@ def _cells(results: pd.DataFrame, column: str) -> pd.DataFrame:
         return pd.DataFrame()
     done = results.dropna(subset=need).copy()
     done["_arm"] = cell_arm_keys(done)
-    done["_eps"] = done["epsilon_target"].where(done["strategy"] != "nonprivate", float("inf"))
+    done["_eps"] = done["epsilon_target"].where(~done["strategy"].isin(NONPRIVATE_ARMS), float("inf"))
     return done
 
 
@@ -244,11 +244,11 @@ def headroom(results: pd.DataFrame, column: str) -> pd.DataFrame:
     non-private, 0 = no better than not training), and its distance from non-private in pooled seed standard
     deviations, sqrt((sd_arm^2 + sd_np^2) / 2). Empty without a non-private arm."""
     done = _cells(results, column)
-    if done.empty or not (done["strategy"] == "nonprivate").any():
+    if done.empty or not done["strategy"].isin(NONPRIVATE_ARMS).any():
         return pd.DataFrame()
     rows = []
     for model, group in done.groupby("model"):
-        nonprivate = group[group["strategy"] == "nonprivate"]
+        nonprivate = group[group["strategy"].isin(NONPRIVATE_ARMS)]
         for split in ("public", "private"):
             final = column.replace("_eval_", "_public_") if split == "public" else column.replace("_public_", "_eval_")
             initial = final.replace("final_", "initial_")
@@ -283,7 +283,7 @@ def gates(results: pd.DataFrame, column: str, reference: str = "static-pairwise"
     from scipy import stats
 
     done = _cells(results, column)
-    if done.empty or not (done["strategy"] == "nonprivate").any():
+    if done.empty or not done["strategy"].isin(NONPRIVATE_ARMS).any():
         return []
     private_col, public_col = column.replace("_public_", "_eval_"), column.replace("_eval_", "_public_")
     out = []
@@ -297,7 +297,7 @@ def gates(results: pd.DataFrame, column: str, reference: str = "static-pairwise"
         if ref.empty:
             name = dp[dp["_eps"] == eps[0]].groupby("_arm")[public_col].mean().idxmin()
             ref = dp[dp["_arm"] == name]
-        nonprivate = group[group["strategy"] == "nonprivate"][private_col]
+        nonprivate = group[group["strategy"].isin(NONPRIVATE_ARMS)][private_col]
         low, high = ref[ref["_eps"] == eps[0]][private_col], ref[ref["_eps"] == eps[-1]][private_col]
 
         def pooled(a, b):
@@ -320,8 +320,8 @@ def gates(results: pd.DataFrame, column: str, reference: str = "static-pairwise"
         rho = float(stats.spearmanr(means[public_col], means[private_col]).statistic) if len(means) > 2 else float("nan")
         out.append(f"{'PASS' if rho >= GATE_SPEARMAN else 'FAIL'}: {model}: public validation ranks the {len(means)} "
                    f"(arm, epsilon) cells like the private split: Spearman {rho:.3f} (needs >= {GATE_SPEARMAN:g})")
-        np_public = float(group[group["strategy"] == "nonprivate"][public_col].mean())
-        best_dp = group[group["strategy"] != "nonprivate"].groupby(["_arm", "_eps"])[public_col].mean().min()
+        np_public = float(group[group["strategy"].isin(NONPRIVATE_ARMS)][public_col].mean())
+        best_dp = group[~group["strategy"].isin(NONPRIVATE_ARMS)].groupby(["_arm", "_eps"])[public_col].mean().min()
         out.append(f"{'PASS' if np_public < best_dp else 'FAIL'}: {model}: non-private beats every DP arm on public "
                    f"validation ({np_public:.3f} against the best DP cell's {best_dp:.3f})")
     return out
@@ -335,15 +335,15 @@ def table2(results: pd.DataFrame, column: str = "final_public_perplexity") -> pd
     rows = []
     for (model, eps), group in private.groupby(["model", "epsilon_target"]):
         frozen = group["frozen_policy"].fillna(False).astype(bool) if "frozen_policy" in group else False
-        rldp = group[(group["strategy"] == "rldp") & ~frozen]
+        rldp = group[group["strategy"].isin(CONTROLLERS) & ~frozen]
         base = group[~group["strategy"].isin(BASELINES_EXCLUDED)]  # a non-private run is no baseline at an epsilon
         row = {"model": model, "epsilon": eps}
-        if (group["strategy"] == "rldp").any() and getattr(frozen, "any", lambda: False)():
+        if group["strategy"].isin(CONTROLLERS).any() and getattr(frozen, "any", lambda: False)():
             row["rldp_frozen_final"] = float(group[frozen][column].mean())
         if len(rldp):
             cells = rldp.groupby(["t_rl", "b_sac", "k", "_arm"])[column].mean()
             t_rl, b_sac, k, arm = cells.idxmin()
-            variant = arm[len("rldp"):].strip()
+            variant = arm.partition(" ")[2].strip()  # after the strategy's name
             row.update(rldp_final=float(cells.min()), rldp_cell=f"T_RL={int(t_rl)} B_SAC={int(b_sac)} K={int(k)}"
                        + (f" {variant}" if variant else ""))
         if len(base):
@@ -377,7 +377,7 @@ def table3(results: pd.DataFrame, column: str = "final_public_perplexity") -> pd
     if column not in results:  # no trial finished
         return pd.DataFrame()
     frozen = results["frozen_policy"].fillna(False).astype(bool) if "frozen_policy" in results else False
-    rldp = results[(results["strategy"] == "rldp") & ~frozen].dropna(subset=[column])
+    rldp = results[results["strategy"].isin(CONTROLLERS) & ~frozen].dropna(subset=[column])
     rows = []
     for (model, eps), group in rldp.groupby(["model", "epsilon_target"]):
         cells = group.groupby(["t_rl", "b_sac", "k"])

@@ -87,10 +87,16 @@ from raydp.evaluation.results import EVALUATION_FILE, flat_metrics
 from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve, rdp_epsilon
 from raydp.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
+from raydp.strategies.registry import STRATEGY_CHOICES, get_spec, is_private, with_capability
 
-#: the learned controllers a study compares with the baselines (never a baseline themselves, issue 29)
-CHALLENGERS = ("rldp", "clip-schedule")
-BASELINE_EXCLUDED = (*CHALLENGERS, "nonprivate")
+#: the learned controllers a study compares with the baselines (never a baseline themselves, issue 29): the
+#: registry's ``challenger`` capability
+CHALLENGERS = tuple(with_capability(STRATEGY_CHOICES, "challenger"))
+#: the strategies whose dials a live policy sets (RLDP): their SAC cells are arms of their own
+CONTROLLERS = tuple(with_capability(STRATEGY_CHOICES, "controller"))
+#: the non-private reference arm(s)
+NONPRIVATE_ARMS = tuple(name for name in STRATEGY_CHOICES if not is_private(name))
+BASELINE_EXCLUDED = (*CHALLENGERS, *NONPRIVATE_ARMS)
 
 #: the metrics a study selects and reports on (lower is better), by split: (results.parquet final column,
 #: eval_metrics.parquet column). ``value_nll``, the value-token NLL in nats per record (raydp.evaluation.perplexity),
@@ -181,7 +187,7 @@ def _trial_row(trial: dict, run_dir: Path, status: str, result: dict, s: dict | 
     row = {"trial": trial["name"], "status": status, "model": trial["model"], "strategy": trial["strategy"],
            "epsilon_target": trial.get("epsilon"), "seed": trial["seed"], "t_rl": trial.get("t_rl"),
            "b_sac": trial.get("b_sac"), "k": trial.get("k"),
-           "frozen_policy": bool(trial.get("frozen_from")) or (frozen and trial["strategy"] == "rldp"),
+           "frozen_policy": bool(trial.get("frozen_from")) or (frozen and get_spec(trial["strategy"]).controller),
            "variant": variant_label(trial),
            "search": json.dumps(trial["search"], sort_keys=True) if trial.get("search") else None,
            "tuned": json.dumps(trial["tuned"], sort_keys=True) if trial.get("tuned") else None,
@@ -483,8 +489,10 @@ def dataset_identity(dataset_dir: str | Path | None) -> str | None:
 
 
 def _paper_rldp(study, trial: dict | None = None) -> bool:
-    """Whether an RLDP trial ran in paper mode (the study's base, or the trial's settings_grid variant)."""
-    rldp = {**(study.base.get("rldp") or {}), **((trial or {}).get("grid") or {})}
+    """Whether a controller trial ran in paper mode (the study's base, or the trial's settings_grid variant)."""
+    controller = getattr(study, "controller_strategy", None)
+    block = get_spec(controller).config_field if controller else None
+    rldp = {**(study.base.get(block) or {}), **((trial or {}).get("grid") or {})} if block else {}
     return rldp.get("privacy_mode") == "paper"
 
 
@@ -494,9 +502,9 @@ def _trial_policy(study, trial: dict) -> tuple[str | None, Path | None, str | No
     from raydp.control.store import resolve_policy
     from raydp.errors import ConfigError
 
-    if trial.get("strategy") != "rldp":
+    if trial.get("strategy") not in CONTROLLERS:
         return None, None, None
-    rldp = study.base.get("rldp") or {}
+    rldp = study.base.get(get_spec(trial["strategy"]).config_field) or {}
     name = trial.get("policy_path") or rldp.get("policy")  # resolved by the driver (frozen: the source trial's)
     if not name:
         return None, None, None
@@ -568,11 +576,11 @@ def study_privacy(study, study_dir: Path, table: pd.DataFrame, unfinished: dict[
         summary = _read_summary(run_dir)
         sha = identity_of(summary or {}) or dataset_sha or "unknown dataset"
         b = per.setdefault(sha, {"runs": [], "unknown": [], "nonprivate": [], "warnings": [], "seen": set()})
-        if row["strategy"] == "nonprivate":
+        if not is_private(row["strategy"]):
             b["nonprivate"].append(row["trial"])
             continue
         labels = trial_labels(summary)
-        if summary is None and row["strategy"] == "rldp" and _paper_rldp(study, specs.get(row["trial"])):
+        if summary is None and get_spec(row["strategy"]).controller and _paper_rldp(study, specs.get(row["trial"])):
             labels = [PAPER_MODE_LABEL]
         spec = {**specs.get(row["trial"], {}), "name": row["trial"], "strategy": row["strategy"]}
         policy_runs, policy_labels, warnings = _policy_runs(study, spec, study_dir, sha, b["seen"])
@@ -652,8 +660,8 @@ def collect_results(study, study_dir: Path, trials: list[dict], grid, dataset_di
                          "name": f"{config['search_cell']['strategy']}_optuna-{Path(str(result.path)).name}"}
             else:  # it failed before its final report
                 trial = {"model": study.models[0], "epsilon": study.epsilons[0], "seed": study.seeds[0],
-                         "strategy": "rldp", **{k: config.get(k) for k in ("t_rl", "b_sac", "k")},
-                         "name": f"rldp_optuna-{Path(str(result.path)).name}"}
+                         "strategy": study.controller_strategy, **{k: config.get(k) for k in ("t_rl", "b_sac", "k")},
+                         "name": f"{study.controller_strategy}_optuna-{Path(str(result.path)).name}"}
             trials.append(trial)
         status = trial_status(result, metrics, study_dir / "trials" / trial["name"])
         statuses[trial["name"]] = (status, metrics)
@@ -662,7 +670,8 @@ def collect_results(study, study_dir: Path, trials: list[dict], grid, dataset_di
             if spend is not None:
                 unfinished[trial["name"]] = spend
     rows = []
-    frozen = bool((getattr(study, "base", {}).get("rldp") or {}).get("frozen"))  # a grid cannot set it
+    controller = getattr(study, "controller_strategy", None)
+    frozen = bool(controller and (study.base.get(get_spec(controller).config_field) or {}).get("frozen"))  # not a grid's
     for trial in trials:
         status, metrics = statuses.get(trial["name"], ("NOT_RUN", {}))
         rows.append(_trial_row(trial, study_dir / "trials" / trial["name"], status, metrics, frozen=frozen))

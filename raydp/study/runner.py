@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from raydp.errors import ConfigError
+from raydp.strategies.registry import get_spec
 from raydp.study.config import (StudyConfig, load_study, optuna_trial, search_cells, search_trial, source_key,
                                 trial_config, trial_grid)
 
@@ -44,7 +45,7 @@ def trial_name(trial: dict) -> str:
     if trial.get("epsilon") is not None:
         parts.append(f"eps{trial['epsilon']:g}")
     parts.append(f"seed{trial['seed']}")
-    if trial["strategy"] == "rldp":
+    if get_spec(trial["strategy"]).controller:
         parts.append(f"trl{trial['t_rl']}-b{trial['b_sac']}-k{trial['k']}")
     if trial.get("grid"):  # settings_grid: e.g. clip0.03
         parts.append("-".join(f"{k.replace('_', '')}{v}" for k, v in trial["grid"].items()))
@@ -82,7 +83,7 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
     probe = trial_config(study, (trial_grid(study) + corners)[0])  # validates base + the first trial before building
     dataset = str(resolve_dataset(probe.data, study_dir / "dataset", progress=progress))
     needs_public = not study.private_data or study.save_policy is not None or \
-        (study.policy == "shared" and "rldp" in study.strategies)
+        (study.policy == "shared" and study.controller_strategy is not None)
     if needs_public:  # what the study file declares public must BE the public population, not a leftover or a relabel
         from raydp.data.build import is_public_dataset
 
@@ -93,7 +94,7 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
     trials, plans, trial_plans, unit_names = [], {}, {}, {}
     for trial in trial_grid(study) + corners:
         config = trial_config(study, trial, dataset)
-        if config.strategy == "rldp" and config.rldp.policy and not trial.get("frozen_from"):
+        if config.is_controlled and config.strategy_settings().policy and not trial.get("frozen_from"):
             from raydp.control.policies import check_policy_privacy
 
             try:  # a paper-mode policy may not drive a strict trial (ERRATA E14): fail before Ray starts
@@ -534,7 +535,7 @@ def run_trial(params: dict) -> None:
     def checkpoint(state: dict) -> None:
         with tempfile.TemporaryDirectory(dir=workdir) as d:
             torch.save(state, Path(d) / CHECKPOINT_STATE)
-            if session is not None and not config.rldp.frozen:
+            if session is not None and not config.strategy_settings().frozen:
                 client.save_policy(Path(d) / "policy", trained_on=trained_on(config), results={})  # a snapshot: no new provenance entry (the run adds it at its end)
             rows = state["trainer"].get("eval_rows") or [{}]
             tune.report({"step": state["trainer"]["step_count"], "checkpoint": True, "eval_step": rows[-1].get("step"),
@@ -544,7 +545,7 @@ def run_trial(params: dict) -> None:
     entered_at = time.time()
     reporter = _Reporter(study, trial, config, root, params.get("wandb"))
     try:
-        if config.strategy == "rldp":
+        if config.is_controlled:
             if params.get("connection"):
                 # exploration seeded from the trial's name (public), not the process id
                 client = client_from_connection({**params["connection"], "seed": run_seed(trial["name"])},
@@ -688,10 +689,10 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
               "wandb": wandb_target(study, study_dir),
               "connection": None, "log_checkpoints": sys.stderr.isatty(),
               "n_trials": len(trials)}  # audits in the family: each trial's audit is Bonferroni-corrected
-    if study.policy == "shared" and "rldp" in study.strategies:
+    if study.policy == "shared" and study.controller_strategy is not None:
         from raydp.control.service import PolicySession
 
-        first_rldp = trial_config(study, next(t for t in trials if t["strategy"] == "rldp"), dataset)
+        first_rldp = trial_config(study, next(t for t in trials if t["strategy"] == study.controller_strategy), dataset)
         session = PolicySession(policy_layout_for(first_rldp), sac_settings(first_rldp), namespace=RAY_NAMESPACE)
         common["connection"] = session.connection()
     bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
@@ -788,8 +789,9 @@ def _save_study_policy(session, path: Path, study: StudyConfig, dataset: str, re
               "transitions_sampled_in_updates": counters.get("module_steps_trained"),
               "private_budget_spent": "none (public data)" if manifest.get("public") else
               "see the provenance: every run composes for the people in its dataset (ERRATA E14)"}
-    first = trial_config(study, next(t for t in trial_grid(study) if t["strategy"] == "rldp"), dataset)
-    record["sac_updates"] = None if counters.get("train_calls") is None else counters["train_calls"] * first.rldp.k
+    first = trial_config(study, next(t for t in trial_grid(study) if t["strategy"] == study.controller_strategy), dataset)
+    record["sac_updates"] = None if counters.get("train_calls") is None else \
+        counters["train_calls"] * first.strategy_settings().k
     path.parent.mkdir(parents=True, exist_ok=True)
     session.save(path, trained_on=trained_on(first, model=", ".join(study.models), epsilon=study.epsilons,
                                              t_rl=study.sac_grid.t_rl, pretraining=record),
