@@ -28,11 +28,10 @@ from pathlib import Path
 import numpy as np
 
 from raydp.errors import ConfigError
-from raydp.evaluation import attacks
-from raydp.evaluation.audit import audit_scores
+from raydp.evaluation.base import AttackContext
+from raydp.evaluation.registry import ATTACKS
 from raydp.evaluation.results import EVALUATION_FILE, EVALUATION_FORMAT, LABEL, EvalConfig, summary_line
 
-PROFILE_SEED = 9_999  # public profiles for the extraction prompts, drawn apart from probe/validation seeds
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -129,7 +128,6 @@ def evaluate_run(run_dir: str | Path, settings: EvalConfig | None = None, progre
     at confidence ``1 - (1 - confidence) / audits_in_family`` (Bonferroni), so that the chance of any false
     VIOLATION among them stays within ``1 - confidence``."""
     from raydp.config import TrainConfig
-    from raydp.data import load_audit_canaries, load_canaries, load_split, public_corpus
 
     settings = settings or EvalConfig()
     confidence = 1.0 - (1.0 - settings.confidence) / max(1, audits_in_family)
@@ -141,81 +139,18 @@ def evaluate_run(run_dir: str | Path, settings: EvalConfig | None = None, progre
     dataset = run_dataset_dir(run_dir, config, summary)
     say = _Progress(progress, run_dir.name)
     loaded = load_trained_model(run_dir, config, settings.device)
-    model, tokenizer, device = loaded.model, loaded.tokenizer, loaded.device
-    max_length = summary.get("max_length")
     rng = np.random.default_rng(np.random.SeedSequence([settings.seed, 0x4D494131]))  # "MIA1"
     seconds: dict[str, float] = {}
     result: dict = {"format": EVALUATION_FORMAT, "label": LABEL, "run_dir": str(run_dir),
                     "claimed": _claimed(summary, config), "settings": settings.model_dump(mode="json")}
 
-    started = time.perf_counter()
-    train = load_split(dataset, "train")
-    plain = ~train["has_canary"].to_numpy()
-    if "audit_canary" in train:
-        plain &= ~train["audit_canary"].to_numpy()
-    members = list(train.loc[plain, "text"])
-    nonmembers = list(load_split(dataset, "attack")["text"])
-    n = min(settings.membership_records, len(members), len(nonmembers))
-    members = [members[i] for i in np.sort(rng.choice(len(members), n, replace=False))]
-    nonmembers = [nonmembers[i] for i in np.sort(rng.choice(len(nonmembers), n, replace=False))]
-    say(f"membership inference: {n} members vs {n} non-members")
-    result["membership"] = attacks.membership_inference(model, tokenizer, members, nonmembers, device,
-                                                        prompt_fraction=settings.prompt_fraction,
-                                                        max_length=max_length, batch_size=settings.batch_size)
-    seconds["membership"] = time.perf_counter() - started
-
-    canaries = load_canaries(dataset)
-    secrets = list(canaries["secret"])
-    result["extraction"] = None
-    if settings.generations and secrets:
+    context = AttackContext(run_dir=run_dir, config=config, summary=summary, dataset=dataset, settings=settings,
+                            loaded=loaded, rng=rng, confidence=confidence, result=result, say=say)
+    for spec in ATTACKS:  # each registered attack, in order (raydp.evaluation.registry)
         started = time.perf_counter()
-        profiles = public_corpus(settings.extraction_profiles, seed=PROFILE_SEED, progress=False)
-        say(f"canary extraction: {settings.generations} generations ({settings.extraction_prompt} prompt)")
-        result["extraction"] = attacks.canary_extraction(
-            model, tokenizer, secrets, profiles, device, generations=settings.generations,
-            style=settings.extraction_prompt, seed=settings.seed, max_length=loaded.max_positions,
-            batch_size=settings.generation_batch_size)
-        seconds["extraction"] = time.perf_counter() - started
-
-    result["exposure"] = None
-    if settings.exposure_candidates and secrets:
-        started = time.perf_counter()
-        texts = list(train["text"].iloc[canaries["train_row"].to_numpy()])
-        contexts = [t[:off] for t, off in zip(texts, attacks.secret_offsets(texts, secrets))]
-        say(f"exposure: {len(secrets)} canaries x {settings.exposure_candidates} candidates")
-        result["exposure"] = attacks.exposure(model, tokenizer, contexts, secrets, device,
-                                              candidates=settings.exposure_candidates, seed=settings.seed,
-                                              batch_size=settings.candidate_batch_size)
-        seconds["exposure"] = time.perf_counter() - started
-
-    result["audit"] = None
-    audit = load_audit_canaries(dataset) if settings.audit else None
-    if audit is None:
-        result["audit_note"] = ("no audit canaries in this run's dataset (build it with n_audit > 0, "
-                                "e.g. `raydp data build --n-audit 100`)" if settings.audit else "audit not requested")
-    elif audit["included"].all() or not audit["included"].any():
-        result["audit_note"] = (f"all {len(audit)} audit canaries fell on one side of their coins: no audit "
-                                "(use more, e.g. n_audit 100)")
-    else:
-        started = time.perf_counter()
-        say(f"audit: {len(audit)} audit canaries ({int(audit['included'].sum())} included)")
-        scores, scored = attacks.audit_canary_scores(model, tokenizer, list(audit["text"]), list(audit["secret"]),
-                                                     device, max_length=max_length, batch_size=settings.batch_size)
-        claimed = result["claimed"]
-        delta = claimed["delta"] if claimed["delta"] is not None else config.delta
-        bound = audit_scores(scores, audit["included"].to_numpy(), delta=delta, confidence=confidence)
-        eps = claimed["epsilon"]
-        comparable = claimed["comparable"] and eps is not None and math.isfinite(eps)
-        # the verdict rests on the one-run bound, the one with a theorem for a single run; Clopper-Pearson
-        # across one run's canaries is the conventional estimator, shown for comparison (raydp.evaluation.audit)
-        result["audit"] = {**bound.as_dict(), "unscored": int((~scored).sum()),
-                           "score": "log p(secret | its record) under the model minus under the base model",
-                           "claimed_epsilon": eps,
-                           "consistent": bool(bound.epsilon_one_run <= eps) if comparable else None,
-                           "verdict_basis": "epsilon_one_run (Steinke et al. 2023, Thm 5.2); Clopper-Pearson is "
-                                            "shown for comparison, without a one-run theorem",
-                           "note": claimed["note"]}
-        seconds["audit"] = time.perf_counter() - started
+        result[spec.key] = spec.run(context)
+        if result[spec.key] is not None:
+            seconds[spec.key] = time.perf_counter() - started
     seconds["total"] = sum(seconds.values())
     result["seconds"] = {k: round(v, 2) for k, v in seconds.items()}
     train_seconds = summary.get("train_loop_seconds")

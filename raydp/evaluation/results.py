@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from raydp.evaluation.registry import ATTACKS
 from raydp.settings import StrictModel
 
 EVALUATION_FILE = "evaluation.json"
@@ -35,57 +36,16 @@ class EvalConfig(StrictModel):
 
 
 def summary_line(result: dict) -> str:
-    """One line: the headline numbers of an evaluation."""
-    parts = []
-    mia = result.get("membership")
-    if mia:
-        parts.append(f"MIA AUC {mia['loss']['auc']:.3f} (calibrated {mia['calibrated']['auc']:.3f}), "
-                     f"TPR@1%FPR {mia['loss']['tpr_at_fpr_0.01']:.3f}")
-    ext = result.get("extraction")
-    if ext:
-        parts.append(f"extraction n_valid {ext['n_valid']}, Jaccard_1 {ext['jaccard']['1']['mean']:.4f}, "
-                     f"exact {ext['exact_matches']}")
-    exp = result.get("exposure")
-    if exp:
-        parts.append(f"exposure mean {exp['mean']:.2f} / max {exp['max']:.2f} bits")
-    audit = result.get("audit")
-    if audit:
-        claimed = audit["claimed_epsilon"]
-        verdict = {True: "not refuted", False: "VIOLATION: the one-run bound exceeds the claimed epsilon",
-                   None: f"not compared ({audit.get('note') or 'no claimed epsilon'})"}[audit["consistent"]]
-        parts.append(f"audit epsilon >= {audit['epsilon_one_run']:.3f} (one run) / "
-                     f"{audit['epsilon_clopper_pearson']:.3f} (Clopper-Pearson) vs claimed "
-                     f"{'n/a' if claimed is None else f'{claimed:.3f}'}: {verdict}")
+    """One line: the headline numbers of an evaluation (each registered attack's that ran)."""
+    parts = [spec.summary(result[spec.key]) for spec in ATTACKS if result.get(spec.key)]
     return "; ".join(parts) or "nothing evaluated"
 
 
 def flat_metrics(result: dict) -> dict:
     """The headline numbers as flat columns (study results; Tune's final report)."""
     out: dict = {}
-    mia = result.get("membership")
-    if mia:
-        for kind, prefix in (("loss", "mia"), ("calibrated", "mia_cal")):
-            out[f"{prefix}_auc"] = mia[kind]["auc"]
-            out[f"{prefix}_tpr_at_fpr_0.01"] = mia[kind]["tpr_at_fpr_0.01"]
-            out[f"{prefix}_tpr_at_fpr_0.001"] = mia[kind]["tpr_at_fpr_0.001"]
-        if "base_model" in mia:
-            out["mia_base_model_auc"] = mia["base_model"]["auc"]
-        out["mia_member_mean_logp"] = mia["loss"]["member_mean_logp"]
-        out["mia_member_mean_ppl"] = mia["loss"]["member_mean_ppl"]
-    ext = result.get("extraction")
-    if ext:
-        out["canary_n_valid"] = ext["n_valid"]
-        out["canary_exact_matches"] = ext["exact_matches"]
-        for n in ("1", "2", "3", "4"):
-            out[f"canary_jaccard_{n}"] = ext["jaccard"][n]["mean"]
-    exp = result.get("exposure")
-    if exp:
-        out["exposure_mean"], out["exposure_max"] = exp["mean"], exp["max"]
-    audit = result.get("audit")
-    if audit:
-        out["audit_epsilon_one_run"] = audit["epsilon_one_run"]
-        out["audit_epsilon_clopper_pearson"] = audit["epsilon_clopper_pearson"]
-        out["audit_m"] = audit["m"]
-        out["audit_consistent"] = audit["consistent"]
+    for spec in ATTACKS:
+        if result.get(spec.key):
+            out.update(spec.flat(result[spec.key]))
     out["eval_seconds"] = (result.get("seconds") or {}).get("total")
     return out

@@ -38,6 +38,8 @@ import pandas as pd
 from raydp.data.identity import frame_ids as dataset_ids, identity_of
 from raydp.errors import ConfigError
 from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
+from raydp.evaluation.base import Column
+from raydp.evaluation.registry import ATTACKS
 from raydp.report import figures
 from raydp.study.report import (
     VERDICT_ALPHA,
@@ -819,48 +821,32 @@ def attacks(r: Report) -> str:
     keys = sorted(groups, key=lambda k: (str(k[0]), _missing(k[1]), 0 if _missing(k[1]) else float(k[1]),
                                          order.get(k[2], len(order))))
 
-    def stat(evs, *path, digits=3):
-        return pm_cell([_dig(ev, *path) for ev in evs], digits)
+    def cell(evs, column: Column):
+        values = [_dig(ev, *column.path) for ev in evs]
+        return Cell(_span(values, column.digits), "num") if column.span else pm_cell(values, column.digits)
 
-    mrows, xrows, auc = [], [], []
-    for key in keys:
-        evs = groups[key]
-        head = [key[0], _eps(key[1]), Cell(key[2], "arm"), Cell(str(len(evs)), "num")]
-        with_m = [ev for ev in evs if isinstance(ev.get("membership"), dict)]
+    evaluations = [ev for _, ev in evaluated]
+    for spec in ATTACKS:  # each registered attack's table (raydp.evaluation.registry)
+        t = spec.table
+        if t is None:
+            continue
+        rows = []
+        for key in keys:
+            evs = [ev for ev in groups[key] if any(isinstance(ev.get(k), dict) for k in t.keys)]
+            if evs:
+                rows.append([key[0], _eps(key[1]), Cell(key[2], "arm"), Cell(str(len(evs)), "num"),
+                             *(cell(evs, c) for c in t.columns)])
+        body.append(table(t.id, ["model", "ε", "strategy", "trials", *(c.header for c in t.columns)], rows,
+                          caption=t.caption(evaluations)) if rows else para(t.missing, "missing"))
+    auc = []
+    for key in keys:  # membership inference's figures: AUC per arm, and ROC curves
+        with_m = [ev for ev in groups[key] if isinstance(ev.get("membership"), dict)]
         if with_m:
-            mrows.append(head + [
-                stat(with_m, "membership", "loss", "auc"),
-                stat(with_m, "membership", "loss", "tpr_at_fpr_0.001", digits=4),
-                stat(with_m, "membership", "loss", "tpr_at_fpr_0.01", digits=4),
-                stat(with_m, "membership", "calibrated", "auc"),
-                stat(with_m, "membership", "calibrated", "tpr_at_fpr_0.001", digits=4),
-                stat(with_m, "membership", "calibrated", "tpr_at_fpr_0.01", digits=4),
-                stat(with_m, "membership", "loss", "member_mean_logp"),
-                stat(with_m, "membership", "loss", "nonmember_mean_logp"),
-                stat(with_m, "membership", "loss", "member_mean_ppl", digits=4),
-                stat(with_m, "membership", "loss", "nonmember_mean_ppl", digits=4),
-                stat(with_m, "membership", "base_model", "auc")])
             vals = lambda *p: [v for v in (_dig(ev, *p) for ev in with_m) if not _missing(v)]  # noqa: E731
             la, ca = vals("membership", "loss", "auc"), vals("membership", "calibrated", "auc")
             auc.append((f"ε={_eps(key[1])} · {key[2]}" + (f" · {key[0]}" if len({k[0] for k in keys}) > 1 else ""),
                         float(np.mean(la)) if la else np.nan, float(np.std(la, ddof=1)) if len(la) > 1 else np.nan,
                         float(np.mean(ca)) if ca else np.nan, float(np.std(ca, ddof=1)) if len(ca) > 1 else np.nan))
-        with_x = [ev for ev in evs if isinstance(ev.get("extraction"), dict) or isinstance(ev.get("exposure"), dict)]
-        if with_x:
-            xrows.append(head + [
-                stat(with_x, "extraction", "n_valid", digits=0), stat(with_x, "extraction", "exact_matches", digits=1),
-                *(stat(with_x, "extraction", "jaccard", str(n), "mean", digits=4) for n in (1, 2, 3, 4)),
-                stat(with_x, "exposure", "mean", digits=2), stat(with_x, "exposure", "max", digits=2),
-                Cell(_span([_dig(ev, "exposure", "max_measurable_bits") for ev in with_x], 2), "num")])
-    body.append(table("table-membership", ["model", "ε", "strategy", "trials", "AUC (loss)", "TPR@0.1% FPR",
-                                           "TPR@1% FPR", "AUC (calibrated)", "TPR@0.1% (cal.)", "TPR@1% (cal.)",
-                                           "member mean log p", "non-member mean log p", "member ppl",
-                                           "non-member ppl", "null AUC (base model)"], mrows,
-                      caption="membership inference (mean ± std over seeds); members / non-members per trial: " +
-                              ", ".join(dict.fromkeys(f"{_dig(ev, 'membership', 'n_members')} / "
-                                                      f"{_dig(ev, 'membership', 'n_nonmembers')}" for _, ev in evaluated
-                                                      if isinstance(ev.get("membership"), dict))))
-                if mrows else para("membership inference: not run in any evaluation", "missing"))
     if auc:
         body.append(figure("fig-attacks", figures.auc_figure(auc, "fig-attacks"),
                            "Membership-inference AUC per (epsilon, strategy), mean ± std over seeds: the loss attack "
@@ -878,18 +864,6 @@ def attacks(r: Report) -> str:
                            f"Membership-inference ROC of the loss attack on log-log axes, first seed of each (epsilon, "
                            f"strategy); the dashed diagonal is chance; below FPR {floor:.2g} (one non-member) nothing "
                            "is resolved."))
-    first = next((ev for _, ev in evaluated if isinstance(ev.get("extraction"), dict)), None)
-    settings = ""
-    if first is not None:
-        x = first["extraction"]
-        settings = (f"; {x.get('generations')} generations of up to {x.get('max_new_tokens')} tokens "
-                    f"(temperature {x.get('temperature')}, top-p {x.get('top_p')}, top-k {x.get('top_k')}, prompt "
-                    f"{x.get('prompt')}), {x.get('n_canary')} canaries")
-    body.append(table("table-extraction", ["model", "ε", "strategy", "trials", "valid generations", "exact matches",
-                                           "Jaccard-1", "Jaccard-2", "Jaccard-3", "Jaccard-4", "exposure mean (bits)",
-                                           "exposure max (bits)", "max measurable (bits)"], xrows,
-                      caption="canary extraction and exposure (mean ± std over seeds)" + settings)
-                if xrows else para("canary extraction / exposure: not run in any evaluation", "missing"))
     return _section("sec-attacks", "Attacks: membership inference, extraction, exposure", "\n".join(body))
 
 

@@ -1,0 +1,65 @@
+"""What an attack is to the rest of raydp: an :class:`AttackSpec` (what it runs, its headline line, its flat
+columns, its report table), registered in :mod:`raydp.evaluation.registry`. A spec's module stays light (no torch
+at import): studies, results and reports read specs without loading a model; ``run`` imports what it needs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class AttackContext:
+    """What :func:`raydp.evaluation.evaluate.evaluate_run` hands every attack: the trained model and its run."""
+
+    run_dir: Any
+    config: Any  # the run's TrainConfig
+    summary: dict  # the run's summary.json
+    dataset: Any  # the run's dataset directory
+    settings: Any  # EvalConfig
+    loaded: Any  # the loaded model (model, tokenizer, device, max_positions)
+    rng: Any  # the attacks' own numpy generator (public: it picks records to score, not a privacy parameter)
+    confidence: float  # the audit's confidence after the family's Bonferroni correction
+    result: dict  # evaluation.json so far (``claimed``, earlier attacks' results); an attack may add notes to it
+    say: Callable[[str], None] = print
+
+    @property
+    def max_length(self):
+        return self.summary.get("max_length")
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of an attack's report table: mean ± std over seeds of the value at ``path`` in
+    evaluation.json (``span``: min-max of the value instead, for a setting that may differ between trials)."""
+
+    header: str
+    path: tuple[str, ...]
+    digits: int = 3
+    span: bool = False
+
+
+@dataclass(frozen=True)
+class AttackTable:
+    """The report's table of one or more attacks (``keys``: a trial is a row when any of them ran)."""
+
+    id: str
+    keys: tuple[str, ...]
+    columns: tuple[Column, ...]
+    caption: Callable[[list[dict]], str]  # from the evaluations shown
+    missing: str  # the line shown when no evaluation ran these attacks
+
+
+@dataclass(frozen=True)
+class AttackSpec:
+    """One attack. ``key``: its entry in evaluation.json (None when it did not run); ``run(ctx)``: the attack,
+    returning that entry or None; ``summary(entry)``: its part of the one-line headline; ``flat(entry)``: its
+    columns in a study's results table; ``table``: its table on the report page (None: shown elsewhere)."""
+
+    key: str
+    run: Callable[[AttackContext], dict | None]
+    summary: Callable[[dict], str]
+    flat: Callable[[dict], dict]
+    table: AttackTable | None = None
+    extra: dict = field(default_factory=dict)
