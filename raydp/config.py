@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 
 from raydp.data.splits import check_fractions
 from raydp.settings import StrictModel, load_yaml_mapping, validate_config  # noqa: F401  (re-exported)
+from raydp.control.transports import transport_for
 from raydp.strategies.registry import STRATEGY_CHOICES, get_spec, strategy_class, strategy_settings
 
 
@@ -204,9 +205,7 @@ class TrainConfig(StrictModel):
     @field_validator("controller")
     @classmethod
     def _controller_address(cls, value: str) -> str:
-        from raydp.control.address import parse_controller
-
-        parse_controller(value)  # ValueError: one line naming the field
+        transport_for(value).parse(value)  # ValueError: one line naming the field
         return value
 
     @model_validator(mode="after")
@@ -219,9 +218,10 @@ class TrainConfig(StrictModel):
                 raise ValueError(f"controller {self.controller!r} drives a run whose dials a policy sets (strategy "
                                  f"{', '.join(s for s in STRATEGY_CHOICES if get_spec(s).controller)}), not "
                                  f"{self.strategy!r}")
+        if transport_for(self.controller).external:  # the policy lives outside the run (a server owns it)
             for key in ("policy", "frozen", "save_policy"):
-                if getattr(self.rldp, key):
-                    raise ValueError(f"rldp.{key} does not apply with controller {self.controller!r}: the policy "
+                if getattr(self.strategy_settings(), key):
+                    raise ValueError(f"{spec.config_field}.{key} does not apply with controller {self.controller!r}: the policy "
                                      "server owns the policy")
         if self.common_random_numbers and self.data.source != "public" and not Path(self.data.source).expanduser().is_dir():
             # a dataset directory (a study's built dataset) is checked when the run starts: its manifest says

@@ -1,4 +1,4 @@
-"""A run's policy client from the connection dict its launcher passed: one factory for both transports.
+"""A run's policy client from the connection dict its launcher passed: one factory for every registered transport (:mod:`raydp.control.transports`).
 
 ``connection["kind"]`` says which: ``"broker"`` (:meth:`raydp.control.service.PolicySession.connection`:
 a :class:`raydp.control.service.PolicyClient` on the named broker actor) or ``"rllink"``
@@ -14,23 +14,12 @@ else a hash of ``run_id``: :func:`raydp.control.broker.run_seed`).
 
 from __future__ import annotations
 
-KINDS = ("broker", "rllink")
+from raydp.control.transports import TRANSPORTS, transport_of_connection
+
+KINDS = tuple(spec.kind for spec in TRANSPORTS)
 
 
 def client_from_connection(connection: dict, run_id: str):
     """The policy client of run ``run_id`` for ``connection`` (ValueError for an unknown kind)."""
-    kind = connection.get("kind", "broker")
-    if kind == "broker":
-        import ray
-
-        from raydp.control.service import PolicyClient
-
-        broker = ray.get_actor(connection["broker_name"], namespace=connection["namespace"])
-        return PolicyClient(broker, run_id, explore=connection["explore"], service=connection.get("service"),
-                            seed=connection.get("seed"))
-    if kind == "rllink":
-        from raydp.control.rllink import RLlinkPolicyClient
-
-        return RLlinkPolicyClient(connection["host"], connection["port"], run_id, secret=connection.get("secret"),
-                                  expect=connection.get("expect"), seed=connection.get("seed"))
-    raise ValueError(f"unknown policy connection kind {kind!r} (expected one of {', '.join(KINDS)})")
+    spec = transport_of_connection(connection)
+    return spec.load(spec.client)(connection, run_id)

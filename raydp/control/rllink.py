@@ -121,7 +121,8 @@ from ray.rllib.env.external.env_runner_server_for_external_inference import EnvR
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode
 from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
-from raydp.control.address import LOOPBACK, RLlinkAddress, Secret, loopback_host, loopback_refusal, require_loopback
+from raydp.control.address import (LOOPBACK, RLlinkAddress, Secret, loopback_host, loopback_refusal, parse_rllink,
+                                   require_loopback)
 from raydp.control.broker import exploration_generator, explore_sample, log_sampled, run_seed
 from raydp.control.decoding import DECODINGS
 from raydp.control.features import ObservationLayout
@@ -996,3 +997,34 @@ def rllink_connection(address: RLlinkAddress, secret: bytes, expect: dict, seed:
     if seed is not None:
         out["seed"] = int(seed)
     return out
+
+
+# ---- the rllink transport (raydp.control.transports) ---------------------------------------------------------
+
+def rllink_client(connection: dict, run_id: str) -> RLlinkPolicyClient:
+    """The run's client on the policy server ``connection`` names (:func:`rllink_connection`)."""
+    return RLlinkPolicyClient(connection["host"], connection["port"], run_id, secret=connection.get("secret"),
+                              expect=connection.get("expect"), seed=connection.get("seed"))
+
+
+class RLlinkLaunch:
+    """The rllink transport's launcher: the run is driven by the policy server at ``config.controller``. The
+    secret is resolved when it is built (:func:`resolve_secret`), before Ray starts; the server must be
+    loopback, answer, and serve a policy of the run's privacy mode and clip decoding (one-line ConfigErrors)."""
+
+    def __init__(self, config, overwrite_policy: bool = False):
+        self.address = parse_rllink(config.controller)
+        self.secret, _ = resolve_secret()
+        s = config.strategy_settings()
+        self.expect = {"privacy_mode": s.privacy_mode, "action_decoding": s.action_decoding}
+        self.seed = config.seed
+        check_policy_server(self.address, self.secret, self.expect)  # a one-line error now, not a failed actor later
+
+    def start(self, namespace: str) -> dict:
+        return rllink_connection(self.address, self.secret, self.expect, seed=self.seed)
+
+    def finish(self, summary: dict, output: Path) -> None:
+        summary["controller_transport"] = {"kind": "rllink", "address": self.address.url}
+
+    def close(self) -> None:
+        pass

@@ -44,10 +44,12 @@ import torch
 
 from raydp.control.broker import BrokerEnvRunner, PolicyBroker
 from raydp.control.features import ObservationLayout
+from raydp.control.policies import check_policy_privacy, policy_layout_for, sac_settings
 from raydp.control.sac import SACSettings, sac_config
-from raydp.control.store import (append_provenance, build_module, load_manifest, load_module_state, policy_layout,
-                                 provenance_entry)
+from raydp.control.store import (append_provenance, build_module, copy_policy, load_manifest, load_module_state,
+                                 policy_layout, provenance_entry)
 from raydp.control.training import TrainingLoop, restore_policy, write_policy
+from raydp.errors import ConfigError
 
 
 @ray.remote(num_cpus=0, max_concurrency=16)
@@ -214,8 +216,6 @@ class PolicySession:
         path = Path(path)
         if path.exists():
             if not overwrite:
-                from raydp.errors import ConfigError
-
                 raise ConfigError(f"policy {path} already exists (pass --overwrite to replace it)")
             shutil.rmtree(path)
         return ray.get(self.service.save.remote(str(path), trained_on, results, path.name, provenance))
@@ -235,3 +235,49 @@ class PolicySession:
     def __exit__(self, *exc):
         self.close()
 
+
+
+# ---- the broker transport (raydp.control.transports) ---------------------------------------------------------
+
+def broker_client(connection: dict, run_id: str) -> PolicyClient:
+    """The run's client on the broker actor ``connection`` names (:meth:`PolicySession.connection`)."""
+    broker = ray.get_actor(connection["broker_name"], namespace=connection["namespace"])
+    return PolicyClient(broker, run_id, explore=connection["explore"], service=connection.get("service"),
+                        seed=connection.get("seed"))
+
+
+def start_policy_session(config, namespace: str, restore: Path | None = None) -> PolicySession:
+    """A policy service for the config's controller settings (``restore``: a policy snapshot to continue from,
+    e.g. a trial's checkpoint, instead of the settings' ``policy``). A paper-mode policy refuses to drive a
+    strict run (:func:`raydp.control.policies.check_policy_privacy`, ERRATA E14)."""
+    restore = check_policy_privacy(config, restore)
+    layout = None if restore is not None else policy_layout_for(config)
+    return PolicySession(layout, sac_settings(config), restore=restore, frozen=config.strategy_settings().frozen,
+                         namespace=namespace)
+
+
+class BrokerLaunch:
+    """The broker transport's launcher: a policy service started for the run, which owns its policy (saved
+    under ``policy_dir/save_policy`` when the run ends). The checks run when it is built, before Ray starts."""
+
+    def __init__(self, config, overwrite_policy: bool = False):
+        check_policy_privacy(config)  # a paper-mode policy may not drive a strict run (E14)
+        s = config.strategy_settings()
+        self.config, self.overwrite_policy, self.session = config, overwrite_policy, None
+        self.named = Path(s.policy_dir).expanduser() / s.save_policy if s.save_policy else None
+        if self.named is not None and self.named.exists() and not overwrite_policy:
+            raise ConfigError(f"policy {self.named} already exists (pass --overwrite-policy to replace it)")
+
+    def start(self, namespace: str) -> dict:
+        self.session = start_policy_session(self.config, namespace)
+        return self.session.connection(seed=self.config.seed)
+
+    def finish(self, summary: dict, output: Path) -> None:
+        summary["policy_service"] = self.session.counters()
+        if self.named is not None:
+            copy_policy(Path(output) / "policy", self.named, overwrite=self.overwrite_policy)
+            summary["saved_policy"] = str(self.named)
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()

@@ -22,8 +22,10 @@ import uuid
 from pathlib import Path
 
 from raydp.config import TrainConfig
-from raydp.control.policies import check_policy_privacy, policy_layout_for, sac_settings
+from raydp.control.service import start_policy_session
+from raydp.control.transports import transport_for
 from raydp.errors import ConfigError
+from raydp.model.loading import check_model_name
 
 RAY_NAMESPACE = "raydp"
 
@@ -63,19 +65,13 @@ def ensure_ray(num_cpus: int | None = None) -> None:
 
 
 def start_policy(config: TrainConfig, restore: Path | None = None):
-    """A :class:`~raydp.control.service.PolicySession` for the config's RLDP settings (``restore``: a
-    policy snapshot to continue from, e.g. a trial's checkpoint, instead of ``rldp.policy``). A
-    paper-mode policy refuses to drive a strict run
-    (:func:`raydp.control.policies.check_policy_privacy`, ERRATA E14)."""
-    from raydp.control.service import PolicySession
-
-    if config.controller != "broker":  # e.g. a study trial: only `raydp train` reaches a policy server
+    """A :class:`~raydp.control.service.PolicySession` for the config's controller settings in raydp's Ray
+    namespace (:func:`raydp.control.service.start_policy_session`; ``restore``: a policy snapshot to continue from,
+    e.g. a trial's checkpoint). Refused for a transport whose policy lives outside the run."""
+    if transport_for(config.controller).external:  # e.g. a study trial: only `raydp train` reaches a policy server
         raise ConfigError(f"controller {config.controller!r} is for `raydp train`; this starts its own policy "
                           "(controller: broker)")
-    s = config.rldp
-    restore = check_policy_privacy(config, restore)
-    layout = None if restore is not None else policy_layout_for(config)
-    return PolicySession(layout, sac_settings(config), restore=restore, frozen=s.frozen, namespace=RAY_NAMESPACE)
+    return start_policy_session(config, RAY_NAMESPACE, restore=restore)
 
 
 def _rewrite_json(path: Path, payload: dict) -> None:
@@ -92,29 +88,17 @@ def train(config: TrainConfig, output: str | Path, overwrite: bool = False, prog
         from raydp.runner.run import run_training
 
         return run_training(config, output, overwrite=overwrite, progress=progress)
-    if config.controller != "broker":
-        return _train_over_rllink(config, output, overwrite=overwrite, progress=progress)
-    from raydp.control.store import copy_policy
-    from raydp.model.loading import check_model_name
-
     check_model_name(config.model)
-    check_policy_privacy(config)  # before Ray starts: a paper-mode policy may not drive a strict run (E14)
-    s = config.rldp
-    named = Path(s.policy_dir).expanduser() / s.save_policy if s.save_policy else None
-    if named is not None and named.exists() and not overwrite_policy:
-        raise ConfigError(f"policy {named} already exists (pass --overwrite-policy to replace it)")
+    launch = transport_for(config.controller).load(transport_for(config.controller).launcher)(
+        config, overwrite_policy=overwrite_policy)  # the transport's checks, before Ray starts
     ensure_ray()
-    session = start_policy(config)
     try:
-        summary = _run_actor(config, output, overwrite, session.connection(seed=config.seed), progress)
-        summary["policy_service"] = session.counters()
-        if named is not None:
-            copy_policy(Path(output) / "policy", named, overwrite=overwrite_policy)
-            summary["saved_policy"] = str(named)
+        summary = _run_actor(config, output, overwrite, launch.start(RAY_NAMESPACE), progress)
+        launch.finish(summary, Path(output))
         _rewrite_json(Path(output) / "summary.json", summary)
         return summary
     finally:
-        session.close()
+        launch.close()
 
 
 def _run_actor(config: TrainConfig, output: str | Path, overwrite: bool, connection: dict, progress: bool) -> dict:
@@ -129,26 +113,3 @@ def _run_actor(config: TrainConfig, output: str | Path, overwrite: bool, connect
         threads)
     return ray.get(run.run.remote(config.model_dump(mode="json"), str(Path(output).resolve()), overwrite,
                                   connection, f"run-{uuid.uuid4().hex[:8]}", progress))
-
-
-def _train_over_rllink(config: TrainConfig, output: str | Path, overwrite: bool = False,
-                       progress: bool = True) -> dict:
-    """An RLDP run driven by the policy server at ``config.controller`` (see the module docstring). The
-    secret is resolved here, before Ray starts (:func:`raydp.control.rllink.resolve_secret`), and handed to
-    the run actor; the server must be loopback, answer, and serve a policy of the run's privacy mode and
-    clip decoding (one-line ConfigErrors, before Ray starts)."""
-    from raydp.control.address import parse_controller
-    from raydp.control.rllink import check_policy_server, resolve_secret, rllink_connection
-    from raydp.model.loading import check_model_name
-
-    address = parse_controller(config.controller)
-    check_model_name(config.model)
-    secret, _ = resolve_secret()
-    expect = {"privacy_mode": config.rldp.privacy_mode, "action_decoding": config.rldp.action_decoding}
-    check_policy_server(address, secret, expect)  # a one-line error now rather than a failed run actor later
-    ensure_ray()
-    summary = _run_actor(config, output, overwrite, rllink_connection(address, secret, expect, seed=config.seed),
-                         progress)
-    summary["controller_transport"] = {"kind": "rllink", "address": address.url}
-    _rewrite_json(Path(output) / "summary.json", summary)
-    return summary

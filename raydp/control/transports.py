@@ -1,0 +1,69 @@
+"""The registered controller transports: how a run whose dials a live policy sets reaches that policy.
+
+A transport is one module holding its address parser, its client factory and its launcher, plus one line in
+:data:`TRANSPORTS`. This module stays free of Ray and torch imports (the config validates ``controller`` with
+it before anything starts); a spec names its client and launcher as ``"module:attribute"``, loaded when used.
+
+- ``broker`` (the default): the launcher starts a policy service for the run (:mod:`raydp.control.service`);
+  the run owns its policy (``rldp.policy``, ``frozen``, ``save_policy`` apply).
+- ``rllink://HOST:PORT``: a policy server reached over RLlib's RLlink protocol (:mod:`raydp.control.rllink`);
+  the server owns the policy (``external``), so a run's ``rldp.policy`` and friends do not apply.
+
+A launcher is built from the run's config before Ray starts (its checks fail with one line then),
+``start()`` returns the connection dict the run actor builds its client from (``connection["kind"]`` is the
+transport's ``kind``), ``finish(summary, output)`` adds the transport's record to the run's summary, and
+``close()`` releases what ``start`` made.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from raydp.control.address import BROKER, parse_rllink
+
+
+@dataclass(frozen=True)
+class TransportSpec:
+    kind: str
+    #: whether a ``controller`` value names this transport
+    matches: Callable[[str], bool]
+    #: the value's address (ValueError, one line, for a bad one)
+    parse: Callable[[str], object]
+    #: ``"module:function"``: function(connection, run_id) -> the run's policy client
+    client: str
+    #: ``"module:Class"``: Class(config, overwrite_policy=False), see the module docstring
+    launcher: str
+    #: the policy lives outside the run (a server): the run's own policy settings do not apply
+    external: bool = False
+
+    def load(self, target: str):
+        module, _, attr = target.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+TRANSPORTS: tuple[TransportSpec, ...] = (
+    TransportSpec(BROKER, lambda value: value == BROKER, lambda value: None,
+                  "raydp.control.service:broker_client", "raydp.control.service:BrokerLaunch"),
+    TransportSpec("rllink", lambda value: isinstance(value, str) and value.startswith("rllink://"), parse_rllink,
+                  "raydp.control.rllink:rllink_client", "raydp.control.rllink:RLlinkLaunch", external=True),
+)
+
+
+def transport_for(value: str) -> TransportSpec:
+    """The transport a ``controller`` value names (ValueError, one line, for none)."""
+    for spec in TRANSPORTS:
+        if spec.matches(value):
+            return spec
+    raise ValueError(f"expected 'broker' or 'rllink://HOST:PORT', got {value!r}")
+
+
+def transport_of_connection(connection: dict) -> TransportSpec:
+    """The transport of a connection dict (``kind``; a dict without it is a broker's, made before the key)."""
+    kind = connection.get("kind", BROKER)
+    for spec in TRANSPORTS:
+        if spec.kind == kind:
+            return spec
+    raise ValueError(f"unknown policy connection kind {kind!r} (expected one of "
+                     f"{', '.join(s.kind for s in TRANSPORTS)})")
