@@ -3,7 +3,9 @@ exposure) and the empirical epsilon audit (``raydp eval``: :func:`raydp.evaluati
 
 Module map: ``perplexity`` (utility), ``scoring`` (log-likelihoods of endings, batched; the attacks' one
 primitive), ``attacks`` (the attacks' metrics), ``audit`` (lower bounds on epsilon from canary scores),
-``results`` (settings and the ``evaluation.json`` format), ``evaluate`` (a finished run end to end).
+``base`` and ``registry`` (what an attack is, and the registered ones: ``membership``, ``extraction``,
+``exposure``, ``epsilon_audit``), ``results`` (settings and the ``evaluation.json`` format), ``evaluate`` (a
+finished run end to end).
 """
 
 from raydp.evaluation.perplexity import PerplexityResult, evaluate_perplexity
