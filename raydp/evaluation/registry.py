@@ -1,16 +1,19 @@
 """The registered attacks, in the order they run and are reported. A new attack is one module defining an
-:class:`~raydp.evaluation.base.AttackSpec` (its run, headline, flat columns and report table; light at import)
-plus one line here: :func:`raydp.evaluation.evaluate.evaluate_run`, ``summary_line``, ``flat_metrics``
-(:mod:`raydp.evaluation.results`) and the report's attacks section read this tuple only."""
+:class:`~raydp.evaluation.base.AttackSpec` named ``SPEC`` (its run, headline, flat columns and report table; light
+at import) plus one line in :data:`_MODULES`: :func:`raydp.evaluation.evaluate.evaluate_run`, ``summary_line``,
+``flat_metrics`` (:mod:`raydp.evaluation.results`) and the report's attacks section read :data:`ATTACKS` only."""
 
 from __future__ import annotations
 
-from raydp.evaluation import epsilon_audit, exposure, extraction, membership
+import importlib
+
 from raydp.evaluation.base import AttackSpec
 
-ATTACKS: tuple[AttackSpec, ...] = (
-    membership.SPEC,
-    extraction.SPEC,
-    exposure.SPEC,
-    epsilon_audit.SPEC,
+_MODULES = (
+    "raydp.evaluation.membership",
+    "raydp.evaluation.extraction",
+    "raydp.evaluation.exposure",
+    "raydp.evaluation.epsilon_audit",
 )
+
+ATTACKS: tuple[AttackSpec, ...] = tuple(importlib.import_module(module).SPEC for module in _MODULES)
