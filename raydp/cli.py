@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -50,9 +52,6 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 def configure_logging(level: str) -> None:
     """One level for raydp's own loggers and the libraries it drives (``--log-level``); Ray's workers read
     ``RAY_LOG_LEVEL``-style settings from the environment, so it is exported for them too."""
-    import logging
-    import os
-
     number = getattr(logging, level.upper())
     logging.basicConfig(level=number, format="%(levelname)s %(name)s: %(message)s")
     for name in ("raydp", "ray", "ray.tune", "ray.rllib", "transformers", "wandb"):
@@ -171,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--seed", type=int, help="seed of the attacks' sampling")
     evaluate.add_argument("--quiet", action="store_true", help="no progress lines (the results still print)")
 
-    from raydp.runner import policy_server  # argparse only: Ray is imported when the server runs
+    from raydp.runner import policy_server  # lazy: `import raydp.cli` loads no torch (raydp.runner's package does)
 
     policy_server.add_arguments(commands.add_parser(
         "policy-server", help="serve an RLDP policy over RLlink to runs started with --controller rllink://HOST:PORT"))
@@ -199,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def train_config_from_args(args: argparse.Namespace):
-    from raydp.config import TrainConfig, load_yaml_mapping, validate_config
+    from raydp.config import TrainConfig, load_yaml_mapping, validate_config  # lazy: `raydp --help` loads no pandas
 
     values = load_yaml_mapping(args.config) if args.config else {}
     for key in ("model", "strategy", "epsilon", "delta", "accountant", "clip", "epochs", "max_steps", "batch_size",
@@ -208,7 +207,7 @@ def train_config_from_args(args: argparse.Namespace):
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)
     if args.settings:
-        import yaml
+        import yaml  # lazy: only --set reads YAML here (keeps `import raydp.cli` light)
 
         settings = dict(values.get("settings") or {})
         for item in args.settings:
@@ -261,9 +260,9 @@ def _fractions(items: list[str]) -> dict[str, float]:
 
 
 def cmd_data_build(args) -> int:
-    from raydp.data import build_from_config, describe_dataset
+    from raydp.data import build_from_config, describe_dataset  # lazy: `raydp --help` loads no pandas
 
-    from raydp.config import DataConfig, validate_config
+    from raydp.config import DataConfig, validate_config  # lazy: `raydp --help` loads no pandas
 
     if args.n_records is not None and args.n_records <= 0:
         raise ConfigError("--n-records must be positive")
@@ -289,17 +288,16 @@ def _print_dataset(info: dict, path) -> None:
 
 
 def cmd_data_show(args) -> int:
-    from raydp.data import describe_dataset
+    from raydp.data import describe_dataset  # lazy: `raydp --help` loads no pandas
 
     _print_dataset(describe_dataset(args.dataset), args.dataset)
     return 0
 
 
 def cmd_data_budget(args) -> int:
-    import os
-
-    from raydp.data import load_manifest, manifest_id
-    from raydp.privacy.lifetime import read_budget, register_path, set_budget, spent_epsilon
+    from raydp.data import load_manifest, manifest_id  # lazy: `raydp --help` loads no pandas
+    from raydp.privacy.lifetime import (  # lazy: `raydp --help` loads no pandas
+        read_budget, register_path, set_budget, spent_epsilon)
 
     manifest = load_manifest(args.dataset)
     dataset_id = manifest_id(manifest)
@@ -326,7 +324,7 @@ def cmd_data_budget(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from raydp.runner.launch import train
+    from raydp.runner.launch import train  # lazy: `raydp --help` loads no pandas
 
     config = train_config_from_args(args)
     summary = train(config, args.output, overwrite=args.overwrite, progress=not args.quiet,
@@ -408,12 +406,12 @@ def cmd_train(args) -> int:
 
 
 def cmd_study(args) -> int:
-    from raydp.study.config import load_study
+    from raydp.study.config import load_study  # lazy: `raydp --help` loads no pandas
 
     if args.check:
-        import tempfile
+        import tempfile  # lazy: only --check needs it (keeps `import raydp.cli` light)
 
-        from raydp.study.runner import prepare_study
+        from raydp.study.runner import prepare_study  # lazy: `raydp --help` loads no pandas
 
         study = load_study(args.path)
         with tempfile.TemporaryDirectory() as tmp:
@@ -424,10 +422,10 @@ def cmd_study(args) -> int:
         if len(trials) > 20:
             print(f"  ... and {len(trials) - 20} more")
         return 0
-    from raydp.study.report import format_report
-    from raydp.study.runner import run_study
+    from raydp.study.report import format_report  # lazy: `raydp --help` loads no pandas
+    from raydp.study.runner import run_study  # lazy: `raydp --help` loads no pandas
 
-    from raydp.report import write_report
+    from raydp.report import write_report  # lazy: `raydp --help` loads no pandas
 
     load_study(args.path)  # fail fast on a bad file
     study_dir = run_study(args.path, args.results_dir, progress=not args.quiet, resume=args.resume)
@@ -442,8 +440,8 @@ def cmd_study(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from raydp.report import write_report
-    from raydp.study.report import format_report
+    from raydp.report import write_report  # lazy: `raydp --help` loads no pandas
+    from raydp.study.report import format_report  # lazy: `raydp --help` loads no pandas
 
     if args.more_studies:
         if args.html:
@@ -458,8 +456,8 @@ def cmd_report(args) -> int:
 
 
 def eval_config_from_args(args):
-    from raydp.evaluation.results import EvalConfig
-    from raydp.settings import load_yaml_mapping, validate_config
+    from raydp.evaluation.results import EvalConfig  # lazy: `raydp --help` loads no pandas
+    from raydp.settings import load_yaml_mapping, validate_config  # lazy: `raydp --help` loads no pydantic
 
     values = load_yaml_mapping(args.config, "eval config") if args.config else {}
     for key in ("generations", "extraction_prompt", "exposure_candidates", "membership_records", "confidence",
@@ -470,8 +468,8 @@ def eval_config_from_args(args):
 
 
 def cmd_eval(args) -> int:
-    from raydp.evaluation.evaluate import evaluate_run
-    from raydp.evaluation.results import summary_line
+    from raydp.evaluation.evaluate import evaluate_run  # lazy: `raydp --help` loads no pandas
+    from raydp.evaluation.results import summary_line  # lazy: `raydp --help` loads no pandas
 
     settings = eval_config_from_args(args)
     root = Path(args.run_dir)
@@ -494,7 +492,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_policy_list(args) -> int:
-    from raydp.control.store import list_policies
+    from raydp.control.store import list_policies  # lazy: `raydp --help` loads no pandas
 
     policies = list_policies(args.policy_dir)
     if not policies:
@@ -529,7 +527,7 @@ def _provenance_brief(provenance: list[dict], mode: str) -> str:
 def _manifest_for_display(manifest: dict) -> dict:
     """The manifest with its provenance made explicit (legacy manifests included) and each RDP curve
     abbreviated (the full curves are in manifest.json)."""
-    from raydp.control.store import policy_privacy_mode, provenance_of
+    from raydp.control.store import policy_privacy_mode, provenance_of  # lazy: `raydp --help` loads no pandas
 
     entries = []
     for e in provenance_of(manifest):
@@ -542,7 +540,7 @@ def _manifest_for_display(manifest: dict) -> dict:
 
 
 def cmd_policy_show(args) -> int:
-    from raydp.control.store import load_manifest, resolve_policy
+    from raydp.control.store import load_manifest, resolve_policy  # lazy: `raydp --help` loads no pandas
 
     path = resolve_policy(args.name, args.policy_dir)
     print(json.dumps({"path": str(path), **_manifest_for_display(load_manifest(path))}, indent=2))
@@ -550,7 +548,8 @@ def cmd_policy_show(args) -> int:
 
 
 def cmd_policy_export(args) -> int:
-    from raydp.control.store import export_policy, load_manifest, policy_privacy_mode, resolve_policy
+    from raydp.control.store import (  # lazy: `raydp --help` loads no pandas
+        export_policy, load_manifest, policy_privacy_mode, resolve_policy)
 
     path = resolve_policy(args.name, args.policy_dir)
     manifest = load_manifest(path)
@@ -564,13 +563,13 @@ def cmd_policy_export(args) -> int:
 
 
 def cmd_policy_server(args) -> int:
-    from raydp.runner import policy_server
+    from raydp.runner import policy_server  # lazy: `import raydp.cli` loads no torch
 
     return policy_server.run(args)
 
 
 def cmd_migrate(args) -> int:
-    from raydp.migrate import migrate
+    from raydp.migrate import migrate  # lazy: `raydp --help` loads no pandas
 
     result = migrate(args.paths, check=args.check)
     if args.check:

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from raydp.control.features import ObservationLayout
+from raydp.control.store import check_policy_privacy_mode, load_manifest, policy_action_decoding, resolve_policy
+from raydp.errors import ConfigError
+
 #: ``config`` below is a run's :class:`raydp.config.TrainConfig`, not imported: the config imports the
 #: strategies, which import control/, and imports run one way.
 
 
 def policy_layout_for(config):
     """The observation layout a new policy gets: n_max slots (shared) or the model's pair count (paper)."""
-    from raydp.control.features import ObservationLayout
-    from raydp.model.loading import LoraSettings, expected_adapter_pairs
+    from raydp.model.loading import LoraSettings, expected_adapter_pairs  # lazy: rllink's Ray workers load no transformers
 
     settings = config.rldp
     if settings.architecture == "shared":
@@ -25,7 +28,7 @@ def policy_layout_for(config):
 
 
 def sac_settings(config):
-    from raydp.control.sac import SACSettings
+    from raydp.control.sac import SACSettings  # lazy: imports RLlib, which a run without a controller never loads
 
     s = config.rldp
     return SACSettings(b_sac=s.b_sac, k=s.k, gamma=s.gamma, tau=s.tau, actor_lr=s.actor_lr, critic_lr=s.critic_lr,
@@ -43,8 +46,6 @@ def check_policy_privacy(config, restore: Path | None = None) -> Path | None:
     """The saved policy an RLDP config starts from (``restore``, else ``rldp.policy``; None if neither),
     after checking it may drive this run: a policy trained in paper mode saw unprivatized statistics of
     private data (ERRATA E3/E14), so it may not drive a strict run (one-line ConfigError)."""
-    from raydp.control.store import check_policy_privacy_mode, load_manifest, resolve_policy
-
     s = config.rldp
     if restore is None:
         restore = resolve_policy(s.policy, s.policy_dir) if s.policy else None
@@ -58,9 +59,6 @@ def check_policy_privacy(config, restore: Path | None = None) -> Path | None:
 def check_policy_decoding(manifest: dict, action_decoding: str, name) -> None:
     """A policy acts in the clip decoding it learned (:func:`raydp.control.store.policy_action_decoding`):
     one-line ConfigError for a run (or server) that decodes another."""
-    from raydp.control.store import policy_action_decoding
-    from raydp.errors import ConfigError
-
     trained = policy_action_decoding(manifest)
     if trained != action_decoding:
         raise ConfigError(f"policy {name} acts in {trained!r} clip decoding; this run decodes "

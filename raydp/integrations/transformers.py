@@ -65,6 +65,7 @@ import json
 import math
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -73,7 +74,8 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from raydp.config import TrainConfig
-from raydp.data import load_manifest, manifest_id
+from raydp.control.policies import trained_on
+from raydp.data import load_manifest, manifest_id, public_corpus
 from raydp.data.identity import is_dataset_id, keyed_id
 from raydp.errors import ConfigError
 from raydp.model.adapters import discover_adapter_pairs
@@ -82,13 +84,16 @@ from raydp.model.loading import disable_dropout
 from raydp.privacy.guard import BudgetExhausted
 from raydp.privacy.ledger import LEDGER_FILENAME
 from raydp.runner.privacy_setup import (
+    LifetimeCharge,
     PrivacyUnits,
     PrivateRun,
     build_strategy,
+    charge_lifetime,
     plan_private_run,
     privacy_summary,
     setup_private_run,
 )
+from raydp.runner.run import PUBLIC_PROBE_SEED, policy_provenance
 
 __all__ = ["BATCH_KEY", "DPCallback", "DPTraining", "PoissonBatches", "check_training_arguments", "relabel_unprotected",
            "unprotected_name"]
@@ -369,10 +374,6 @@ class DPTraining:
         #: the checked request: q, planned steps, sigma_0 (no model needed; one-line errors before training)
         self.plan = plan_private_run(self.config, self.units.public_count, self.strategy)
         if self.dataset_id is not None:  # a raydp dataset with a lifetime budget: charged (or refused) here
-            import uuid
-
-            from raydp.runner.privacy_setup import LifetimeCharge, charge_lifetime
-
             charge_lifetime(self.manifest, {f"trainer:{uuid.uuid4().hex[:12]}": LifetimeCharge.of(
                 self.plan, self.config, self.strategy, self.units.name)})
         self.run: PrivateRun | None = None
@@ -443,9 +444,6 @@ class DPTraining:
         """A batch of PUBLIC records for a strategy that calibrates on them (RLDP's histogram bins)."""
         texts = self.public_texts
         if texts is None:
-            from raydp.data import public_corpus
-            from raydp.runner.run import PUBLIC_PROBE_SEED
-
             texts = public_corpus(self.config.rldp.public_probe_records, seed=PUBLIC_PROBE_SEED, progress=False)
         if self.tokenizer is None:
             raise ConfigError(f"strategy {self.config.strategy!r} calibrates on public texts: pass the tokenizer")
@@ -624,9 +622,6 @@ class DPTraining:
         id, privacy mode and unit, epsilon, RDP curve), as :func:`raydp.runner.run.run_training`
         gives it, goes to the policy's owner through ``save_policy`` (the RLlink server records it). The dataset
         is named by its keyed id, never by a hash anyone could recompute."""
-        from raydp.control.policies import trained_on
-        from raydp.runner.run import policy_provenance
-
         privacy = privacy_summary(self.run, self.config)
         manifest = {"dataset_id": self.dataset_id or keyed_id(  # the Trainer's records: private, so keyed
             hashlib.sha256(json.dumps(self.split.sequences).encode()).hexdigest())}
@@ -657,7 +652,7 @@ def _check_served_policy(client, config: TrainConfig) -> None:
     served = getattr(getattr(client, "config", None), "env_config", None)
     if not isinstance(served, dict) or "policy" not in served:
         return
-    from raydp.control.rllink import check_run_declaration, check_served_policy
+    from raydp.control.rllink import check_run_declaration, check_served_policy  # lazy: Ray (RLlib) only with an RLlink policy
 
     run = {"privacy_mode": config.rldp.privacy_mode, "action_decoding": config.rldp.action_decoding}
     check_served_policy(served["policy"] or {}, run, getattr(client, "service", None) or "(RLlink)")

@@ -8,20 +8,22 @@ from __future__ import annotations
 import os
 
 import ray
+import torch
+
+import raydp.control.connection
+import raydp.runner.run
+from raydp.config import TrainConfig, validate_config
 
 
 def run_with_connection(config: dict, output: str, overwrite: bool, connection: dict | None, run_id: str,
                         progress: bool = True) -> dict:
     """One run whose policy client is built from ``connection`` (None: no controller) and closed (if it
     has ``close``: an RLlink client's socket) however the run ends."""
-    from raydp.config import TrainConfig, validate_config
-    from raydp.control.connection import client_from_connection
-    from raydp.runner.run import run_training
-
     cfg = validate_config(TrainConfig, config)
-    client = client_from_connection(connection, run_id) if connection else None
+    # looked up on their modules at call time (as the function-level imports were): tests replace them there
+    client = raydp.control.connection.client_from_connection(connection, run_id) if connection else None
     try:
-        return run_training(cfg, output, overwrite=overwrite, progress=progress, client=client)
+        return raydp.runner.run.run_training(cfg, output, overwrite=overwrite, progress=progress, client=client)
     finally:
         close = getattr(client, "close", None)
         if close is not None:
@@ -34,8 +36,6 @@ class FineTuningRun:
     threads cost far more than they give on a shared machine)."""
 
     def __init__(self, threads: int = 1):
-        import torch
-
         torch.set_num_threads(max(1, int(threads)))
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -35,6 +35,10 @@ import threading
 import time
 from pathlib import Path
 
+from raydp.control.address import require_loopback
+from raydp.errors import ConfigError, RaydpError
+from raydp.strategies.registry import STRATEGY_CHOICES, with_capability
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--config", required=True, help="the runs' YAML config (TrainConfig fields; its `rldp` "
@@ -62,9 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_args(args) -> Path | None:
     """The one-line refusals that need nothing started; returns the absolute --save path."""
-    from raydp.control.address import require_loopback
-    from raydp.errors import ConfigError
-
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     require_loopback(args.host, "listen on")
@@ -79,12 +80,10 @@ def _check_args(args) -> Path | None:
 
 
 def run(args) -> int:
-    from raydp.config import TrainConfig, load_yaml_mapping, validate_config
-    from raydp.control.policies import check_policy_privacy, policy_layout_for, sac_settings, trained_on
-    from raydp.control.rllink import resolve_secret
-    from raydp.control.store import resolve_policy
-    from raydp.errors import ConfigError
-    from raydp.strategies.registry import STRATEGY_CHOICES, with_capability
+    from raydp.config import TrainConfig, load_yaml_mapping, validate_config  # lazy: `raydp --help` loads no pandas
+    from raydp.control.policies import check_policy_privacy, policy_layout_for, sac_settings, trained_on  # lazy: same
+    from raydp.control.rllink import RLlinkPolicyServer, resolve_secret  # lazy: Ray only when the server runs
+    from raydp.control.store import resolve_policy  # lazy: `raydp --help` loads no pandas
 
     save = _check_args(args)
     values = load_yaml_mapping(args.config)
@@ -99,9 +98,7 @@ def run(args) -> int:
         restore = check_policy_privacy(config, resolve_policy(args.policy, config.rldp.policy_dir))
     layout, settings = policy_layout_for(config), sac_settings(config)
     _, source = resolve_secret()  # refuse before Ray starts
-    import ray
-
-    from raydp.control.rllink import RLlinkPolicyServer
+    import ray  # lazy: Ray only when the server runs
 
     if not ray.is_initialized():
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
@@ -144,8 +141,6 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from raydp.errors import RaydpError
-
     args = build_parser().parse_args(argv)
     try:
         return run(args)

@@ -25,9 +25,12 @@ import numpy as np
 import torch
 
 from raydp.config import TrainConfig
+from raydp.data import load_manifest, load_units, manifest_id
+from raydp.data.build import is_public_dataset
 from raydp.errors import ConfigError
 from raydp.privacy import BudgetGuard, PrivacyLedger, calibrate_sigma, get_accountant, planned_steps
 from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
+from raydp.privacy.accounting.pld import replace_one_epsilon
 from raydp.privacy.calibration import SigmaEffMap
 from raydp.privacy.mechanism import release_precisions
 from raydp.privacy.schedule import CONSTANT, SigmaSchedule
@@ -38,6 +41,7 @@ from raydp.privacy.ghost import GhostClippingComputer
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, rdp_vector
 from raydp.privacy.filter import FILTER_NAME, FilterGuard, RenyiFilter
 from raydp.privacy.ledger import NEIGHBOURING_RELATION
+from raydp.privacy.lifetime import charge, read_budget
 from raydp.privacy.randomness import PrivateRandomness
 from raydp.runner.sampling import PoissonSampler
 from raydp.strategies import make_strategy
@@ -79,8 +83,6 @@ class PrivacyUnits:
 def training_units(config: TrainConfig, dataset_dir: str | Path, n_records: int) -> PrivacyUnits:
     """The privacy unit of a run on a built dataset: the patient by default on data with patient ids
     (``privacy_unit: auto``), or the record when asked for (or when an old dataset has no patient split)."""
-    from raydp.data import load_manifest, load_units
-
     manifest = load_manifest(dataset_dir)
     has_patients = manifest.get("privacy_unit") == "patient"
     wanted = config.privacy_unit
@@ -102,8 +104,6 @@ def is_public_source(source: str) -> bool:
     path = Path(source).expanduser()
     if not path.is_dir():
         return False
-    from raydp.data.build import is_public_dataset
-
     return is_public_dataset(path)
 
 
@@ -250,9 +250,6 @@ def charge_lifetime(manifest: dict, runs: dict[str, LifetimeCharge], commit: boo
     it. Refused on a budgeted dataset: local-DP runs (no RDP curve), runs whose epsilon carries caveats (paper
     mode, a redacted private phase 1, void randomness: their charge would not bound what they reveal), and runs
     of another privacy unit. A dataset marked budgeted whose register is not found is refused (fail closed)."""
-    from raydp.data import manifest_id
-    from raydp.privacy.lifetime import charge, read_budget
-
     dataset_id, required = manifest_id(manifest), bool(manifest.get("lifetime_budget"))
     if not runs or (read_budget(dataset_id) is None and not required):
         return None
@@ -384,8 +381,6 @@ def replace_one_guarantee(run: PrivateRun, config: TrainConfig, epsilon: float) 
     composed by dp_accounting's PLD under REPLACE_ONE (sensitivity doubled) at the same delta; an adaptive run
     (Renyi filter) or a PBT member gets the group-privacy bound of its add/remove guarantee: replace-one is a
     removal then an addition, (2 eps, (1 + e^eps) delta) (Dwork & Roth 2014, Thm 2.2 with k = 2)."""
-    from raydp.privacy.accounting.pld import replace_one_epsilon
-
     population = getattr(run.guard, "population_admit", None) is not None
     if run.plan.adaptive or population:
         delta = (1 + math.exp(epsilon)) * config.delta

@@ -64,6 +64,7 @@ from raydp.runner.local_setup import (
 )
 from raydp.data.tasks import classification_spec
 from raydp.runner.task import Task
+from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve
 from raydp.privacy.ledger import LEDGER_FILENAME
 
 SYNTHETIC_NOTE = "synthetic records: they describe no real patient"
@@ -136,8 +137,6 @@ SYNTHETIC_VALIDATION_NOTE = ("the public validation records are synthetic (raydp
 def policy_provenance(private, config: TrainConfig, manifest: dict, privacy: dict) -> dict:
     """What a policy trained by this run must remember about it (ERRATA E14): which private dataset it
     touched, in which mode, and the run's RDP curve (the Renyi filter's budget for adaptive sigma)."""
-    from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve
-
     if privacy.get("filter"):
         orders, curve = privacy["filter"]["orders"], privacy["filter"]["budget_rdp"]
     else:

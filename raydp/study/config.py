@@ -14,9 +14,14 @@ naming the trial), so a bad study file fails before Ray starts anything.
 from __future__ import annotations
 
 import itertools
+import json
+import math
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
+import numpy as np
+import pandas as pd
 from pydantic import AfterValidator, Field, model_validator
 
 from raydp.config import StrictModel, TrainConfig, load_yaml_mapping, validate_config
@@ -159,8 +164,6 @@ class WandbSettings(StrictModel):
 
     def resolved(self) -> tuple[str, str, str | None]:
         """(mode, project, entity): the study's values, else wandb's environment variables, else the defaults."""
-        import os
-
         mode = self.mode or os.environ.get("WANDB_MODE") or "offline"
         if mode not in ("offline", "online", "disabled", "dryrun", "run"):
             raise ConfigError(f"WANDB_MODE={mode!r}: use offline, online or disabled")
@@ -427,8 +430,6 @@ def trial_grid(study: StudyConfig) -> list[dict]:
 def pbt_members(study: StudyConfig, trial: dict) -> list[dict]:
     """The PBT population of a ``pbt`` grid cell: ``members`` trials (``stage: pbt``, ``member: i``), each
     with its initial settings drawn from the mutation ranges (seeded by ``pbt.seed``: public choices)."""
-    import numpy as np
-
     rng = np.random.default_rng(study.pbt.seed)
     ranges = study.pbt.hyperparam_mutations
     members = []
@@ -440,8 +441,6 @@ def pbt_members(study: StudyConfig, trial: dict) -> list[dict]:
 
 def draw_in_range(bounds: MutationRange, rng) -> float:
     """A draw from ``bounds`` (log-uniform when ``bounds.log``)."""
-    import math
-
     if bounds.log:
         return float(math.exp(rng.uniform(math.log(bounds.low), math.log(bounds.high))))
     return float(rng.uniform(bounds.low, bounds.high))
@@ -455,8 +454,6 @@ def tuning_record(root: Path) -> dict:
     """A finished public search's record: its ``tuning_record.json`` (a directory, or the file itself, e.g. one
     committed under ``trials/tuned/``), else what its study directory holds (study.json, study_summary.json and
     results.parquet's dataset ids)."""
-    import json
-
     file = root if root.is_file() else root / TUNING_RECORD
     if file.is_file():
         try:
@@ -473,8 +470,6 @@ def tuning_record(root: Path) -> dict:
         raise ConfigError(f"tuned_from: {root} is not a finished study (no readable study.json and "
                           "study_summary.json)") from None
     try:
-        import pandas as pd
-
         ids = sorted(set(pd.read_parquet(root / "results.parquet", columns=["dataset_id"])["dataset_id"].dropna()))
     except (OSError, KeyError, ValueError):
         ids = []

@@ -24,7 +24,11 @@ import json
 import uuid
 from pathlib import Path
 
+from raydp.data import load_texts
+from raydp.errors import ConfigError
 from raydp.privacy.filter import PopulationFilter, RenyiFilter
+from raydp.runner.privacy_setup import plan_private_run, training_units
+from raydp.study.config import trial_config
 
 POPULATION_FILE = "pbt_population.json"
 ACTOR_PREFIX = "raydp-pbt-population"
@@ -85,11 +89,6 @@ def population_filter(study, members: list[dict], dataset: str) -> tuple[Populat
     """(population filter, the members' planned steps). B_pop = M * B, B the Renyi filter budget of the
     members' plan (every member has the same plan: PBT's settings change the dials, not the plan; checked
     here), built exactly as each member's guard builds it (:meth:`raydp.privacy.filter.FilterGuard.for_plan`)."""
-    from raydp.data import load_texts
-    from raydp.errors import ConfigError
-    from raydp.runner.privacy_setup import plan_private_run, training_units
-    from raydp.study.config import trial_config
-
     n_train = len(load_texts(dataset, "train"))
     budgets = set()
     filt = plan = None
@@ -107,7 +106,7 @@ def population_filter(study, members: list[dict], dataset: str) -> tuple[Populat
 
 def start_population(study_name: str, population: PopulationFilter, members: list[str], namespace: str):
     """(actor handle, actor name): the population actor (zero CPUs, owned by the driver)."""
-    import ray
+    import ray  # lazy: `raydp study --check` (through raydp.study.runner) loads no Ray
 
     name = f"{ACTOR_PREFIX}-{study_name}-{uuid.uuid4().hex[:8]}"
     actor = ray.remote(num_cpus=0)(Population).options(name=name, namespace=namespace).remote(population, members)
@@ -116,7 +115,7 @@ def start_population(study_name: str, population: PopulationFilter, members: lis
 
 
 def connect(name: str, namespace: str):
-    import ray
+    import ray  # lazy: `raydp study --check` (through raydp.study.runner) loads no Ray
 
     return ray.get_actor(name, namespace=namespace)
 
@@ -124,7 +123,7 @@ def connect(name: str, namespace: str):
 def join_population(name: str, namespace: str, trial_id: str, member: int, checkpoint_path: str | None,
                     step: int | None = None, settings: dict | None = None) -> str:
     """Called by a member's trainable when it starts: the member name it trains (see :meth:`Population.join`)."""
-    import ray
+    import ray  # lazy: `raydp study --check` (through raydp.study.runner) loads no Ray
 
     return ray.get(connect(name, namespace).join.remote(trial_id, int(member), checkpoint_path, step, settings))
 
@@ -133,7 +132,7 @@ class PopulationAdmit:
     """A member guard's ``population_admit(q, sigma_eff) -> bool``: one actor call per step."""
 
     def __init__(self, name: str, namespace: str, member: str) -> None:
-        import ray
+        import ray  # lazy: `raydp study --check` (through raydp.study.runner) loads no Ray
 
         self.actor = connect(name, namespace)
         self.member = member
@@ -141,7 +140,7 @@ class PopulationAdmit:
         self.epsilon = float(ray.get(self.actor.epsilon.remote()))
 
     def __call__(self, q: float, sigma_eff: float) -> bool:
-        import ray
+        import ray  # lazy: `raydp study --check` (through raydp.study.runner) loads no Ray
 
         return bool(ray.get(self.actor.admit.remote(self.member, float(q), float(sigma_eff))))
 

@@ -81,12 +81,18 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import torch
+from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
+from raydp.control.store import load_manifest, policy_privacy_mode, provenance_of, resolve_policy
 from raydp.data.identity import identity_of, manifest_id
+from raydp.errors import ConfigError
 from raydp.evaluation.results import EVALUATION_FILE, flat_metrics
 from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve, rdp_epsilon
 from raydp.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
+from raydp.runner.local_setup import ledger_local_plan
+from raydp.strategies.base import PAPER_MODE_LABEL
 from raydp.strategies.registry import STRATEGY_CHOICES, get_spec, is_private, with_capability
 
 #: the learned controllers a study compares with the baselines (never a baseline themselves, issue 29): the
@@ -340,8 +346,6 @@ def run_rdp_curve(summary: dict | None, ledger: PrivacyLedger | None) -> tuple[n
 def ledger_curve(ledger: PrivacyLedger) -> np.ndarray:
     """The RDP curve of what a ledger charged: its rows, or for a local-DP ledger its plan's releases
     (its randomized-response labels are not rows: :func:`raydp.runner.local_setup.ledger_local_plan`)."""
-    from raydp.runner.local_setup import ledger_local_plan
-
     plan = ledger_local_plan(ledger.metadata, ledger.sigma_eff)
     if plan is not None:
         return plan.rdp_curve(ORDERS)
@@ -354,8 +358,6 @@ def tuning_aware_epsilon(curves: list, delta: float) -> dict:
     repeat-and-select figure beside it (Papernot & Steinke 2022; valid only when the number of trials is
     Poisson(K) and settings are drawn independently). ``curves``: RDP curves on :data:`ORDERS` (or
     ledgers, whose curves are computed)."""
-    from dp_accounting.rdp import rdp_privacy_accountant as rdp
-
     curves = np.stack([ledger_rdp_curve(c) if isinstance(c, PrivacyLedger) else np.asarray(c, float) for c in curves])
     k = len(curves)
     worst = curves.max(axis=0)
@@ -447,8 +449,6 @@ def _checkpoint_spend(result) -> dict | None:
     """What a trial that never finished spent, from its latest Tune checkpoint: its ledger, the Renyi
     filter's budget curve if the ledger's metadata records one (an adaptive run: that budget, not the
     realized sum, is its guarantee, E13), and its labels."""
-    import torch
-
     checkpoint = getattr(result, "checkpoint", None)
     if checkpoint is None:
         return None
@@ -499,9 +499,6 @@ def _paper_rldp(study, trial: dict | None = None) -> bool:
 def _trial_policy(study, trial: dict) -> tuple[str | None, Path | None, str | None]:
     """(name, resolved path, problem) of the saved policy an RLDP trial starts from (``rldp.policy``),
     if any. A frozen transfer trial's policy is its stage-1 trial's, which the study composes itself."""
-    from raydp.control.store import resolve_policy
-    from raydp.errors import ConfigError
-
     if trial.get("strategy") not in CONTROLLERS:
         return None, None, None
     rldp = study.base.get(get_spec(trial["strategy"]).config_field) or {}
@@ -519,9 +516,6 @@ def _policy_runs(study, trial: dict, study_dir: Path, sha: str | None,
     """(runs to compose, labels for the trial, warnings) for the saved policy a trial starts from: the
     training runs in its manifest's provenance that name the trial's dataset (ERRATA E14), each once per
     study (``seen``: entry ids already composed)."""
-    from raydp.control.store import load_manifest, policy_privacy_mode, provenance_of
-    from raydp.strategies.base import PAPER_MODE_LABEL
-
     name, path, problem = _trial_policy(study, trial)
     if name is None:
         return [], [], []
@@ -563,8 +557,6 @@ def study_privacy(study, study_dir: Path, table: pd.DataFrame, unfinished: dict[
     """The tuning-aware figure of every dataset the study's runs touched (see the module docstring):
     ``{dataset_id: compose_dataset(...)}``. ``unfinished``: trial name -> its checkpoint's spend
     (:func:`_checkpoint_spend`); ``specs``: trial name -> trial spec (its saved policy)."""
-    from raydp.strategies.base import PAPER_MODE_LABEL
-
     delta = trial_delta(study)
     study_dir = Path(study_dir).resolve()
     specs = specs or {}

@@ -23,21 +23,46 @@ metrics, ledger, controller traces, adapters), ``tune/`` (Tune's experiment stat
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import os
+import random
+import shutil
 import sys
+import tempfile
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
+import pyarrow.fs
+import torch
 
+from raydp.control.connection import client_from_connection
+from raydp.control.policies import check_policy_privacy, policy_layout_for, sac_settings, trained_on
+from raydp.data import load_manifest, load_texts, manifest_id, resolve_dataset
+from raydp.data.build import is_public_dataset
+from raydp.data.tasks import classification_spec
 from raydp.errors import ConfigError
+from raydp.evaluation.evaluate import evaluate_run
+from raydp.evaluation.results import flat_metrics
+from raydp.model.embedded import ensure_embedded_model, is_embedded_name
+from raydp.privacy.accounting.rdp import epsilon_over_steps
+from raydp.privacy.lifetime import read_budget
+from raydp.runner.local_setup import is_local, plan_local_run
+from raydp.runner.privacy_setup import LifetimeCharge, build_strategy, plan_key, plan_private_run, training_units
+from raydp.runner.privacy_setup import charge_lifetime as charge_lifetime_budget  # prepare_study's flag has the name
+from raydp.runner.run import run_training
 from raydp.strategies.registry import get_spec
-from raydp.study.config import (StudyConfig, load_study, optuna_trial, search_cells, search_trial, source_key,
-                                trial_config, trial_grid)
+from raydp.study.config import (TUNING_FORMAT, TUNING_RECORD, StudyConfig, draw_in_range, load_study, optuna_trial,
+                                search_cells, search_trial, source_key, trial_config, trial_grid)
+from raydp.study.population import (PopulationAdmit, join_population, population_filter, population_summary,
+                                    start_population, write_population)
+from raydp.study.results import collect_results, selection_value, trial_labels
 
 
 def trial_name(trial: dict) -> str:
@@ -68,10 +93,6 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
     private ``work/``: a resumed study is not charged twice, a study run again is charged again) and each trial's
     name."""
     lifetime_nonce = lifetime_nonce or uuid.uuid4().hex
-    from raydp.data import load_texts, resolve_dataset
-    from raydp.runner.local_setup import is_local, plan_local_run
-    from raydp.runner.privacy_setup import build_strategy, plan_key, plan_private_run, training_units
-
     names = [trial_name(t) for t in trial_grid(study)]
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate:  # two trials in one run directory (e.g. a settings_grid value listed twice)
@@ -85,8 +106,6 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
     needs_public = not study.private_data or study.save_policy is not None or \
         (study.policy == "shared" and study.controller_strategy is not None)
     if needs_public:  # what the study file declares public must BE the public population, not a leftover or a relabel
-        from raydp.data.build import is_public_dataset
-
         if not is_public_dataset(dataset):
             raise ConfigError(f"the study declares its data public (private_data: false, a shared policy or "
                               f"save_policy), but {dataset} is not raydp's public population")
@@ -95,8 +114,6 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
     for trial in trial_grid(study) + corners:
         config = trial_config(study, trial, dataset)
         if config.is_controlled and config.strategy_settings().policy and not trial.get("frozen_from"):
-            from raydp.control.policies import check_policy_privacy
-
             try:  # a paper-mode policy may not drive a strict trial (ERRATA E14): fail before Ray starts
                 # resolved here, where the user's relative paths mean what they wrote; the trial gets it absolute
                 trial = {**trial, "policy_path": str(check_policy_privacy(config))}
@@ -110,8 +127,6 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
                     units = training_units(config, dataset, n_train)  # patients by default (E11)
                     unit_names[key] = units.name  # the key holds the privacy unit: one per plan
                     if is_local(strategy):  # forward-pass local DP: its own plan (ERRATA E8)
-                        from raydp.data.tasks import classification_spec
-
                         plans[key] = plan_local_run(config, strategy, units,
                                                     classification_spec(config.task.label).n_classes)
                     else:
@@ -121,8 +136,6 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
         if not trial.get("search"):  # a corner is only checked: Optuna's trials are named when they run
             trials.append({**trial, "name": trial_name(trial)})
             if config.is_private:
-                from raydp.runner.privacy_setup import LifetimeCharge
-
                 trial_plans[f"study:{lifetime_nonce}/{trials[-1]['name']}"] = LifetimeCharge.of(
                     plans[key], config, strategy, unit_names[key])
     _charge_lifetime(study, dataset, trial_plans, commit=charge_lifetime)
@@ -135,10 +148,6 @@ def _charge_lifetime(study: StudyConfig, dataset: str, trial_plans: dict, commit
     """The study's DP trials against its dataset's lifetime budget, if the owner set one: all of them in one
     charge, on this machine, before any starts. Optuna's and PBT's trials are not planned before they run:
     refused there."""
-    from raydp.data import load_manifest, manifest_id
-    from raydp.privacy.lifetime import read_budget
-    from raydp.runner.privacy_setup import charge_lifetime
-
     manifest = load_manifest(dataset)
     dataset_id = manifest_id(manifest)
     if read_budget(dataset_id) is None and not manifest.get("lifetime_budget"):
@@ -147,7 +156,7 @@ def _charge_lifetime(study: StudyConfig, dataset: str, trial_plans: dict, commit
         raise ConfigError(f"dataset {dataset_id} has a lifetime budget: a study on it must be a grid "
                           f"(search: {study.search} trials are not planned before they run, so they cannot be "
                           f"charged first)")
-    charge_lifetime(manifest, trial_plans, commit=commit)
+    charge_lifetime_budget(manifest, trial_plans, commit=commit)
 
 
 #: where a study run keeps the tag its trials were charged to a lifetime budget under (private: work/)
@@ -180,7 +189,7 @@ def lock_study_dir(study_dir: Path):
     """An exclusive lock on the study directory for this driver's lifetime (the open file holds it; closing it, or
     the process ending, releases it). Two drivers in one directory would both run its unfinished trials, with fresh
     noise, under one lifetime charge; the second is refused."""
-    import fcntl
+    import fcntl  # lazy: POSIX only (a study's driver locks its directory; the rest of the module runs anywhere)
 
     path = Path(study_dir) / "work" / "driver.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -213,8 +222,6 @@ def check_resumed_study(study: StudyConfig, study_dir: Path) -> None:
 
 def build_study_models(trials: list[dict], progress: bool) -> None:
     """Build the embedded models the study's trials use, once, here (not in every trial)."""
-    from raydp.model.embedded import ensure_embedded_model, is_embedded_name
-
     for model in dict.fromkeys(t["model"] for t in trials):
         if is_embedded_name(model):
             ensure_embedded_model(model, progress=progress)
@@ -242,8 +249,6 @@ WANDB_TABLE_ROWS = 10_000
 def wandb_target(study: StudyConfig, study_dir: Path) -> dict:
     """Where a study's trials log, resolved once on the driver (so one worker's WANDB_* cannot change it), and
     the base of their run ids: a digest of the study's directory on the driver and its name (public)."""
-    import hashlib
-
     mode, project, entity = study.wandb.resolved()
     base = hashlib.sha256(f"{Path(study_dir).resolve()}|{study.name}".encode()).hexdigest()
     return {"mode": mode, "project": project, "entity": entity, "id_base": base}
@@ -255,8 +260,6 @@ def evaluation_metrics(row: dict, selection: str, private_run: bool = True) -> d
     Optuna and PBT minimise: the value-token NLL (nats per record) where the run reports it, else perplexity
     (``selection_metric`` says which), on the study's ``selection`` split (ERRATA E15; a run without a public
     figure falls back to the private one, and ``selection_split`` says so)."""
-    from raydp.study.results import selection_value
-
     metric = "value_nll" if row.get("value_nll") is not None else "perplexity"
     private, public = (row.get("value_nll"), row.get("public_value_nll")) if metric == "value_nll" else \
         (row.get("perplexity"), row.get("public_perplexity"))
@@ -272,8 +275,6 @@ def evaluation_metrics(row: dict, selection: str, private_run: bool = True) -> d
 
 def privacy_label_of(summary: dict) -> str:
     """Every label of a run's epsilon, '; '-joined ('' if none): ERRATA E3 (paper mode), E12 (void)..."""
-    from raydp.study.results import trial_labels
-
     return "; ".join(trial_labels(summary))
 
 
@@ -293,9 +294,7 @@ class _Reporter:
         self._guard("start", self._start, study, trial, config, study_dir, target)
 
     def _start(self, study, trial, config, study_dir, target) -> None:
-        import hashlib
-
-        import wandb
+        import wandb  # lazy: only a trial that logs to wandb loads it
 
         safe = {k: v for k, v in trial.items() if k not in ("policy_path",)}  # settings only, no data
         os.environ.setdefault("WANDB_SILENT", "true")  # no "syncing is offline" lines per trial in a study's log
@@ -347,7 +346,7 @@ class _Reporter:
             self._guard("finish", self._finish, summary, Path(run_dir))
 
     def _finish(self, summary: dict, run_dir: Path) -> None:
-        import wandb
+        import wandb  # lazy: only a trial that logs to wandb loads it
 
         privacy = summary.get("privacy") or {}
         self.run.summary.update({name: summary.get(key) for key, name in WANDB_SUMMARY_FIELDS.items()})
@@ -394,8 +393,6 @@ class _Reporter:
                          if c is not None}
             central = "local" not in (privacy.get("epsilon_by_accountant") or {})
             if central and {"q", "sigma_eff"} <= set(ledger):
-                from raydp.privacy.accounting.rdp import epsilon_over_steps
-
                 counts, eps = epsilon_over_steps(ledger["q"], ledger["sigma_eff"], float(self.config.delta))
                 steps = ledger["step"].to_numpy()
                 spent = {int(steps[int(k) - 1]) + 1: float(e) for k, e in zip(counts, eps)}
@@ -420,7 +417,7 @@ class _Reporter:
         if self.run is not None:
             self._guard("close", self.run.finish)
         self.run = None
-        import wandb
+        import wandb  # lazy: only a trial that logs to wandb loads it
 
         # Stop wandb's service now: left to its atexit hook it finds the service already gone when Ray
         # ends the trial's worker and prints a ConnectionResetError traceback per trial
@@ -436,8 +433,6 @@ def _is_number(value) -> bool:
 
 
 def _read_parquet(path: Path):
-    import pandas as pd
-
     return pd.read_parquet(path) if path.is_file() else None
 
 
@@ -469,10 +464,7 @@ No file here holds a sampling or noise seed or generator state, or a plain hash 
 
 def _restore_point(workdir: Path) -> tuple[dict | None, Path | None]:
     """The trial's latest Tune checkpoint (after a retry or ``Tuner.restore``), copied locally."""
-    import shutil
-
-    import torch
-    from ray import tune
+    from ray import tune  # lazy: `raydp study --check` loads no Ray
 
     checkpoint = tune.get_checkpoint()
     if checkpoint is None:
@@ -493,17 +485,11 @@ def run_trial(params: dict) -> None:
     resumes from the latest one with exactly its ledger. Each checkpoint's report carries the step and
     the latest evaluation's perplexities (:func:`evaluation_metrics`): an evaluation reaches Tune only
     with (or after) the checkpoint of its step."""
-    import tempfile
+    from ray import tune  # lazy: `raydp study --check` loads no Ray
+    from ray.tune import Checkpoint  # lazy: as above
 
-    import torch
-    from ray import tune
-    from ray.tune import Checkpoint
-
-    from raydp.control.policies import trained_on
-    from raydp.control.broker import run_seed
-    from raydp.control.connection import client_from_connection
-    from raydp.runner.launch import start_policy
-    from raydp.runner.run import run_training
+    from raydp.control.broker import run_seed  # lazy: imports Ray, which `raydp study --check` does not load
+    from raydp.runner.launch import start_policy  # lazy: imports Ray, which `raydp study --check` does not load
 
     study = StudyConfig(**params["study"])
     if not params.get("log_checkpoints", True):  # the driver writes to a log, not a terminal (run_study)
@@ -567,9 +553,6 @@ def run_trial(params: dict) -> None:
     attacks = {}
     try:
         if study.evaluate is not None:  # attacks and audit: for the data owner, never Tune's metric (E15)
-            from raydp.evaluation.evaluate import evaluate_run
-            from raydp.evaluation.results import flat_metrics
-
             started_eval = time.perf_counter()
             try:  # a failed evaluation must not fail (and retrain) a trained trial: it is recorded instead
                 attacks = flat_metrics(evaluate_run(out, study.evaluate.model_copy(update={"device": config.device}),
@@ -605,7 +588,7 @@ def run_trial(params: dict) -> None:
 def _param_space(study: StudyConfig, trials: list[dict], common: dict) -> dict:
     """Tune grid-searches the trials' specs: each trial's config holds its own spec only, so configs (and every
     ``result.json`` row, which repeats its config) stay the same size however many trials the study has."""
-    from ray import tune
+    from ray import tune  # lazy: `raydp study --check` loads no Ray
 
     return {**common, "trial": tune.grid_search(list(trials))}
 
@@ -623,13 +606,10 @@ def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progre
 
 
 def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume: bool, held: list) -> Path:
-    import ray
-    from ray import tune
+    import ray  # lazy: `raydp study --check` loads no Ray
+    from ray import tune  # lazy: as above
 
-    from raydp.control.policies import policy_layout_for, sac_settings
-    from raydp.runner.launch import RAY_NAMESPACE, ensure_ray
-    from raydp.study.population import population_summary
-    from raydp.study.results import collect_results
+    from raydp.runner.launch import RAY_NAMESPACE, ensure_ray  # lazy: imports Ray, which `raydp study --check` does not load
 
     study = load_study(path)
     # Tune warns at every forced experiment snapshot that CheckpointConfig(num_to_keep) triggers (each of our
@@ -677,8 +657,6 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
         build_study_models(trials, progress)
     except BaseException:
         if created and held:  # only the driver that holds the lock removes what it created
-            import shutil
-
             shutil.rmtree(study_dir, ignore_errors=True)
         raise
     (study_dir / "PRIVACY.txt").write_text(STUDY_PRIVACY_NOTE)
@@ -690,7 +668,7 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
               "connection": None, "log_checkpoints": sys.stderr.isatty(),
               "n_trials": len(trials)}  # audits in the family: each trial's audit is Bonferroni-corrected
     if study.policy == "shared" and study.controller_strategy is not None:
-        from raydp.control.service import PolicySession
+        from raydp.control.service import PolicySession  # lazy: imports Ray, which `raydp study --check` does not load
 
         first_rldp = trial_config(study, next(t for t in trials if t["strategy"] == study.controller_strategy), dataset)
         session = PolicySession(policy_layout_for(first_rldp), sac_settings(first_rldp), namespace=RAY_NAMESPACE)
@@ -745,8 +723,6 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     unfinished = int(table["status"].isin(("INTERRUPTED", "NOT_RUN")).sum()) if "status" in table else 0
     unfinished = max(unfinished, stopped)  # a stopped search cell's trials not yet sampled are in no table
     if summary.get("search_best") and not study.private_data and not unfinished:  # a finished public search's record
-        from raydp.study.config import TUNING_FORMAT, TUNING_RECORD
-
         ids = sorted(set(table["dataset_id"].dropna())) if "dataset_id" in table else []
         (study_dir / TUNING_RECORD).write_text(json.dumps({
             "format": TUNING_FORMAT, "study": study.name, "private_data": False, "data_source": "public",
@@ -771,11 +747,7 @@ def _save_study_policy(session, path: Path, study: StudyConfig, dataset: str, re
                        counters: dict) -> None:
     """Save a shared policy with its training record: what it saw (the dataset, public or not), how many
     episodes on which models and epsilons, and what the training cost (wall and CPU seconds)."""
-    from raydp.control.policies import trained_on
-    from raydp.data import load_manifest as dataset_manifest
-    from raydp.data import manifest_id
-
-    manifest = dataset_manifest(dataset)
+    manifest = load_manifest(dataset)
     metrics = [r.metrics or {} for r in results]
     trial_seconds = [float(m["trial_seconds"]) for m in metrics if m.get("trial_seconds") is not None]
     finished = sum(bool(m.get("done")) for m in metrics)
@@ -835,12 +807,12 @@ class TuneStorage:
         return f"{self.path}/{name}"
 
     def can_restore(self, name: str) -> bool:
-        from ray import tune
+        from ray import tune  # lazy: `raydp study --check` loads no Ray
 
         return tune.Tuner.can_restore(self.experiment(name), storage_filesystem=self.filesystem)
 
     def restore(self, name: str, trainable, **kwargs):
-        from ray import tune
+        from ray import tune  # lazy: `raydp study --check` loads no Ray
 
         return tune.Tuner.restore(self.experiment(name), trainable=trainable, storage_filesystem=self.filesystem,
                                   **kwargs)
@@ -848,8 +820,6 @@ class TuneStorage:
 
 def study_filesystem(uri: str):
     """(pyarrow filesystem, path) of a study's ``storage`` URI; a one-line ConfigError if pyarrow cannot open it."""
-    import pyarrow.fs
-
     try:
         return pyarrow.fs.FileSystem.from_uri(uri)
     except (pyarrow.ArrowException, ValueError, OSError) as exc:
@@ -859,7 +829,7 @@ def study_filesystem(uri: str):
 def _run_config(name: str, storage: TuneStorage, study: StudyConfig, progress: bool, keep: int | None = CHECKPOINTS_KEPT):
     """Every Tuner's RunConfig: its experiment under ``storage``, retries, a bounded number of checkpoints
     (``keep``; PBT keeps all: an exploit copies a donor's checkpoint, which a bound could delete first)."""
-    from ray import tune
+    from ray import tune  # lazy: `raydp study --check` loads no Ray
 
     return tune.RunConfig(name=name, storage_path=storage.path, storage_filesystem=storage.filesystem,
                           failure_config=tune.FailureConfig(max_failures=study.max_failures),
@@ -868,7 +838,7 @@ def _run_config(name: str, storage: TuneStorage, study: StudyConfig, progress: b
 
 
 def _node_id() -> str | None:
-    import ray
+    import ray  # lazy: `raydp study --check` loads no Ray
 
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
@@ -889,7 +859,7 @@ def _trial_dirname(trial) -> str:
 def _fit(trainable, param_space: dict, storage: TuneStorage, name: str, study: StudyConfig, progress: bool,
          resume: bool):
     """One Tuner run (restored from its experiment state with ``resume``)."""
-    from ray import tune
+    from ray import tune  # lazy: `raydp study --check` loads no Ray
 
     if resume and storage.can_restore(name):
         tuner = storage.restore(name, trainable, resume_errored=True, param_space=param_space)
@@ -908,8 +878,8 @@ def _fit(trainable, param_space: dict, storage: TuneStorage, name: str, study: S
 def _fit_optuna(trainable, study: StudyConfig, common: dict, storage: TuneStorage, progress: bool, resume: bool):
     """RLDP's SAC cell (T_RL, B_SAC, K) chosen by Optuna (TPE) over the study's grid values, on the
     ``selection_score`` metric: the public validation split unless ``selection: private`` (E15)."""
-    from ray import tune
-    from ray.tune.search.optuna import OptunaSearch
+    from ray import tune  # lazy: `raydp study --check` loads no Ray
+    from ray.tune.search.optuna import OptunaSearch  # lazy: as above (and no Optuna)
 
     space = {"t_rl": tune.choice(study.sac_grid.t_rl), "b_sac": tune.choice(study.sac_grid.b_sac),
              "k": tune.choice(study.sac_grid.k)}
@@ -930,8 +900,6 @@ def _fit_optuna(trainable, study: StudyConfig, common: dict, storage: TuneStorag
 def upload_dataset(study: StudyConfig, dataset: str) -> str:
     """Copy the built dataset to ``<storage>/<study>/dataset`` (trials on any node read it from there); returns
     its path on the storage's filesystem. The dataset is private: the storage must be the data owner's."""
-    import pyarrow.fs
-
     filesystem, base = study_filesystem(study.storage)
     remote = f"{base.rstrip('/')}/{study.name}/dataset"
     pyarrow.fs.copy_files(str(dataset), remote, source_filesystem=pyarrow.fs.LocalFileSystem(),
@@ -944,11 +912,6 @@ def node_local_dataset(params: dict) -> str:
     node's temporary directory, keyed by the study's storage path), or the driver's when there is no storage."""
     if not params.get("storage"):
         return params["dataset"]
-    import hashlib
-    import tempfile
-
-    import pyarrow.fs
-
     filesystem, _ = study_filesystem(params["storage"])
     key = hashlib.sha256(params["dataset_remote"].encode()).hexdigest()[:16]
     local = Path(tempfile.gettempdir()) / "raydp-datasets" / key
@@ -960,8 +923,6 @@ def node_local_dataset(params: dict) -> str:
         try:
             staging.rename(local)
         except OSError:  # another trial on this node got there first
-            import shutil
-
             shutil.rmtree(staging, ignore_errors=True)
     return str(local)
 
@@ -984,7 +945,7 @@ def search_run_name(study: StudyConfig, cell: dict) -> str:
 
 def _search_space(space: dict) -> dict:
     """The study's search_space of one strategy as Tune domains (Optuna samples them through OptunaSearch)."""
-    from ray import tune
+    from ray import tune  # lazy: `raydp study --check` loads no Ray
 
     out = {}
     for name, dim in space.items():
@@ -1002,9 +963,9 @@ def _fit_search(trainable, study: StudyConfig, cell: dict, common: dict, storage
     split unless ``selection: private``, E15). Optuna's trials are also kept in an SQLite storage beside Tune's
     state (``tune/optuna.sqlite3``, one Optuna study per cell), so a stopped search resumes with its history
     (``--resume`` restores the Tune experiment, whose searcher reloads the Optuna study)."""
-    import optuna
-    from ray import tune
-    from ray.tune.search.optuna import OptunaSearch
+    import optuna  # lazy: `raydp study --check` loads no Optuna
+    from ray import tune  # lazy: `raydp study --check` loads no Ray
+    from ray.tune.search.optuna import OptunaSearch  # lazy: as above
 
     name = search_run_name(study, cell)
     if resume and storage.can_restore(name):
@@ -1036,8 +997,6 @@ def _population_hook(params: dict, trial: dict):
     """A PBT member's ``population_admit`` (its population filter, by the actor's name), else None."""
     if not params.get("population"):
         return None
-    from raydp.study.population import PopulationAdmit
-
     return PopulationAdmit(params["population"], params["population_namespace"], trial["name"])
 
 
@@ -1051,16 +1010,10 @@ def run_pbt_member(params: dict) -> None:
     weights, optimizer; fresh secret randomness, ERRATA E12) is restored by :func:`run_trial` into this
     member's own work and output directories, with the NEW settings (the PBT strategy keeps no state in its
     checkpoints). A killed incarnation's half-written output is removed first."""
-    import shutil
-
-    from ray import tune
-
-    from raydp.study.population import join_population
+    from ray import tune  # lazy: `raydp study --check` loads no Ray
 
     checkpoint, step = tune.get_checkpoint(), None
     if checkpoint is not None:  # the step it resumes at, for the population's lineage
-        import torch
-
         with checkpoint.as_directory() as d:
             step = int(torch.load(Path(d) / CHECKPOINT_STATE, weights_only=False)["trainer"]["step_count"])
     current = params["pbt"]
@@ -1087,7 +1040,7 @@ class _ClampToRanges:
 
 def _pbt_scheduler(**kwargs):
     """Ray Tune's ``PopulationBasedTraining`` with two changes for a DP population (:class:`_PBTScheduler`)."""
-    from ray.tune.schedulers import PopulationBasedTraining
+    from ray.tune.schedulers import PopulationBasedTraining  # lazy: `raydp study --check` loads no Ray
 
     class _PBTScheduler(PopulationBasedTraining):
         """* No perturbation at a member's last planned step (``final_step``): its plan is done, and an exploit
@@ -1133,14 +1086,10 @@ class _SeededDraw:
     """PBT's resampling of a setting: a draw from its range from a generator seeded by ``pbt.seed``."""
 
     def __init__(self, bounds, seed: int):
-        import numpy as np
-
         self.bounds = bounds
         self.rng = np.random.default_rng(seed)
 
     def __call__(self) -> float:
-        from raydp.study.config import draw_in_range
-
         return draw_in_range(self.bounds, self.rng)
 
 
@@ -1166,14 +1115,10 @@ def _fit_pbt(study: StudyConfig, members: list[dict], common: dict, storage: Tun
     steps; the metric is ``selection_score``, the PUBLIC validation split (ERRATA E15), minimised.
     Every reported result carries the checkpoint of its evaluation, which is what PBT copies. Afterwards
     the population's state (spent curve, exploits) goes to ``pbt_population.json``."""
-    import random
-    import warnings
+    import ray  # lazy: `raydp study --check` loads no Ray
+    from ray import tune  # lazy: as above
 
-    import ray
-    from ray import tune
-
-    from raydp.runner.launch import RAY_NAMESPACE
-    from raydp.study.population import population_filter, start_population, write_population
+    from raydp.runner.launch import RAY_NAMESPACE  # lazy: imports Ray, which `raydp study --check` does not load
 
     if not members:
         return []
