@@ -297,7 +297,7 @@ def cmd_data_show(args) -> int:
 def cmd_data_budget(args) -> int:
     from raydp.data import load_manifest, manifest_id  # lazy: `raydp --help` loads no pandas
     from raydp.privacy.lifetime import (  # lazy: `raydp --help` loads no pandas
-        read_budget, register_path, set_budget, spent_epsilon)
+        read_budget, register_for, set_budget, spent_epsilon)
 
     manifest = load_manifest(args.dataset)
     dataset_id = manifest_id(manifest)
@@ -305,7 +305,8 @@ def cmd_data_budget(args) -> int:
         raise ConfigError("set a lifetime budget with both --epsilon and --delta")
     if args.epsilon is not None:
         register = set_budget(dataset_id, args.epsilon, args.delta, args.privacy_unit,
-                              max_delta=1.0 / max(int(manifest["sizes"].get("train", 1)), 1))
+                              max_delta=1.0 / max(int(manifest["sizes"].get("train", 1)), 1),
+                              source_sha256=manifest.get("source_sha256"))
         # the dataset itself says it is budgeted: a run that cannot find the register is refused (fail closed)
         manifest["lifetime_budget"] = {k: register[k] for k in ("epsilon", "delta", "privacy_unit")}
         path = Path(args.dataset) / "manifest.json"
@@ -313,13 +314,13 @@ def cmd_data_budget(args) -> int:
         tmp.write_text(json.dumps(manifest, indent=2))
         os.replace(tmp, path)
     else:
-        register = read_budget(dataset_id)
+        register = read_budget(dataset_id, manifest.get("source_sha256"))
     if register is None:
         print(f"dataset {dataset_id}: no lifetime budget (set one with --epsilon E --delta D)")
         return 0
     print(f"dataset {dataset_id}: lifetime budget epsilon={register['epsilon']:g} at delta={register['delta']:g} per "
           f"{register['privacy_unit']}; {len(register['charges'])} run(s) charged, composed epsilon "
-          f"{spent_epsilon(register):.3f} (kept in {register_path(dataset_id)}, private)")
+          f"{spent_epsilon(register):.3f} (kept in {register_for(dataset_id, manifest.get('source_sha256'))}, private)")
     return 0
 
 

@@ -227,3 +227,58 @@ def test_a_trainer_given_the_dataset_directory_fails_closed(tmp_path, monkeypatc
     with pytest.raises(ConfigError, match="has a lifetime budget, but its register is not at"):
         DPTraining(loaded.model, texts, loaded.tokenizer, **settings, dataset=data)
     DPTraining(loaded.model, texts, loaded.tokenizer, **settings, dataset_id=dataset_id)  # the id alone: not refused
+
+
+def test_the_budget_follows_the_source_under_another_owner_key(tmp_path, monkeypatch):
+    """Issue 32, review finding 3: the same source built under another owner key has another id; its runs are
+    charged to the budget set under the first (the register's salted source tag), and the register holds no plain
+    fingerprint of the source."""
+    from raydp.privacy.lifetime import register_for
+    from raydp.runner.privacy_setup import PrivacyPlan, planned_rdp_curve
+
+    monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "owner.key"))
+    source = "cd" * 32  # a manifest's source_sha256
+    first, rebuilt, other = "rdi1:" + "01" * 16, "rdi1:" + "02" * 16, "rdi1:" + "03" * 16
+    set_budget(first, 3.0, 1e-6, source_sha256=source)
+    text = register_path(first).read_text()
+    assert source not in text and json.loads(text)["source_tag"]["hmac"] != source
+    assert register_for(rebuilt, source) == register_path(first)  # the same source: its budget
+    assert register_for(rebuilt, "ef" * 32) == register_path(rebuilt)  # another source: none
+    assert register_for(rebuilt) == register_path(rebuilt) and read_budget(other, "ef" * 32) is None
+
+    plan = PrivacyPlan(q=0.02, planned_steps=300, sigma_0=1.1)
+    one = charge(rebuilt, {"a": planned_rdp_curve(plan, 1e-6)}, source_sha256=source)
+    assert one == pytest.approx(dp_accounting_epsilon([plan], 1e-6), rel=1e-6) and one < 3.0
+    assert list(read_budget(first)["charges"]) == ["a"] and not register_path(rebuilt).exists()
+    with pytest.raises(ConfigError, match="past its lifetime budget 3"):
+        charge(rebuilt, {f"b{i}": planned_rdp_curve(plan, 1e-6) for i in range(3)}, source_sha256=source)
+    assert charge(rebuilt, {"c": planned_rdp_curve(plan, 1e-6)}) is None  # without the fingerprint: not found
+
+
+def test_a_source_rebuilt_under_a_new_owner_key_keeps_its_budget(tmp_path, monkeypatch, capsys):
+    """End to end (review finding 3): a CSV built and budgeted under one owner key, rebuilt under a new key beside
+    it, is another dataset id; `raydp data budget` shows the first budget and a run on the rebuild is charged to it."""
+    from raydp.data.synthetic import generate_records
+    from raydp.runner.launch import train
+
+    generate_records(400, seed=11, progress=False).to_csv(tmp_path / "diabetic_data.csv", index=False)
+    monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "keys" / "first.key"))
+    assert main(["data", "build", "--source", str(tmp_path / "diabetic_data.csv"), "--output", str(tmp_path / "a")]) == 0
+    first = manifest_id(load_manifest(tmp_path / "a"))
+    plan = plan_private_run(tiny(tmp_path / "a"), training_units(tiny(tmp_path / "a"), str(tmp_path / "a"), len(
+        load_texts(tmp_path / "a", "train"))).public_count)
+    budget = (dp_accounting_epsilon([plan], 1e-5) + dp_accounting_epsilon([plan, plan], 1e-5)) / 2  # fits one run
+    assert main(["data", "budget", str(tmp_path / "a"), "--epsilon", f"{budget:.4f}", "--delta", "1e-5"]) == 0
+
+    monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "keys" / "second.key"))  # a new key, the same budgets/
+    assert main(["data", "build", "--source", str(tmp_path / "diabetic_data.csv"), "--output", str(tmp_path / "b")]) == 0
+    rebuilt = manifest_id(load_manifest(tmp_path / "b"))
+    assert rebuilt != first and not load_manifest(tmp_path / "b").get("lifetime_budget")
+    capsys.readouterr()
+    assert main(["data", "budget", str(tmp_path / "b")]) == 0
+    assert f"lifetime budget epsilon={float(f'{budget:.4f}'):g}" in capsys.readouterr().out
+    train(tiny(tmp_path / "b"), tmp_path / "run", progress=False)
+    assert len(read_budget(first)["charges"]) == 1 and not register_path(rebuilt).exists()
+    with pytest.raises(ConfigError, match="past its lifetime budget"):
+        train(tiny(tmp_path / "b"), tmp_path / "again", progress=False)
+    assert not (tmp_path / "again").exists()

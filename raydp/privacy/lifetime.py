@@ -14,13 +14,22 @@ file): the budget, and one charge per run or study trial under a label (a fresh 
 random tag, as every fresh run spends anew; a study directory and trial name, so that resuming a study does not
 charge it twice; a resumed run is not charged again). Only the machine that
 starts a run or a study reads and writes it: a study charges all its trials on the driver before any starts.
-Public datasets (``public:`` ids) have no budget. Local-DP runs (EW-FT, DP-Forward) are accounted otherwise
+Public datasets (``public:`` ids) have no budget.
+
+The budget follows the records, not the key: a dataset's id is keyed with the owner key, so the same source
+rebuilt under another owner key has another id. The register therefore also keeps the source file's fingerprint,
+salted (``source_tag``: HMAC-SHA256 of the manifest's private ``source_sha256`` under a random salt kept in the
+register, never in a releasable file), and a dataset whose id has no register is charged to the register whose
+tag its source matches (:func:`register_for`). It matches a rebuild of the same source file, byte for byte; a
+different file (one record edited) is another dataset, as it would be under one key. Local-DP runs (EW-FT, DP-Forward) are accounted otherwise
 and are refused on a dataset with a budget; a non-private run releases nothing and is not charged.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import hmac
 import json
 import math
 import os
@@ -43,6 +52,28 @@ def register_path(dataset_id: str) -> Path:
     if not is_dataset_id(dataset_id) or dataset_id.startswith(PUBLIC_PREFIX):
         raise ConfigError(f"{dataset_id!r} is not a private dataset id: public data has no lifetime budget")
     return owner_key_path().parent / "budgets" / f"{dataset_id.replace(':', '_')}.json"
+
+
+def _source_tag(salt: str, source_sha256: str) -> str:
+    return hmac.new(bytes.fromhex(salt), b"raydp lifetime source v1" + source_sha256.encode(), hashlib.sha256).hexdigest()
+
+
+def register_for(dataset_id: str, source_sha256: str | None = None) -> Path:
+    """The register that budgets ``dataset_id``: its own, or (when it has none) the register whose ``source_tag``
+    its source fingerprint (the manifest's private ``source_sha256``) matches: the same source built under another
+    owner key. Else its own path (which does not exist)."""
+    path = register_path(dataset_id)
+    if path.is_file() or not source_sha256:
+        return path
+    for other in sorted(path.parent.glob("*.json")) if path.parent.is_dir() else ():
+        try:
+            tag = json.loads(other.read_text()).get("source_tag") or {}
+        except (OSError, ValueError):
+            continue
+        if isinstance(tag, dict) and tag.get("salt") and hmac.compare_digest(
+                str(tag.get("hmac", "")), _source_tag(str(tag["salt"]), source_sha256)):
+            return other
+    return path
 
 
 @contextmanager
@@ -80,14 +111,16 @@ def _write(path: Path, register: dict) -> None:
 
 
 def set_budget(dataset_id: str, epsilon: float, delta: float, privacy_unit: str = "patient",
-               max_delta: float = 1.0) -> dict:
+               max_delta: float = 1.0, source_sha256: str | None = None) -> dict:
     """Set the dataset's lifetime (epsilon, delta) for one privacy unit, once: setting it again to other values is
     refused (a budget that can be raised bounds nothing). Runs charged before it was set are not in it.
-    ``max_delta``: delta must be below it (1/N units: a larger delta allows releasing a unit outright)."""
+    ``max_delta``: delta must be below it (1/N units: a larger delta allows releasing a unit outright).
+    ``source_sha256``: the manifest's source fingerprint, kept salted so that a rebuild of the same source under
+    another owner key finds this budget (:func:`register_for`)."""
     if not (0 < epsilon < math.inf) or not (0 < delta < min(1.0, max_delta)):
         raise ConfigError(f"a lifetime budget needs 0 < epsilon < inf and 0 < delta < {min(1.0, max_delta):.3g} "
                           f"(1/N units), got ({epsilon}, {delta})")
-    path = register_path(dataset_id)
+    path = register_for(dataset_id, source_sha256)
     with _locked(path):
         register = _read(path)
         if register is not None:
@@ -99,15 +132,19 @@ def set_budget(dataset_id: str, epsilon: float, delta: float, privacy_unit: str 
             return register
         register = {"format": FORMAT, "dataset_id": dataset_id, "epsilon": float(epsilon), "delta": float(delta),
                     "privacy_unit": privacy_unit, "orders": list(DEFAULT_ORDERS), "charges": {}}
+        if source_sha256:
+            salt = os.urandom(16).hex()
+            register["source_tag"] = {"salt": salt, "hmac": _source_tag(salt, source_sha256)}
         _write(path, register)
         return register
 
 
-def read_budget(dataset_id: str) -> dict | None:
-    """The register, or None when the dataset has no lifetime budget (or is public)."""
+def read_budget(dataset_id: str, source_sha256: str | None = None) -> dict | None:
+    """The register, or None when the dataset has no lifetime budget (or is public); ``source_sha256``: see
+    :func:`register_for`."""
     if not is_dataset_id(dataset_id) or dataset_id.startswith(PUBLIC_PREFIX):
         return None
-    return _read(register_path(dataset_id))
+    return _read(register_for(dataset_id, source_sha256))
 
 
 def spent_epsilon(register: Mapping, extra: Mapping[str, Sequence[float]] | None = None) -> float:
@@ -120,18 +157,20 @@ def spent_epsilon(register: Mapping, extra: Mapping[str, Sequence[float]] | None
 
 
 def charge(dataset_id: str | None, charges: Mapping[str, Sequence[float]], orders: Sequence[float] = DEFAULT_ORDERS,
-           commit: bool = True, privacy_unit: str = "patient", required: bool = False) -> float | None:
+           commit: bool = True, privacy_unit: str = "patient", required: bool = False,
+           source_sha256: str | None = None) -> float | None:
     """Charge runs (label -> planned RDP curve at ``orders``) to the dataset's lifetime budget, or raise a
     one-line ConfigError, writing nothing, if the composition would exceed it. A label already charged is charged
     again only where its new curve is larger (a resumed study whose plan changed pays the difference). Runs of
     another privacy unit than the budget's are refused. ``commit=False`` only checks; ``required``: the dataset
-    says it has a budget, so a missing register is refused (fail closed). Returns the composed epsilon after the
-    charge, or None when the dataset has no budget."""
+    says it has a budget, so a missing register is refused (fail closed); ``source_sha256``: the manifest's source
+    fingerprint, which finds the budget of the same source built under another owner key (:func:`register_for`).
+    Returns the composed epsilon after the charge, or None when the dataset has no budget."""
     if dataset_id is None or not charges:
         return None
     if not is_dataset_id(dataset_id) or dataset_id.startswith(PUBLIC_PREFIX):
         return None
-    path = register_path(dataset_id)
+    path = register_for(dataset_id, source_sha256)
     if not path.is_file():
         if required:
             raise ConfigError(f"dataset {dataset_id} has a lifetime budget, but its register is not at {path} (set "

@@ -251,7 +251,8 @@ def charge_lifetime(manifest: dict, runs: dict[str, LifetimeCharge], commit: boo
     mode, a redacted private phase 1, void randomness: their charge would not bound what they reveal), and runs
     of another privacy unit. A dataset marked budgeted whose register is not found is refused (fail closed)."""
     dataset_id, required = manifest_id(manifest), bool(manifest.get("lifetime_budget"))
-    if not runs or (read_budget(dataset_id) is None and not required):
+    source = manifest.get("source_sha256")  # the budget follows the source under another owner key
+    if not runs or (read_budget(dataset_id, source) is None and not required):
         return None
     for label, run in runs.items():
         if not isinstance(run.plan, PrivacyPlan):
@@ -264,7 +265,8 @@ def charge_lifetime(manifest: dict, runs: dict[str, LifetimeCharge], commit: boo
     if len(units) > 1:
         raise ConfigError(f"runs on dataset {dataset_id} protect different units ({sorted(units)}): charge them apart")
     curves = {label: planned_rdp_curve(run.plan, run.delta) for label, run in runs.items()}
-    return charge(dataset_id, curves, DEFAULT_ORDERS, commit=commit, privacy_unit=units.pop(), required=required)
+    return charge(dataset_id, curves, DEFAULT_ORDERS, commit=commit, privacy_unit=units.pop(), required=required,
+                  source_sha256=source)
 
 
 def setup_private_run(

@@ -150,7 +150,7 @@ def _charge_lifetime(study: StudyConfig, dataset: str, trial_plans: dict, commit
     refused there."""
     manifest = load_manifest(dataset)
     dataset_id = manifest_id(manifest)
-    if read_budget(dataset_id) is None and not manifest.get("lifetime_budget"):
+    if read_budget(dataset_id, manifest.get("source_sha256")) is None and not manifest.get("lifetime_budget"):
         return
     if study.search != "grid" or search_cells(study):
         raise ConfigError(f"dataset {dataset_id} has a lifetime budget: a study on it must be a grid "
