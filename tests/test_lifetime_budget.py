@@ -205,7 +205,7 @@ def test_a_budgeted_dataset_refuses_what_a_charge_cannot_cover(dataset, tmp_path
 def test_a_trainer_given_the_dataset_directory_fails_closed(tmp_path, monkeypatch):
     """Second review, finding 4: DPTraining given only a dataset_id cannot know that the dataset has a budget, so a
     missing register meant an uncharged run. Given the dataset directory, its manifest says so: charged, or refused
-    where the register is not found."""
+    where the register is not found; given the id alone, refused where neither the register nor an owner key is."""
     from raydp.integrations.transformers import DPTraining
     from raydp.model import load_model
 
@@ -226,7 +226,13 @@ def test_a_trainer_given_the_dataset_directory_fails_closed(tmp_path, monkeypatc
     monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "another.key"))  # another machine's owner key
     with pytest.raises(ConfigError, match="has a lifetime budget, but its register is not at"):
         DPTraining(loaded.model, texts, loaded.tokenizer, **settings, dataset=data)
-    DPTraining(loaded.model, texts, loaded.tokenizer, **settings, dataset_id=dataset_id)  # the id alone: not refused
+    # the id alone, on a machine with neither the register nor an owner key: it cannot tell, so it is refused
+    with pytest.raises(ConfigError, match="may have a lifetime budget, and this machine has neither its register nor"):
+        DPTraining(loaded.model, texts, loaded.tokenizer, **settings, dataset_id=dataset_id)
+    from raydp.data.identity import owner_key
+
+    owner_key()  # this machine's own key: where the owner's key is, a missing register means no budget
+    DPTraining(loaded.model, texts, loaded.tokenizer, **settings, dataset_id=dataset_id)
 
 
 def test_the_budget_follows_the_source_under_another_owner_key(tmp_path, monkeypatch):

@@ -76,13 +76,14 @@ from transformers import Trainer, TrainerCallback
 from raydp.config import TrainConfig
 from raydp.control.policies import trained_on
 from raydp.data import load_manifest, manifest_id, public_corpus
-from raydp.data.identity import is_dataset_id, keyed_id
+from raydp.data.identity import is_dataset_id, keyed_id, owner_key_path
 from raydp.errors import ConfigError
 from raydp.model.adapters import discover_adapter_pairs
 from raydp.model.batches import TokenizedSplit
 from raydp.model.loading import disable_dropout
 from raydp.privacy.guard import BudgetExhausted
 from raydp.privacy.ledger import LEDGER_FILENAME
+from raydp.privacy.lifetime import read_budget
 from raydp.runner.privacy_setup import (
     LifetimeCharge,
     PrivacyUnits,
@@ -308,7 +309,9 @@ class DPTraining:
     (:mod:`raydp.privacy.lifetime`) is charged this run's plan when it is set up, or the run is refused.
     ``dataset``: the raydp dataset directory the records come from, instead of its ``dataset_id``: its manifest
     gives the id and says whether it has a lifetime budget, so a budgeted dataset whose register is not found
-    here is refused (fail closed), which a bare ``dataset_id`` cannot do."""
+    here is refused (fail closed). A bare ``dataset_id`` is refused on a machine with neither its register nor the
+    owner key, which could not tell whether it has a budget; where the key is, a missing register means none (a
+    budget set on the same source under another key is found only through ``dataset=``)."""
 
     def __init__(self, model: torch.nn.Module, train_dataset, tokenizer=None, config: TrainConfig | None = None, *,
                  units: Sequence | None = None, text_column: str = "text", loss=None, controller=None,
@@ -342,6 +345,13 @@ class DPTraining:
         if dataset_id is not None and not is_dataset_id(dataset_id):
             raise ConfigError(f"dataset_id {str(dataset_id)[:24]!r}... is not a raydp dataset id (the dataset_id of a "
                               "dataset's manifest.json, 'rdi1:...'): a plain hash of the records would reveal them")
+        if dataset is None and dataset_id is not None and read_budget(dataset_id) is None \
+                and not owner_key_path().is_file():
+            # no register here and no owner key either: this machine cannot tell whether the dataset has a lifetime
+            # budget, and running would leave a budgeted dataset's run uncharged (fail closed, issue 32)
+            raise ConfigError(f"dataset {dataset_id} may have a lifetime budget, and this machine has neither its "
+                              f"register nor the owner key ({owner_key_path()}): pass dataset=DIR (its manifest says) "
+                              "or run where the owner's key is")
         self.dataset_id = dataset_id
         self.log_epsilon = bool(log_epsilon)
         if self.config.is_controlled and controller is None:
