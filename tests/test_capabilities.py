@@ -92,3 +92,22 @@ def test_a_config_asks_its_strategy_for_its_capabilities():
     assert rldp.is_private and rldp.is_controlled and rldp.strategy_settings() is rldp.rldp
     static = validate_config(TrainConfig, {"strategy": "static", "epsilon": 2.0, "clip": 0.5})
     assert static.is_private and not static.is_controlled and static.strategy_settings().clip == 0.5
+
+
+def test_one_arm_label_for_tables_reports_and_pages():
+    """An arm is built in one place (raydp.study.arms): the study report's keys and the page's column agree."""
+    import pandas as pd
+
+    from raydp.report.page import _with_arms
+    from raydp.study.arms import arm_label
+    from raydp.study.report import arm_keys, cell_arm_keys
+
+    rows = pd.DataFrame({"strategy": ["rldp", "rldp", "static-pairwise", "nonprivate"],
+                         "variant": [None, "action_decoding=paper", "clip=0.03", None],
+                         "t_rl": [16.0, 112.0, float("nan"), float("nan")], "b_sac": [4.0, 8.0, None, None],
+                         "k": [1.0, 2.0, None, None], "frozen_policy": [False, True, False, False], "seed": [0, 0, 0, 0]})
+    expected = ["rldp T_RL=16 B_SAC=4 K=1", "rldp [action_decoding=paper] T_RL=112 B_SAC=8 K=2 (frozen policy)",
+                "static-pairwise [clip=0.03]", "nonprivate"]
+    assert list(cell_arm_keys(rows)) == expected == list(_with_arms(rows)["arm"])
+    assert list(arm_keys(rows)) == ["rldp", "rldp [action_decoding=paper]", "static-pairwise [clip=0.03]", "nonprivate"]
+    assert arm_label("rldp", t_rl=16, b_sac=None, k=2) == "rldp T_RL=16 B_SAC=? K=2"

@@ -41,6 +41,7 @@ from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
 from raydp.evaluation.base import Column
 from raydp.evaluation.registry import ATTACKS
 from raydp.report import figures
+from raydp.study.arms import arms
 from raydp.study.report import (
     VERDICT_ALPHA,
     _final_column,
@@ -301,32 +302,13 @@ def _single_run(root: Path) -> Report:
 
 
 def _with_arms(results: pd.DataFrame) -> pd.DataFrame:
-    """Adds ``arm``: the strategy, plus the SAC cell for RLDP (and 'frozen policy' for transferred ones)."""
+    """Adds ``arm`` (:func:`raydp.study.arms.arms`: the strategy, its variant, a controller's SAC cell and
+    'frozen policy' for transferred ones)."""
     results = results.copy()
-
-    def arm(row) -> str:
-        name = str(row["strategy"])
-        if name in CONTROLLERS:
-            if "t_rl" in row and not _missing(row.get("t_rl")):
-                name += " " + _cell_label(row)
-            if bool(row.get("frozen_policy")) and not _missing(row.get("frozen_policy")):
-                name += " (frozen policy)"
-        if "variant" in row and not _missing(row.get("variant")):
-            name += f" [{row['variant']}]"
-        return name
-
-    results["arm"] = [arm(r) for _, r in results.iterrows()] if len(results) else pd.Series(dtype=str)
+    results["arm"] = arms(results) if len(results) else pd.Series(dtype=str)
     if "seed" in results:
         results = results.sort_values(["seed"], kind="stable", na_position="last")
     return results.reset_index(drop=True)
-
-
-def _cell_label(row) -> str:
-    parts = []
-    for key, label in (("t_rl", "T_RL"), ("b_sac", "B_SAC"), ("k", "K")):
-        value = row.get(key)
-        parts.append(f"{label}={int(value)}" if not _missing(value) else f"{label}=?")
-    return " ".join(parts)
 
 
 def _groups(results: pd.DataFrame):

@@ -23,6 +23,7 @@ import pandas as pd
 
 from raydp.data.identity import frame_ids as dataset_ids
 from raydp.errors import ConfigError
+from raydp.study.arms import arms
 from raydp.study.results import BASELINE_EXCLUDED, CHALLENGERS, CONTROLLERS, NONPRIVATE_ARMS
 
 
@@ -68,22 +69,14 @@ def split_label(column: str) -> str:
 
 
 def arm_keys(results: pd.DataFrame) -> pd.Series:
-    """A trial's arm for comparisons: its strategy, plus its settings_grid variant (``[clip=0.03]``)."""
-    variant = results["variant"] if "variant" in results else pd.Series(None, index=results.index, dtype=object)
-    return pd.Series([f"{s} [{v}]" if isinstance(v, str) and v else str(s)
-                      for s, v in zip(results["strategy"], variant)], index=results.index, dtype=object)
+    """A trial's arm for comparisons: its strategy, plus its settings_grid variant (``[clip=0.03]``)
+    (:func:`raydp.study.arms.arms` without the SAC cell)."""
+    return arms(results, cell=False)
 
 
 def cell_arm_keys(results: pd.DataFrame) -> pd.Series:
-    """:func:`arm_keys`, with an RLDP trial's SAC cell and ``(frozen policy)`` for a frozen policy's trials."""
-    keys = arm_keys(results)
-    if "t_rl" not in results:
-        return keys
-    frozen = results["frozen_policy"] if "frozen_policy" in results else pd.Series(False, index=results.index)
-    return pd.Series([f"{a} T_RL={t:g} B_SAC={b:g} K={k:g}" + (" (frozen policy)" if f is True or f == 1 else "")
-                      if s in CONTROLLERS else a for s, a, t, b, k, f in
-                      zip(results["strategy"], keys, results["t_rl"], results["b_sac"], results["k"], frozen)],
-                     index=results.index, dtype=object)
+    """:func:`arm_keys`, with a controller trial's SAC cell and ``(frozen policy)`` for a frozen policy's trials."""
+    return arms(results, cell=True)
 
 
 VERDICT_ALPHA = 0.05
