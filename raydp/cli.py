@@ -396,9 +396,11 @@ def cmd_train(args) -> int:
                   f"{service['module_steps_trained']} transitions sampled in updates")
         if summary.get("saved_policy"):
             print(f"  policy saved to            {summary['saved_policy']}")
-        transport = summary.get("controller_transport")
+        transport = summary.get("controller_transport")  # a registered transport's record (raydp.control.transports)
         if transport:
-            print(f"  policy server              {transport['address']} (RLlink; it owns and trains the policy)")
+            print(f"  controller transport       {transport.get('kind')}"
+                  + (f" at {transport['address']}" if transport.get("address") else "")
+                  + (f" ({transport['note']})" if transport.get("note") else ""))
     if summary.get("stopped_early"):
         print(f"  stopped early: {summary['stopped_early']}")
     if summary.get("data_note"):
