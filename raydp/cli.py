@@ -260,7 +260,8 @@ def _fractions(items: list[str]) -> dict[str, float]:
 
 
 def cmd_data_build(args) -> int:
-    from raydp.data import build_from_config, describe_dataset  # lazy: `raydp --help` loads no pandas
+    from raydp.data import build_from_config, describe_dataset, load_manifest, manifest_id  # lazy: no pandas in --help
+    from raydp.privacy.lifetime import adopt  # lazy: `raydp --help` loads no pandas
 
     from raydp.config import DataConfig, validate_config  # lazy: `raydp --help` loads no pandas
 
@@ -273,6 +274,8 @@ def cmd_data_build(args) -> int:
         "fractions": _fractions(args.fractions) if args.fractions else None}.items()
         if v is not None}, where="data.")
     build_from_config(data, args.output, overwrite=args.overwrite)
+    manifest = load_manifest(args.output)
+    adopt(manifest_id(manifest), manifest.get("source_sha256"))  # a rebuilt source keeps its lifetime budget
     _print_dataset(describe_dataset(args.output), args.output)
     return 0
 

@@ -231,8 +231,12 @@ def test_a_trainer_given_the_dataset_directory_fails_closed(tmp_path, monkeypatc
         DPTraining(loaded.model, texts, loaded.tokenizer, **settings, dataset_id=dataset_id)
     from raydp.data.identity import owner_key
 
-    owner_key()  # this machine's own key: where the owner's key is, a missing register means no budget
+    owner_key()  # a key of this machine's own, which did not build the dataset: still refused (review 2, F1)
+    with pytest.raises(ConfigError, match="nor built it with its owner key"):
+        DPTraining(loaded.model, texts, loaded.tokenizer, **settings, dataset_id=dataset_id)
+    monkeypatch.undo()  # the owner's machine (the key that built it, its register): the id alone is charged
     DPTraining(loaded.model, texts, loaded.tokenizer, **settings, dataset_id=dataset_id)
+    assert len(read_budget(dataset_id)["charges"]) == 2
 
 
 def test_the_budget_follows_the_source_under_another_owner_key(tmp_path, monkeypatch):
@@ -258,7 +262,10 @@ def test_the_budget_follows_the_source_under_another_owner_key(tmp_path, monkeyp
     assert list(read_budget(first)["charges"]) == ["a"] and not register_path(rebuilt).exists()
     with pytest.raises(ConfigError, match="past its lifetime budget 3"):
         charge(rebuilt, {f"b{i}": planned_rdp_curve(plan, 1e-6) for i in range(3)}, source_sha256=source)
-    assert charge(rebuilt, {"c": planned_rdp_curve(plan, 1e-6)}) is None  # without the fingerprint: not found
+    assert rebuilt in read_budget(first)["aliases"]  # adopted when charged: the id alone finds the budget now
+    with pytest.raises(ConfigError, match="past its lifetime budget 3"):
+        charge(rebuilt, {"c0": planned_rdp_curve(plan, 1e-6), "c1": planned_rdp_curve(plan, 1e-6)})
+    assert charge(other, {"d": planned_rdp_curve(plan, 1e-6)}) is None  # another dataset: no budget
 
 
 def test_a_source_rebuilt_under_a_new_owner_key_keeps_its_budget(tmp_path, monkeypatch, capsys):
@@ -283,8 +290,25 @@ def test_a_source_rebuilt_under_a_new_owner_key_keeps_its_budget(tmp_path, monke
     capsys.readouterr()
     assert main(["data", "budget", str(tmp_path / "b")]) == 0
     assert f"lifetime budget epsilon={float(f'{budget:.4f}'):g}" in capsys.readouterr().out
+    assert read_budget(rebuilt) == read_budget(first) and rebuilt in read_budget(first)["aliases"]  # the id alone
     train(tiny(tmp_path / "b"), tmp_path / "run", progress=False)
     assert len(read_budget(first)["charges"]) == 1 and not register_path(rebuilt).exists()
     with pytest.raises(ConfigError, match="past its lifetime budget"):
         train(tiny(tmp_path / "b"), tmp_path / "again", progress=False)
     assert not (tmp_path / "again").exists()
+
+
+def test_a_register_that_cannot_be_read_fails_closed_when_looking_for_a_source(tmp_path, monkeypatch):
+    """Review 2, F2: the search for a rebuilt source's budget skipped a register it could not read, so a truncated
+    register left the rebuild's runs uncharged. It is now an error, and nothing is charged."""
+    from raydp.runner.privacy_setup import PrivacyPlan, planned_rdp_curve
+
+    monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "owner.key"))
+    source, first, rebuilt = "cd" * 32, "rdi1:" + "01" * 16, "rdi1:" + "02" * 16
+    set_budget(first, 3.0, 1e-6, source_sha256=source)
+    path = register_path(first)
+    path.write_text(path.read_text()[:-5])
+    curve = planned_rdp_curve(PrivacyPlan(q=0.02, planned_steps=300, sigma_0=1.1), 1e-6)
+    with pytest.raises(ConfigError, match="cannot be read.*nothing was started"):
+        charge(rebuilt, {"a": curve}, source_sha256=source)
+    assert not register_path(rebuilt).exists()

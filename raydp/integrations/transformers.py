@@ -76,7 +76,7 @@ from transformers import Trainer, TrainerCallback
 from raydp.config import TrainConfig
 from raydp.control.policies import trained_on
 from raydp.data import load_manifest, manifest_id, public_corpus
-from raydp.data.identity import is_dataset_id, keyed_id, owner_key_path
+from raydp.data.identity import is_dataset_id, keyed_id, owner_key_path, was_minted
 from raydp.errors import ConfigError
 from raydp.model.adapters import discover_adapter_pairs
 from raydp.model.batches import TokenizedSplit
@@ -346,12 +346,12 @@ class DPTraining:
             raise ConfigError(f"dataset_id {str(dataset_id)[:24]!r}... is not a raydp dataset id (the dataset_id of a "
                               "dataset's manifest.json, 'rdi1:...'): a plain hash of the records would reveal them")
         if dataset is None and dataset_id is not None and read_budget(dataset_id) is None \
-                and not owner_key_path().is_file():
-            # no register here and no owner key either: this machine cannot tell whether the dataset has a lifetime
-            # budget, and running would leave a budgeted dataset's run uncharged (fail closed, issue 32)
+                and not was_minted(dataset_id):
+            # no register here, and the id was not built with this machine's owner key: it cannot tell whether the
+            # dataset has a lifetime budget, and running would leave a budgeted dataset's run uncharged (fail closed)
             raise ConfigError(f"dataset {dataset_id} may have a lifetime budget, and this machine has neither its "
-                              f"register nor the owner key ({owner_key_path()}): pass dataset=DIR (its manifest says) "
-                              "or run where the owner's key is")
+                              f"register nor built it with its owner key ({owner_key_path()}): pass dataset=DIR (its "
+                              "manifest says) or run where the owner built it")
         self.dataset_id = dataset_id
         self.log_epsilon = bool(log_epsilon)
         if self.config.is_controlled and controller is None:

@@ -59,20 +59,45 @@ def _source_tag(salt: str, source_sha256: str) -> str:
 
 
 def register_for(dataset_id: str, source_sha256: str | None = None) -> Path:
-    """The register that budgets ``dataset_id``: its own, or (when it has none) the register whose ``source_tag``
-    its source fingerprint (the manifest's private ``source_sha256``) matches: the same source built under another
-    owner key. Else its own path (which does not exist)."""
+    """The register that budgets ``dataset_id``: its own; else the register that lists it among its ``aliases``
+    (a rebuild of its source, adopted: :func:`adopt`); else the register whose ``source_tag`` its source
+    fingerprint (the manifest's private ``source_sha256``) matches: the same source built under another owner key.
+    Else its own path (which does not exist). A register that cannot be read while looking is an error (fail
+    closed): skipping it could leave a budgeted dataset's run uncharged."""
     path = register_path(dataset_id)
-    if path.is_file() or not source_sha256:
+    if path.is_file() or not path.parent.is_dir():
         return path
-    for other in sorted(path.parent.glob("*.json")) if path.parent.is_dir() else ():
+    for other in sorted(path.parent.glob("*.json")):
         try:
-            tag = json.loads(other.read_text()).get("source_tag") or {}
-        except (OSError, ValueError):
-            continue
-        if isinstance(tag, dict) and tag.get("salt") and hmac.compare_digest(
-                str(tag.get("hmac", "")), _source_tag(str(tag["salt"]), source_sha256)):
-            return other
+            register = json.loads(other.read_text())
+            if not isinstance(register, dict) or register.get("format") != FORMAT:
+                raise ValueError("not a register")
+            if dataset_id in (register.get("aliases") or []):
+                return other
+            tag = register.get("source_tag") or {}
+            if source_sha256 and tag and hmac.compare_digest(
+                    str(tag["hmac"]), _source_tag(str(tag["salt"]), source_sha256)):
+                return other
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{other}: a lifetime budget register cannot be read ({exc}); nothing was started") \
+                from None
+    return path
+
+
+def adopt(dataset_id: str, source_sha256: str | None) -> Path | None:
+    """Record ``dataset_id`` as an alias of the register its source matches (a rebuild under another owner key),
+    so that the id alone finds that budget from then on; returns the register, or None when none matches."""
+    if not is_dataset_id(dataset_id) or dataset_id.startswith(PUBLIC_PREFIX) or not source_sha256:
+        return None
+    path = register_for(dataset_id, source_sha256)
+    if not path.is_file() or path == register_path(dataset_id):
+        return path if path.is_file() else None
+    with _locked(path):
+        register = _read(path)
+        aliases = list(register.get("aliases") or [])
+        if dataset_id not in aliases:
+            register["aliases"] = aliases + [dataset_id]
+            _write(path, register)
     return path
 
 
@@ -170,7 +195,7 @@ def charge(dataset_id: str | None, charges: Mapping[str, Sequence[float]], order
         return None
     if not is_dataset_id(dataset_id) or dataset_id.startswith(PUBLIC_PREFIX):
         return None
-    path = register_for(dataset_id, source_sha256)
+    path = adopt(dataset_id, source_sha256) or register_for(dataset_id)
     if not path.is_file():
         if required:
             raise ConfigError(f"dataset {dataset_id} has a lifetime budget, but its register is not at {path} (set "

@@ -184,7 +184,7 @@ class Trainer:
         seconds = time.perf_counter() - started
         self.train_seconds += seconds
         metrics.update(step=self.step_count, lr=lr)
-        if not self.gradient.private:  # a DP step's time grows with its private batch size (E5)
+        if not getattr(self.gradient, "private", True):  # a DP step's time grows with its private batch size (E5)
             metrics["seconds"] = seconds
         return metrics
 

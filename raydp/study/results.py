@@ -490,7 +490,7 @@ def dataset_identity(dataset_dir: str | Path | None) -> str | None:
 
 def _paper_rldp(study, trial: dict | None = None) -> bool:
     """Whether a controller trial ran in paper mode (the study's base, or the trial's settings_grid variant)."""
-    controller = getattr(study, "controller_strategy", None)
+    controller = study.controller_strategy
     block = get_spec(controller).config_field if controller else None
     rldp = {**(study.base.get(block) or {}), **((trial or {}).get("grid") or {})} if block else {}
     return rldp.get("privacy_mode") == "paper"
@@ -662,7 +662,7 @@ def collect_results(study, study_dir: Path, trials: list[dict], grid, dataset_di
             if spend is not None:
                 unfinished[trial["name"]] = spend
     rows = []
-    controller = getattr(study, "controller_strategy", None)
+    controller = study.controller_strategy
     frozen = bool(controller and (study.base.get(get_spec(controller).config_field) or {}).get("frozen"))  # not a grid's
     for trial in trials:
         status, metrics = statuses.get(trial["name"], ("NOT_RUN", {}))
