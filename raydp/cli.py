@@ -318,12 +318,13 @@ def cmd_data_budget(args) -> int:
         os.replace(tmp, path)
     else:
         register = read_budget(dataset_id, manifest.get("source_sha256"))
+    where = register_for(dataset_id, manifest.get("source_sha256"))
     if register is None:
         print(f"dataset {dataset_id}: no lifetime budget (set one with --epsilon E --delta D)")
         return 0
     print(f"dataset {dataset_id}: lifetime budget epsilon={register['epsilon']:g} at delta={register['delta']:g} per "
           f"{register['privacy_unit']}; {len(register['charges'])} run(s) charged, composed epsilon "
-          f"{spent_epsilon(register):.3f} (kept in {register_for(dataset_id, manifest.get('source_sha256'))}, private)")
+          f"{spent_epsilon(register):.3f} (kept in {where}, private)")
     return 0
 
 

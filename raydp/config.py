@@ -15,7 +15,8 @@ from pydantic import Field, field_validator, model_validator
 from raydp.data.splits import check_fractions
 from raydp.settings import StrictModel, load_yaml_mapping, validate_config  # noqa: F401  (re-exported)
 from raydp.control.transports import transport_for
-from raydp.strategies.registry import STRATEGY_CHOICES, get_spec, strategy_class, strategy_settings
+from raydp.strategies.registry import (STRATEGY_CHOICES, get_spec, strategy_class, strategy_settings,
+                                       with_capability)
 
 
 #: records of the embedded default's synthetic dataset (the benchmark, issue 27): with the default split fractions,
@@ -215,14 +216,14 @@ class TrainConfig(StrictModel):
         spec = get_spec(self.strategy)
         if self.controller != "broker":
             if not spec.controller:
+                controlled = ", ".join(with_capability(STRATEGY_CHOICES, "controller"))
                 raise ValueError(f"controller {self.controller!r} drives a run whose dials a policy sets (strategy "
-                                 f"{', '.join(s for s in STRATEGY_CHOICES if get_spec(s).controller)}), not "
-                                 f"{self.strategy!r}")
+                                 f"{controlled}), not {self.strategy!r}")
         if transport_for(self.controller).external:  # the policy lives outside the run (a server owns it)
             for key in ("policy", "frozen", "save_policy"):
                 if getattr(self.strategy_settings(), key):
-                    raise ValueError(f"{spec.config_field}.{key} does not apply with controller {self.controller!r}: the policy "
-                                     "server owns the policy")
+                    raise ValueError(f"{spec.config_field}.{key} does not apply with controller "
+                                     f"{self.controller!r}: the policy server owns the policy")
         if self.common_random_numbers and self.data.source != "public" and not Path(self.data.source).expanduser().is_dir():
             # a dataset directory (a study's built dataset) is checked when the run starts: its manifest says
             raise ValueError("common_random_numbers fixes the DP sampling and noise: it is for public data only "

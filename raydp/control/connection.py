@@ -1,4 +1,5 @@
-"""A run's policy client from the connection dict its launcher passed: one factory for every registered transport (:mod:`raydp.control.transports`).
+"""A run's policy client from the connection dict its launcher passed: one factory for every registered transport
+(:mod:`raydp.control.transports`).
 
 ``connection["kind"]`` says which: ``"broker"`` (:meth:`raydp.control.service.PolicySession.connection`:
 a :class:`raydp.control.service.PolicyClient` on the named broker actor) or ``"rllink"``
@@ -21,5 +22,4 @@ KINDS = tuple(spec.kind for spec in TRANSPORTS)
 
 def client_from_connection(connection: dict, run_id: str):
     """The policy client of run ``run_id`` for ``connection`` (ValueError for an unknown kind)."""
-    spec = transport_of_connection(connection)
-    return spec.load(spec.client)(connection, run_id)
+    return transport_of_connection(connection).connect(connection, run_id)

@@ -19,7 +19,8 @@ from raydp.errors import ConfigError
 
 def policy_layout_for(config):
     """The observation layout a new policy gets: n_max slots (shared) or the model's pair count (paper)."""
-    from raydp.model.loading import LoraSettings, expected_adapter_pairs  # lazy: rllink's Ray workers load no transformers
+    # lazy: rllink's Ray workers load no transformers
+    from raydp.model.loading import LoraSettings, expected_adapter_pairs
 
     settings = config.rldp
     if settings.architecture == "shared":

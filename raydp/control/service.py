@@ -236,7 +236,6 @@ class PolicySession:
         self.close()
 
 
-
 # ---- the broker transport (raydp.control.transports) ---------------------------------------------------------
 
 def broker_client(connection: dict, run_id: str) -> PolicyClient:

@@ -38,9 +38,18 @@ class TransportSpec:
     #: the policy lives outside the run (a server): the run's own policy settings do not apply
     external: bool = False
 
-    def load(self, target: str):
-        module, _, attr = target.partition(":")
-        return getattr(importlib.import_module(module), attr)
+    def connect(self, connection: dict, run_id: str):
+        """The run's policy client for ``connection`` (this transport's ``client``)."""
+        return _load(self.client)(connection, run_id)
+
+    def launch(self, config, overwrite_policy: bool = False):
+        """This transport's launcher for ``config``: its checks run now, before Ray starts."""
+        return _load(self.launcher)(config, overwrite_policy=overwrite_policy)
+
+
+def _load(target: str):
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 TRANSPORTS: tuple[TransportSpec, ...] = (

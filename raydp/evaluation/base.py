@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
+
+from raydp.data import load_canaries, load_split
 
 
 @dataclass
@@ -27,6 +30,16 @@ class AttackContext:
     @property
     def max_length(self):
         return self.summary.get("max_length")
+
+    @cached_property
+    def train(self):
+        """The run's train split (read once for every attack)."""
+        return load_split(self.dataset, "train")
+
+    @cached_property
+    def canaries(self):
+        """The run's secret canaries (read once for every attack)."""
+        return load_canaries(self.dataset)
 
 
 @dataclass(frozen=True)

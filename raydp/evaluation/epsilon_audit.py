@@ -17,7 +17,8 @@ def run(ctx: AttackContext) -> dict | None:
     audit = load_audit_canaries(ctx.dataset) if ctx.settings.audit else None
     if audit is None:
         ctx.result["audit_note"] = ("no audit canaries in this run's dataset (build it with n_audit > 0, e.g. "
-                                    "`raydp data build --n-audit 100`)" if ctx.settings.audit else "audit not requested")
+                                    "`raydp data build --n-audit 100`)" if ctx.settings.audit
+                                    else "audit not requested")
         return None
     if audit["included"].all() or not audit["included"].any():
         ctx.result["audit_note"] = (f"all {len(audit)} audit canaries fell on one side of their coins: no audit "

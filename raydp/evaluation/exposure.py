@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from raydp.data import load_canaries, load_split
 from raydp.evaluation.base import AttackContext, AttackSpec
 
 
@@ -11,12 +10,11 @@ def run(ctx: AttackContext) -> dict | None:
     from raydp.evaluation import attacks  # lazy: studies and reports read this spec without importing torch
 
     settings = ctx.settings
-    canaries = load_canaries(ctx.dataset)
+    canaries = ctx.canaries
     secrets = list(canaries["secret"])
     if not (settings.exposure_candidates and secrets):
         return None
-    train = load_split(ctx.dataset, "train")
-    texts = list(train["text"].iloc[canaries["train_row"].to_numpy()])
+    texts = list(ctx.train["text"].iloc[canaries["train_row"].to_numpy()])
     contexts = [t[:off] for t, off in zip(texts, attacks.secret_offsets(texts, secrets))]
     ctx.say(f"exposure: {len(secrets)} canaries x {settings.exposure_candidates} candidates")
     return attacks.exposure(ctx.loaded.model, ctx.loaded.tokenizer, contexts, secrets, ctx.loaded.device,

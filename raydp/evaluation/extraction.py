@@ -4,7 +4,7 @@ table also shows the exposure (:mod:`raydp.evaluation.exposure`) of the same can
 
 from __future__ import annotations
 
-from raydp.data import load_canaries, public_corpus
+from raydp.data import public_corpus
 from raydp.evaluation.base import AttackContext, AttackSpec, AttackTable, Column
 
 PROFILE_SEED = 9_999  # public profiles for the extraction prompts, drawn apart from probe/validation seeds
@@ -14,7 +14,7 @@ def run(ctx: AttackContext) -> dict | None:
     from raydp.evaluation import attacks  # lazy: studies and reports read this spec without importing torch
 
     settings = ctx.settings
-    secrets = list(load_canaries(ctx.dataset)["secret"])
+    secrets = list(ctx.canaries["secret"])
     if not (settings.generations and secrets):
         return None
     profiles = public_corpus(settings.extraction_profiles, seed=PROFILE_SEED, progress=False)

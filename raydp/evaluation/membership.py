@@ -13,7 +13,7 @@ def run(ctx: AttackContext) -> dict:
     from raydp.evaluation import attacks  # lazy: studies and reports read this spec without importing torch
 
     settings, rng = ctx.settings, ctx.rng
-    train = load_split(ctx.dataset, "train")
+    train = ctx.train
     plain = ~train["has_canary"].to_numpy()
     if "audit_canary" in train:
         plain &= ~train["audit_canary"].to_numpy()

@@ -309,9 +309,9 @@ class DPTraining:
     (:mod:`raydp.privacy.lifetime`) is charged this run's plan when it is set up, or the run is refused.
     ``dataset``: the raydp dataset directory the records come from, instead of its ``dataset_id``: its manifest
     gives the id and says whether it has a lifetime budget, so a budgeted dataset whose register is not found
-    here is refused (fail closed). A bare ``dataset_id`` is refused on a machine with neither its register nor the
-    owner key, which could not tell whether it has a budget; where the key is, a missing register means none (a
-    budget set on the same source under another key is found only through ``dataset=``)."""
+    here is refused (fail closed). A bare ``dataset_id`` is refused unless this machine has its register or built
+    the dataset with its owner key (:func:`raydp.data.identity.was_minted`): elsewhere it cannot tell whether the
+    dataset has a budget."""
 
     def __init__(self, model: torch.nn.Module, train_dataset, tokenizer=None, config: TrainConfig | None = None, *,
                  units: Sequence | None = None, text_column: str = "text", loss=None, controller=None,
@@ -355,7 +355,8 @@ class DPTraining:
         self.dataset_id = dataset_id
         self.log_epsilon = bool(log_epsilon)
         if self.config.is_controlled and controller is None:
-            raise ConfigError(f"strategy {self.config.strategy!r} needs a policy client: DPTraining(..., controller=client)")
+            raise ConfigError(f"strategy {self.config.strategy!r} needs a policy client: "
+                              "DPTraining(..., controller=client)")
         if controller is not None:
             _check_served_policy(controller, self.config)
         self.client = controller
@@ -662,7 +663,8 @@ def _check_served_policy(client, config: TrainConfig) -> None:
     served = getattr(getattr(client, "config", None), "env_config", None)
     if not isinstance(served, dict) or "policy" not in served:
         return
-    from raydp.control.rllink import check_run_declaration, check_served_policy  # lazy: Ray (RLlib) only with an RLlink policy
+    # lazy: Ray (RLlib) only with an RLlink policy
+    from raydp.control.rllink import check_run_declaration, check_served_policy
 
     run = {"privacy_mode": config.rldp.privacy_mode, "action_decoding": config.rldp.action_decoding}
     check_served_policy(served["policy"] or {}, run, getattr(client, "service", None) or "(RLlink)")

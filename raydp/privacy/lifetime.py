@@ -20,9 +20,12 @@ The budget follows the records, not the key: a dataset's id is keyed with the ow
 rebuilt under another owner key has another id. The register therefore also keeps the source file's fingerprint,
 salted (``source_tag``: HMAC-SHA256 of the manifest's private ``source_sha256`` under a random salt kept in the
 register, never in a releasable file), and a dataset whose id has no register is charged to the register whose
-tag its source matches (:func:`register_for`). It matches a rebuild of the same source file, byte for byte; a
-different file (one record edited) is another dataset, as it would be under one key. Local-DP runs (EW-FT, DP-Forward) are accounted otherwise
-and are refused on a dataset with a budget; a non-private run releases nothing and is not charged.
+tag its source matches (:func:`register_for`), which then keeps its id as an alias (:func:`adopt`). It matches a
+rebuild of the same source file, byte for byte; a different file (one record edited) is another dataset, as it
+would be under one key.
+
+Local-DP runs (EW-FT, DP-Forward) are accounted otherwise and are refused on a dataset with a budget; a
+non-private run releases nothing and is not charged.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ def register_path(dataset_id: str) -> Path:
 
 
 def _source_tag(salt: str, source_sha256: str) -> str:
-    return hmac.new(bytes.fromhex(salt), b"raydp lifetime source v1" + source_sha256.encode(), hashlib.sha256).hexdigest()
+    return hmac.new(bytes.fromhex(salt), b"raydp lifetime source v1" + source_sha256.encode(),
+                    hashlib.sha256).hexdigest()
 
 
 def register_for(dataset_id: str, source_sha256: str | None = None) -> Path:
@@ -85,13 +89,14 @@ def register_for(dataset_id: str, source_sha256: str | None = None) -> Path:
 
 
 def adopt(dataset_id: str, source_sha256: str | None) -> Path | None:
-    """Record ``dataset_id`` as an alias of the register its source matches (a rebuild under another owner key),
-    so that the id alone finds that budget from then on; returns the register, or None when none matches."""
-    if not is_dataset_id(dataset_id) or dataset_id.startswith(PUBLIC_PREFIX) or not source_sha256:
+    """:func:`register_for`, and when that is another dataset's register (its source matched: a rebuild under
+    another owner key), ``dataset_id`` recorded among its aliases, so that the id alone finds the budget from then
+    on. None for a public or malformed id."""
+    if not is_dataset_id(dataset_id) or dataset_id.startswith(PUBLIC_PREFIX):
         return None
     path = register_for(dataset_id, source_sha256)
     if not path.is_file() or path == register_path(dataset_id):
-        return path if path.is_file() else None
+        return path
     with _locked(path):
         register = _read(path)
         aliases = list(register.get("aliases") or [])
@@ -195,7 +200,7 @@ def charge(dataset_id: str | None, charges: Mapping[str, Sequence[float]], order
         return None
     if not is_dataset_id(dataset_id) or dataset_id.startswith(PUBLIC_PREFIX):
         return None
-    path = adopt(dataset_id, source_sha256) or register_for(dataset_id)
+    path = adopt(dataset_id, source_sha256)
     if not path.is_file():
         if required:
             raise ConfigError(f"dataset {dataset_id} has a lifetime budget, but its register is not at {path} (set "

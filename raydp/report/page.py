@@ -398,7 +398,8 @@ def utility(r: Report, colours: dict[str, str]) -> str:
         panel = figures.Panel(f"{model} · ε = {_eps(eps)}")
         best, n_cells = _best_rldp_cell(group, r.column)
         if best is not None:
-            rldp_notes.append(f"ε={_eps(eps)}: best cell {best.partition(' ')[2]}" + (f" of {n_cells}" if n_cells > 1 else ""))
+            rldp_notes.append(f"ε={_eps(eps)}: best cell {best.partition(' ')[2]}"
+                              + (f" of {n_cells}" if n_cells > 1 else ""))
         for arm in dict.fromkeys(group["arm"]):
             rows = group[group["arm"] == arm]
             is_rldp = _controller_arm(arm)

@@ -89,8 +89,7 @@ def train(config: TrainConfig, output: str | Path, overwrite: bool = False, prog
 
         return run_training(config, output, overwrite=overwrite, progress=progress)
     check_model_name(config.model)
-    launch = transport_for(config.controller).load(transport_for(config.controller).launcher)(
-        config, overwrite_policy=overwrite_policy)  # the transport's checks, before Ray starts
+    launch = transport_for(config.controller).launch(config, overwrite_policy)  # its checks, before Ray starts
     ensure_ray()
     try:
         summary = _run_actor(config, output, overwrite, launch.start(RAY_NAMESPACE), progress)

@@ -120,6 +120,11 @@ def with_capability(names, capability: str) -> list[str]:
     return [name for name in names if getattr(get_spec(name), capability)]
 
 
+def capability_names(capability: str) -> str:
+    """The registered names with ``capability``, quoted, for a message: ``'rldp'``, or ``'a' or 'b'``."""
+    return " or ".join(repr(name) for name in with_capability(STRATEGY_CHOICES, capability))
+
+
 def controller_settings_field(names=None) -> str | None:
     """The config block of the controller strategy among ``names`` (default: all), or None without one."""
     found = with_capability(STRATEGY_CHOICES if names is None else names, "controller")

@@ -10,10 +10,7 @@ import math
 
 import pandas as pd
 
-from raydp.strategies.registry import STRATEGY_CHOICES, with_capability
-
-#: strategies whose trials carry a SAC cell (the registry's ``controller`` capability)
-CELL_STRATEGIES = tuple(with_capability(STRATEGY_CHOICES, "controller"))
+from raydp.study.results import CONTROLLERS  # strategies whose trials carry a SAC cell
 
 
 def _missing(value) -> bool:
@@ -24,7 +21,7 @@ def arm_label(strategy, variant=None, t_rl=None, b_sac=None, k=None, frozen=Fals
     label = str(strategy)
     if isinstance(variant, str) and variant:
         label += f" [{variant}]"
-    if cell and str(strategy) in CELL_STRATEGIES:
+    if cell and str(strategy) in CONTROLLERS:
         if not _missing(t_rl):
             label += " " + " ".join(f"{name}={'?' if _missing(v) else int(v)}"
                                     for name, v in (("T_RL", t_rl), ("B_SAC", b_sac), ("K", k)))

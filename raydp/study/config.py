@@ -27,11 +27,7 @@ from pydantic import AfterValidator, Field, model_validator
 from raydp.config import StrictModel, TrainConfig, load_yaml_mapping, validate_config
 from raydp.errors import ConfigError
 from raydp.evaluation.results import EvalConfig
-from raydp.strategies.registry import STRATEGY_CHOICES, get_spec, strategy_class, with_capability
-
-
-def _controllers() -> str:
-    return " or ".join(repr(s) for s in with_capability(STRATEGY_CHOICES, "controller"))
+from raydp.strategies.registry import STRATEGY_CHOICES, capability_names, get_spec, strategy_class, with_capability
 
 
 def _known_strategy(name: str) -> str:
@@ -255,7 +251,7 @@ class StudyConfig(StrictModel):
         elif self.search == "optuna":
             if self.controller_strategy is None:
                 raise ValueError("search: optuna without a search_space tunes a controller's SAC settings; it needs "
-                                 f"{_controllers()} in strategies")
+                                 f"{capability_names('controller')} in strategies")
             if len(self.models) * len(self.epsilons) * len(self.seeds) != 1 or self.transfer is not None:
                 raise ValueError("search: optuna tunes the SAC settings on one cell: give one model, one "
                                  "epsilon and one seed (and no transfer)")
@@ -267,14 +263,16 @@ class StudyConfig(StrictModel):
         if self.transfer is not None:
             controller = self.controller_strategy
             if controller is None:
-                raise ValueError(f"transfer moves a controller's policy: it needs {_controllers()} in strategies")
+                raise ValueError("transfer moves a controller's policy: it needs "
+                                 f"{capability_names('controller')} in strategies")
             block = get_spec(controller).config_field
             if (self.base.get(block) or {}).get("architecture") == "paper":
                 raise ValueError(f"transfer needs the size-agnostic policy ({block}.architecture: shared)")
             if self.policy == "shared":
                 raise ValueError("transfer trains one policy per source trial; use policy: per-trial")
             if controller in self.settings_grid:
-                raise ValueError(f"transfer pairs each frozen trial with one source trial: no settings_grid.{controller}")
+                raise ValueError("transfer pairs each frozen trial with one source trial: no "
+                                 f"settings_grid.{controller}")
         for strategy, grid in self.settings_grid.items():
             spec = get_spec(strategy)
             if strategy not in self.strategies or not spec.private or spec.population:
@@ -293,7 +291,7 @@ class StudyConfig(StrictModel):
                                  f"{sorted(set(grid) & set(self.strategy_settings[strategy]))[0]}")
         if self.save_policy is not None and (self.policy != "shared" or self.controller_strategy is None):
             raise ValueError("save_policy saves a study's shared policy: it needs policy: shared and "
-                             f"{_controllers()} in strategies")
+                             f"{capability_names('controller')} in strategies")
         source = (self.base.get("data") or {}).get("source", "synthetic")
         if self.save_policy is not None and source != "public":
             # a trial that fails for good has trained the shared policy but left no provenance entry (E14)
@@ -363,7 +361,7 @@ class StudyConfig(StrictModel):
         if self.search != "pbt":
             raise ValueError(f"strategy {self.population_strategy!r} trains a population: set search: pbt")
         if self.population_strategy is None:
-            names = " or ".join(repr(s) for s in with_capability(STRATEGY_CHOICES, "population"))
+            names = capability_names("population")
             raise ValueError(f"search: pbt trains a population of {names} members: add {names} to strategies")
         if len(self.models) * len(self.epsilons) * len(self.seeds) != 1 or self.transfer is not None:
             raise ValueError("search: pbt trains one population: give one model, one epsilon and one seed "

@@ -193,7 +193,7 @@ def _trial_row(trial: dict, run_dir: Path, status: str, result: dict, s: dict | 
     row = {"trial": trial["name"], "status": status, "model": trial["model"], "strategy": trial["strategy"],
            "epsilon_target": trial.get("epsilon"), "seed": trial["seed"], "t_rl": trial.get("t_rl"),
            "b_sac": trial.get("b_sac"), "k": trial.get("k"),
-           "frozen_policy": bool(trial.get("frozen_from")) or (frozen and get_spec(trial["strategy"]).controller),
+           "frozen_policy": bool(trial.get("frozen_from")) or (frozen and trial["strategy"] in CONTROLLERS),
            "variant": variant_label(trial),
            "search": json.dumps(trial["search"], sort_keys=True) if trial.get("search") else None,
            "tuned": json.dumps(trial["tuned"], sort_keys=True) if trial.get("tuned") else None,
@@ -572,7 +572,7 @@ def study_privacy(study, study_dir: Path, table: pd.DataFrame, unfinished: dict[
             b["nonprivate"].append(row["trial"])
             continue
         labels = trial_labels(summary)
-        if summary is None and get_spec(row["strategy"]).controller and _paper_rldp(study, specs.get(row["trial"])):
+        if summary is None and row["strategy"] in CONTROLLERS and _paper_rldp(study, specs.get(row["trial"])):
             labels = [PAPER_MODE_LABEL]
         spec = {**specs.get(row["trial"], {}), "name": row["trial"], "strategy": row["strategy"]}
         policy_runs, policy_labels, warnings = _policy_runs(study, spec, study_dir, sha, b["seen"])
@@ -663,7 +663,8 @@ def collect_results(study, study_dir: Path, trials: list[dict], grid, dataset_di
                 unfinished[trial["name"]] = spend
     rows = []
     controller = study.controller_strategy
-    frozen = bool(controller and (study.base.get(get_spec(controller).config_field) or {}).get("frozen"))  # not a grid's
+    block = get_spec(controller).config_field if controller else None
+    frozen = bool(block and (study.base.get(block) or {}).get("frozen"))  # a grid cannot set it
     for trial in trials:
         status, metrics = statuses.get(trial["name"], ("NOT_RUN", {}))
         rows.append(_trial_row(trial, study_dir / "trials" / trial["name"], status, metrics, frozen=frozen))
