@@ -205,7 +205,7 @@ def test_a_budgeted_dataset_refuses_what_a_charge_cannot_cover(dataset, tmp_path
 def test_a_trainer_given_the_dataset_directory_fails_closed(tmp_path, monkeypatch):
     """Second review, finding 4: DPTraining given only a dataset_id cannot know that the dataset has a budget, so a
     missing register meant an uncharged run. Given the dataset directory, its manifest says so: charged, or refused
-    where the register is not found; given the id alone, refused where neither the register nor an owner key is."""
+    where the register is not found; given the id alone, refused wherever its register is not found."""
     from raydp.integrations.transformers import DPTraining
     from raydp.model import load_model
 
@@ -226,15 +226,15 @@ def test_a_trainer_given_the_dataset_directory_fails_closed(tmp_path, monkeypatc
     monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "another.key"))  # another machine's owner key
     with pytest.raises(ConfigError, match="has a lifetime budget, but its register is not at"):
         DPTraining(loaded.model, texts, loaded.tokenizer, **settings, dataset=data)
-    # the id alone, on a machine with neither the register nor an owner key: it cannot tell, so it is refused
-    with pytest.raises(ConfigError, match="may have a lifetime budget, and this machine has neither its register nor"):
+    # the id alone, where its register is not: it cannot tell whether the dataset has a budget, so it is refused,
+    # with or without an owner key here, and whatever this key built (review 3: a key's own builds proved nothing)
+    with pytest.raises(ConfigError, match="may have a lifetime budget that this machine cannot see from its id alone"):
         DPTraining(loaded.model, texts, loaded.tokenizer, **settings, dataset_id=dataset_id)
-    from raydp.data.identity import owner_key
-
-    owner_key()  # a key of this machine's own, which did not build the dataset: still refused (review 2, F1)
-    with pytest.raises(ConfigError, match="nor built it with its owner key"):
-        DPTraining(loaded.model, texts, loaded.tokenizer, **settings, dataset_id=dataset_id)
-    monkeypatch.undo()  # the owner's machine (the key that built it, its register): the id alone is charged
+    assert main(["data", "build", "--output", str(tmp_path / "here"), "--n-records", "403"]) == 0  # same records
+    with pytest.raises(ConfigError, match="cannot see from its id alone"):
+        DPTraining(loaded.model, texts, loaded.tokenizer, **settings,
+                   dataset_id=manifest_id(load_manifest(tmp_path / "here")))
+    monkeypatch.undo()  # the owner's machine, where its register is: the id alone is charged
     DPTraining(loaded.model, texts, loaded.tokenizer, **settings, dataset_id=dataset_id)
     assert len(read_budget(dataset_id)["charges"]) == 2
 
@@ -312,3 +312,19 @@ def test_a_register_that_cannot_be_read_fails_closed_when_looking_for_a_source(t
     with pytest.raises(ConfigError, match="cannot be read.*nothing was started"):
         charge(rebuilt, {"a": curve}, source_sha256=source)
     assert not register_path(rebuilt).exists()
+
+
+def test_malformed_or_linked_registers_fail_closed(tmp_path, monkeypatch):
+    """Review 3: an alias list that is not a list of ids, and a register that is a link, are errors (a string of
+    aliases matched as a substring; a charge replaced the link instead of charging the register it named)."""
+    monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "owner.key"))
+    first, other = "rdi1:" + "01" * 16, "rdi1:" + "03" * 16
+    set_budget(first, 3.0, 1e-6, source_sha256="cd" * 32)
+    register = json.loads(register_path(first).read_text())
+    register_path(first).write_text(json.dumps({**register, "aliases": "junk" + other + "junk"}))
+    with pytest.raises(ConfigError, match="aliases must be a list of dataset ids"):
+        read_budget(other)
+    register_path(first).write_text(json.dumps(register))
+    register_path(other).symlink_to(register_path(first))
+    with pytest.raises(ConfigError, match="must not be a link"):
+        read_budget(other)

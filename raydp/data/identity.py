@@ -115,35 +115,6 @@ def keyed_id(content_sha256: str, key: bytes | None = None) -> str:
     return f"{ID_VERSION}:{mac.hexdigest()[:32]}"
 
 
-def minted_id(content_sha256: str) -> str:
-    """:func:`keyed_id` of a dataset being built, recorded in this owner key's index of the ids it minted
-    (:func:`was_minted`: a machine can then tell an id made with its key from one made elsewhere)."""
-    dataset_id = keyed_id(content_sha256)
-    path = _minted_index()
-    known = path.read_text().split() if path.is_file() else []
-    if dataset_id not in known:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        with os.fdopen(fd, "a") as handle:
-            handle.write(dataset_id + "\n")
-    return dataset_id
-
-
-def was_minted(dataset_id: str) -> bool:
-    """Whether ``dataset_id`` was built on this machine with its owner key (:func:`minted_id`); False without a key."""
-    if not owner_key_path().is_file():
-        return False
-    path = _minted_index()
-    return path.is_file() and dataset_id in path.read_text().split()
-
-
-def _minted_index() -> Path:
-    """The owner-private index of the ids minted under the current key (named by a keyed tag of the key, so another
-    key beside it has its own)."""
-    tag = hmac.new(owner_key(), b"raydp minted index v1", hashlib.sha256).hexdigest()[:16]
-    return owner_key_path().parent / "minted" / f"{tag}.txt"
-
-
 def public_id(content_sha256: str) -> str:
     """The id of public data: its plain content hash, which anyone may recompute."""
     return PUBLIC_PREFIX + content_sha256

@@ -59,7 +59,7 @@ import raydp
 from raydp.errors import DataError
 from raydp.data import canaries, schema
 from raydp.data.csv_source import load_diabetes_csv, load_ids_mapping
-from raydp.data.identity import manifest_id, minted_id, public_id
+from raydp.data.identity import keyed_id, manifest_id, public_id
 from raydp.data.schema import IdMaps
 from raydp.data.synthetic import DEFAULT_GENERATOR, generate_records
 from raydp.data.verbalise import verbalise_records
@@ -419,7 +419,7 @@ def build_dataset(
         "content_sha256": content,
         "split_sha256": {s: texts_sha256({s: texts[s]}) for s in ALL_SPLITS},
         # the dataset's released name: keyed with the owner's secret (raydp.data.identity); never the hashes above
-        "dataset_id": public_id(content) if info.get("public") else minted_id(content),
+        "dataset_id": public_id(content) if info.get("public") else keyed_id(content),
         "files": [f"{s}.parquet" for s in ALL_SPLITS] + ["canaries.parquet", "audit.parquet", MANIFEST],
     }
     _write_atomically(out, overwrite, tables, {"canaries": canary_table, "audit": audit_table}, manifest)

@@ -25,7 +25,7 @@ import pyarrow as pa
 
 import raydp
 from raydp.data import canaries
-from raydp.data.identity import minted_id
+from raydp.data.identity import keyed_id
 from raydp.data.splits import (ALL_SPLITS, AUDIT_PATIENT_BASE, CANARY_PATIENT_BASE, MANIFEST, PRIVACY_UNIT, SPLIT_RULE,
                                SUBSAMPLE_STREAM, UNIT_COLUMN, _write_atomically, check_fractions, split_indices,
                                texts_sha256, unit_uniforms)
@@ -155,7 +155,7 @@ def build_text_dataset(out_dir: str | Path, *, source: str | Path, text_column: 
                                   "split (each unit's split depends on its own id only)"),
         "content_sha256": content,
         "split_sha256": {s: texts_sha256({s: texts[s]}) for s in ALL_SPLITS},
-        "dataset_id": minted_id(content),
+        "dataset_id": keyed_id(content),
         "files": [f"{s}.parquet" for s in ALL_SPLITS] + ["canaries.parquet", "audit.parquet", MANIFEST],
     }
     if sample_fraction is not None:

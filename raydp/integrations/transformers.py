@@ -76,7 +76,7 @@ from transformers import Trainer, TrainerCallback
 from raydp.config import TrainConfig
 from raydp.control.policies import trained_on
 from raydp.data import load_manifest, manifest_id, public_corpus
-from raydp.data.identity import is_dataset_id, keyed_id, owner_key_path, was_minted
+from raydp.data.identity import is_dataset_id, keyed_id, owner_key_path
 from raydp.errors import ConfigError
 from raydp.model.adapters import discover_adapter_pairs
 from raydp.model.batches import TokenizedSplit
@@ -309,9 +309,8 @@ class DPTraining:
     (:mod:`raydp.privacy.lifetime`) is charged this run's plan when it is set up, or the run is refused.
     ``dataset``: the raydp dataset directory the records come from, instead of its ``dataset_id``: its manifest
     gives the id and says whether it has a lifetime budget, so a budgeted dataset whose register is not found
-    here is refused (fail closed). A bare ``dataset_id`` is refused unless this machine has its register or built
-    the dataset with its owner key (:func:`raydp.data.identity.was_minted`): elsewhere it cannot tell whether the
-    dataset has a budget."""
+    here is refused (fail closed). A bare ``dataset_id`` is accepted only where its budget register is found: an
+    id alone cannot say that a dataset has no budget."""
 
     def __init__(self, model: torch.nn.Module, train_dataset, tokenizer=None, config: TrainConfig | None = None, *,
                  units: Sequence | None = None, text_column: str = "text", loss=None, controller=None,
@@ -345,13 +344,12 @@ class DPTraining:
         if dataset_id is not None and not is_dataset_id(dataset_id):
             raise ConfigError(f"dataset_id {str(dataset_id)[:24]!r}... is not a raydp dataset id (the dataset_id of a "
                               "dataset's manifest.json, 'rdi1:...'): a plain hash of the records would reveal them")
-        if dataset is None and dataset_id is not None and read_budget(dataset_id) is None \
-                and not was_minted(dataset_id):
-            # no register here, and the id was not built with this machine's owner key: it cannot tell whether the
-            # dataset has a lifetime budget, and running would leave a budgeted dataset's run uncharged (fail closed)
-            raise ConfigError(f"dataset {dataset_id} may have a lifetime budget, and this machine has neither its "
-                              f"register nor built it with its owner key ({owner_key_path()}): pass dataset=DIR (its "
-                              "manifest says) or run where the owner built it")
+        if dataset is None and dataset_id is not None and read_budget(dataset_id) is None:
+            # no register here: an id alone cannot say whether the dataset has a lifetime budget (set on another
+            # machine, or on a rebuild of its source), and running would leave a budgeted run uncharged (fail closed)
+            raise ConfigError(f"dataset {dataset_id} may have a lifetime budget that this machine cannot see from its "
+                              f"id alone (no register beside {owner_key_path()}): pass dataset=DIR, whose manifest "
+                              "says")
         self.dataset_id = dataset_id
         self.log_epsilon = bool(log_epsilon)
         if self.config.is_controlled and controller is None:

@@ -69,14 +69,24 @@ def register_for(dataset_id: str, source_sha256: str | None = None) -> Path:
     Else its own path (which does not exist). A register that cannot be read while looking is an error (fail
     closed): skipping it could leave a budgeted dataset's run uncharged."""
     path = register_path(dataset_id)
-    if path.is_file() or not path.parent.is_dir():
+    if path.is_file() or not os.path.lexists(path.parent):
         return path
-    for other in sorted(path.parent.glob("*.json")):
+    try:  # listed with errors raised: a budgets/ that cannot be listed is not an empty one
+        names = sorted(entry.name for entry in os.scandir(path.parent) if entry.name.endswith(".json"))
+    except OSError as exc:
+        raise ConfigError(f"{path.parent}: the lifetime budget registers cannot be listed ({exc.strerror or exc}); "
+                          "nothing was started") from None
+    for other in (path.parent / name for name in names):
         try:
+            if other.is_symlink():
+                raise ValueError("a register must not be a link")
             register = json.loads(other.read_text())
             if not isinstance(register, dict) or register.get("format") != FORMAT:
                 raise ValueError("not a register")
-            if dataset_id in (register.get("aliases") or []):
+            aliases = register.get("aliases", [])
+            if not isinstance(aliases, list) or not all(is_dataset_id(a) for a in aliases):
+                raise ValueError("aliases must be a list of dataset ids")
+            if dataset_id in aliases:
                 return other
             tag = register.get("source_tag") or {}
             if source_sha256 and tag and hmac.compare_digest(
@@ -119,6 +129,8 @@ def _locked(path: Path):
 
 
 def _read(path: Path) -> dict | None:
+    if path.is_symlink():  # a write would replace the link, not the register it points at
+        raise ConfigError(f"{path}: a lifetime budget register must not be a link; nothing was started")
     if not path.is_file():
         return None
     try:
