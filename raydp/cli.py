@@ -421,6 +421,16 @@ def cmd_study(args) -> int:
         from raydp.study.runner import prepare_study  # lazy: `raydp --help` loads no pandas
 
         study = load_study(args.path)
+        if study.selection == "private-dp":
+            from raydp.study.private_selection import plan_study  # lazy: `raydp --help` loads no torch
+
+            with tempfile.TemporaryDirectory() as tmp:
+                _, plans = plan_study(study, Path(tmp), progress=False)
+            print(f"study {study.name}: private selection over {len(plans)} cell(s), all configs valid")
+            for plan in plans.values():
+                print(f"  {plan.key}: each trial at epsilon {plan.trial_epsilon:.4g}; the released best at "
+                      f"{plan.end_to_end_epsilon:.4g}")
+            return 0
         with tempfile.TemporaryDirectory() as tmp:
             _, trials = prepare_study(study, Path(tmp), progress=False)
         print(f"study {study.name}: {len(trials)} trials, all configs valid and every budget reachable")
@@ -434,8 +444,14 @@ def cmd_study(args) -> int:
 
     from raydp.report import write_report  # lazy: `raydp --help` loads no pandas
 
-    load_study(args.path)  # fail fast on a bad file
+    study = load_study(args.path)  # fail fast on a bad file
     study_dir = run_study(args.path, args.results_dir, progress=not args.quiet, resume=args.resume)
+    if study.selection == "private-dp":  # one released trial per cell: no results table, no page of every trial
+        from raydp.study.private_selection import format_selection  # lazy: `raydp --help` loads no torch
+
+        print(format_selection(study_dir))
+        print(f"\nstudy written to {study_dir}; release only what {study_dir / 'PRIVACY.txt'} lists")
+        return 0
     print(format_report(study_dir))
     print(f"\nstudy written to {study_dir}; HTML report: {write_report(study_dir)}")
     unfinished = json.loads((study_dir / "study_summary.json").read_text()).get("unfinished_trials")
@@ -454,6 +470,11 @@ def cmd_report(args) -> int:
         if args.html:
             raise ConfigError("--html is for one study: the HTML report of several is not written")
         print(format_report(args.study_dir, *args.more_studies))
+        return 0
+    if (Path(args.study_dir) / "released").is_dir() and not (Path(args.study_dir) / "results.parquet").exists():
+        from raydp.study.private_selection import format_selection  # lazy: `raydp --help` loads no torch
+
+        print(format_selection(args.study_dir))  # a private-dp study: its released trials only
         return 0
     if (Path(args.study_dir) / "results.parquet").exists():
         print(format_report(args.study_dir))

@@ -224,15 +224,7 @@ def unclassified_run(run_dir: Path) -> list[str]:
         elif rel == "eval_metrics.parquet":
             _check_columns(f, EVAL_METRICS, out)
         elif rel == "privacy_ledger.parquet":
-            _check_columns(f, LEDGER, out)
-            metadata = pq.read_schema(f).metadata or {}
-            for key, raw in metadata.items():
-                if key == b"raydp.privacy_ledger":
-                    for field in set(field_paths(json.loads(raw))):
-                        if field not in LEDGER_METADATA:
-                            out.append(f"{f}: metadata {field}")
-                elif key.decode() not in LEDGER_METADATA:
-                    out.append(f"{f}: metadata key {key.decode()}")
+            out.extend(unclassified_ledger(f))
         elif rel == "control_trace.parquet":
             _check_columns(f, {**CONTROL_TRACE, **{c: DP for c in pq.read_schema(f).names if re.match(r"clip_\d+$", c)}},
                            out)
@@ -253,6 +245,61 @@ def unclassified_study(study_dir: Path, nonprivate_trials=()) -> list[str]:
     for trial in sorted((study_dir / "trials").iterdir()):
         if trial.name not in nonprivate_trials:
             out.extend(unclassified_run(trial))
+    return out
+
+
+# -- selection: private-dp (issue 32) ------------------------------------------------------------------------------
+#: one released cell's selection.json: the study file's choices and the guarantee (PUBLIC: computed from the plan and
+#: E[K], never the realised K), the chosen trial's drawn settings and its noisy score (DP: the argmin of charged
+#: score releases, Papernot & Steinke's released output), the private eval figure (UNPROTECTED, labelled)
+SELECTION = {
+    **{k: PUBLIC for k in (
+        "model", "epsilon", "seed", "strategy", "delta", "trial_epsilon", "end_to_end_epsilon", "theorem",
+        "distribution.kind", "distribution.mean", "distribution.shape", "score_epsilon_share",
+        "for_comparison.trials", "for_comparison.basic_composition_epsilon", "for_comparison.rdp_composition_epsilon",
+        "for_comparison.note", "released", "note", "score_split", "eval_note", "directory")},
+    **{k: DP for k in ("settings.*", "score", "final_public_value_nll")},
+    "final_eval_value_nll": UNPROTECTED,
+}
+_END_TO_END = {f"privacy.end_to_end.{k}": PUBLIC for k in ("epsilon", "delta", "theorem", "note")}
+PRIVATE_SELECTION_SUMMARY = {"study": PUBLIC, "selection": PUBLIC, "note": PUBLIC,
+                             **{f"released[].{k}": v for k, v in SELECTION.items()}}
+#: the only top-level entries of a private-dp study directory; dataset/ and work/ are private (PRIVACY.txt)
+PRIVATE_SELECTION_TOP = {"PRIVACY.txt", "study.json", "study_summary.json", "released", "dataset", "work"}
+
+
+def unclassified_private_selection(study_dir: Path) -> list[str]:
+    """Every field of a private-dp study's releasable files that the allowlist does not classify, and any entry of
+    the study directory that is neither released nor one of its private directories."""
+    study_dir = Path(study_dir)
+    out = [f"{study_dir}: unexpected entry {p.name}" for p in study_dir.iterdir() if p.name not in PRIVATE_SELECTION_TOP]
+    _check_json(study_dir / "study_summary.json", PRIVATE_SELECTION_SUMMARY, out)
+    for cell in sorted((study_dir / "released").iterdir()):
+        _check_json(cell / "selection.json", SELECTION, out)
+        for f in sorted(cell.rglob("*")):
+            rel = f.relative_to(cell).as_posix()
+            if f.is_dir() or rel in WHOLE_FILES or rel == "selection.json":
+                continue
+            if rel == "summary.json":
+                _check_json(f, {**SUMMARY, **_END_TO_END}, out)
+            elif rel == "privacy_ledger.parquet":
+                out.extend(unclassified_ledger(f))
+            else:
+                out.append(f"{f}: unknown file")
+    return out
+
+
+def unclassified_ledger(f: Path) -> list[str]:
+    """A privacy ledger's columns and metadata fields that the allowlist does not classify."""
+    out: list[str] = []
+    _check_columns(f, LEDGER, out)
+    metadata = pq.read_schema(f).metadata or {}
+    for key, raw in metadata.items():
+        if key == b"raydp.privacy_ledger":
+            out.extend(f"{f}: metadata {field}" for field in set(field_paths(json.loads(raw)))
+                       if field not in LEDGER_METADATA)
+        elif key.decode() not in LEDGER_METADATA:
+            out.append(f"{f}: metadata key {key.decode()}")
     return out
 
 

@@ -16,6 +16,7 @@ import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from raydp.model.batches import TokenizedSplit
@@ -69,3 +70,22 @@ def evaluate_perplexity(
     nll_per_token = total_nll / max(total_tokens, 1)
     return PerplexityResult(math.exp(nll_per_token), nll_per_token, total_tokens, n, total_nll / max(n, 1),
                             value_nll / max(n, 1) if split.value_masks is not None else None)
+
+
+@torch.no_grad()
+def value_nll_per_sequence(model: torch.nn.Module, split: TokenizedSplit, device: torch.device,
+                           batch_size: int = 32) -> np.ndarray:
+    """Each sequence's summed value-token NLL (nats), in split order: the per-record terms whose mean is
+    :attr:`PerplexityResult.value_nll_per_record` (a private score bounds each one: :mod:`raydp.study.
+    private_selection`)."""
+    if split.value_masks is None:
+        raise ValueError("the split has no value spans: the value-token NLL needs them")
+    out = np.zeros(len(split), dtype=np.float64)
+    with evaluation_mode(model):
+        for start in range(0, len(split), batch_size):
+            indices = list(range(start, min(start + batch_size, len(split))))
+            batch = split.collate(indices, device)
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            nll, _ = token_nll(logits, batch.input_ids, batch.attention_mask)
+            out[start:start + len(indices)] = (nll * batch.value_mask[:, 1:]).sum(dim=1).double().cpu().numpy()
+    return out

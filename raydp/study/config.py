@@ -167,6 +167,38 @@ class WandbSettings(StrictModel):
                 self.project or os.environ.get("WANDB_PROJECT") or "raydp", self.entity or os.environ.get("WANDB_ENTITY"))
 
 
+class PrivateSelectionSettings(StrictModel):
+    """``selection: private-dp``: private hyperparameter selection (Papernot & Steinke, ICLR 2022, Thms. 2 and 6;
+    :mod:`raydp.study.private_selection`). Per (model, epsilon, seed) cell the study draws a secret number K of
+    trials from ``distribution``, each trial's settings independently from ``search_space``, scores each trial by
+    one Gaussian release on the private validation split, and releases only the best trial. The study's epsilon
+    is the END-TO-END epsilon of that released result; each trial's budget is solved from it."""
+
+    distribution: Literal["poisson", "geometric", "logarithmic", "truncated-negative-binomial"] = Field(
+        "logarithmic", description="the law of K: poisson (Thm. 6; K may be 0: nothing released) or a truncated "
+        "negative binomial (Thm. 2; geometric: shape 1, logarithmic: shape 0)")
+    mean: float = Field(4.0, ge=1.0, description="E[K], the expected number of trials per cell")
+    shape: float | None = Field(None, ge=0.0, description="eta of a truncated-negative-binomial (not for the others)")
+    score_range: tuple[float, float] = Field((30.0, 110.0), description=(
+        "each validation record's value-token NLL (nats) is clipped to [low, high]; a patient contributes the mean "
+        "of its records', so one patient moves the summed score by at most high - low"))
+    score_noise: float = Field(6.0, gt=0, description=(
+        "the score's noise multiplier: Gaussian noise of std score_noise x (high - low) on the summed score "
+        "(RDP order a: a / (2 score_noise^2))"))
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        low, high = self.score_range
+        if not high > low:
+            raise ValueError("private_selection.score_range needs low < high")
+        if (self.shape is not None) != (self.distribution == "truncated-negative-binomial"):
+            raise ValueError("private_selection.shape is the eta of a truncated-negative-binomial only (and it "
+                             "needs one)")
+        if self.distribution != "poisson" and self.mean <= 1.0:
+            raise ValueError(f"a {self.distribution} number of trials needs mean > 1")
+        return self
+
+
 class Resources(StrictModel):
     cpus_per_trial: int = Field(2, gt=0, description="CPU threads of each trial's run")
     gpus_per_trial: float = Field(0.0, ge=0, description="GPUs of each trial's run (a cluster)")
@@ -196,7 +228,9 @@ class StudyConfig(StrictModel):
         "a finished search study's directory (search_space, on PUBLIC data): each trial of a strategy it searched "
         "runs with the best values of its (strategy, model, epsilon) cell (study_summary.json search_best)"))
     sac_grid: SACGrid = SACGrid()
-    search: Literal["grid", "optuna", "pbt"] = "grid"
+    search: Literal["grid", "optuna", "pbt", "random"] = Field("grid", description=(
+        "grid; optuna (a search_space or RLDP's SAC cell); pbt; random: independent draws from search_space, "
+        "with selection: private-dp only"))
     optuna: OptunaSettings = OptunaSettings()
     search_space: dict[str, dict[str, SearchDimension]] = Field(default_factory=dict, description=(
         "search: optuna: per strategy, the settings (and run fields lr, lr_decay, lr_end, warmup_steps, "
@@ -225,10 +259,14 @@ class StudyConfig(StrictModel):
     evaluate: EvalConfig | None = Field(None, description=(
         "attack and audit every trial after it trains (raydp.evaluation: membership inference, canary "
         "extraction, exposure, epsilon audit); the results are for the data owner, never selection (E15)"))
-    selection: Literal["public", "private"] = Field(
+    selection: Literal["public", "private", "private-dp"] = Field(
         "public", description="the perplexity that picks trials, drives Optuna, steps-to-target and the report: "
                               "on the PUBLIC validation split (default), or on the private eval split, which no "
-                              "accountant covers (ERRATA E15; labelled in results and reports)")
+                              "accountant covers (ERRATA E15; labelled in results and reports); private-dp: a "
+                              "DP score on the private validation split, one end-to-end epsilon "
+                              "(private_selection)")
+    private_selection: PrivateSelectionSettings | None = Field(None, description=(
+        "selection: private-dp: the law of the number of trials and the score release (defaults if omitted)"))
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -246,6 +284,8 @@ class StudyConfig(StrictModel):
         if self.evaluate is not None and self.evaluate.audit and not (self.base.get("data") or {}).get("n_audit"):
             raise ValueError("evaluate.audit needs audit canaries in the data: set base.data.n_audit (e.g. 100) "
                              "or evaluate: {audit: false}")
+        if self.selection == "private-dp" or self.search == "random" or self.private_selection is not None:
+            self._check_private_selection()
         if self.search_space:
             self._check_search_space()
         elif self.search == "optuna":
@@ -322,10 +362,49 @@ class StudyConfig(StrictModel):
                 raise ValueError(f"{where}.controller: a study starts its own RLDP policies (controller: broker); "
                                  f"{values['controller']!r} is for one `raydp train` run: remove it")
 
+    def _check_private_selection(self) -> None:
+        """What Papernot & Steinke's theorems need (independent draws, one worst-case trial curve, a secret K),
+        and what the mode does not release (every trial but the best), as refusals before anything runs."""
+        if self.selection != "private-dp" or self.search != "random":
+            raise ValueError("private selection is selection: private-dp with search: random (independent draws "
+                             "from search_space; the theorems do not cover adaptive samplers) together")
+        if len(self.strategies) != 1 or not self.search_space or set(self.search_space) != set(self.strategies):
+            raise ValueError("selection: private-dp selects among one strategy's trials: give one strategy and its "
+                             "search_space")
+        strategy = self.strategies[0]
+        spec = get_spec(strategy)
+        if not spec.private or spec.controller or spec.population \
+                or getattr(strategy_class(strategy), "mechanism", None) == "local":
+            raise ValueError(f"selection: private-dp needs a DP-SGD strategy whose privacy is planned before it runs; "
+                             f"{strategy!r} is not one")
+        if not self.private_data or (self.base.get("data") or {}).get("source") == "public":
+            raise ValueError("selection: private-dp selects on private data; on public data select publicly "
+                             "(selection: public)")
+        fractions = (self.base.get("data") or {}).get("fractions") or {}
+        if "validation" in fractions and not fractions["validation"] > 0:
+            raise ValueError("selection: private-dp scores the private validation split: base.data.fractions."
+                             "validation must be > 0")
+        refused = {"tuned_from": self.tuned_from, "settings_grid": self.settings_grid, "transfer": self.transfer,
+                   "evaluate": self.evaluate, "storage": self.storage, "save_policy": self.save_policy}
+        for key, value in refused.items():
+            if value:
+                raise ValueError(f"selection: private-dp does not take {key} (it releases the best trial only; "
+                                 "attack the released run with raydp eval)" if key == "evaluate" else
+                                 f"selection: private-dp does not take {key}")
+        if self.wandb.resolved()[0] != "disabled":
+            raise ValueError("selection: private-dp releases the best trial only: wandb would log every trial (and "
+                             "so how many ran); set wandb: {mode: disabled}")
+
+    @property
+    def selection_settings(self) -> PrivateSelectionSettings:
+        """``private_selection``, or its defaults where the study file omits it."""
+        return self.private_selection or PrivateSelectionSettings()
+
     def _check_search_space(self) -> None:
-        if self.search != "optuna":
-            raise ValueError("search_space is searched by Optuna: set search: optuna")
-        if len(self.seeds) != 1:
+        if self.search not in ("optuna", "random"):
+            raise ValueError("search_space is searched by Optuna (search: optuna) or drawn independently "
+                             "(search: random, selection: private-dp)")
+        if self.search == "optuna" and len(self.seeds) != 1:
             raise ValueError("a search_space search runs every candidate at the study's one seed (common random "
                              "numbers on public data): give one seed, and run the chosen values on more seeds after")
         for strategy, space in self.search_space.items():

@@ -62,6 +62,7 @@ from raydp.study.config import (TUNING_FORMAT, TUNING_RECORD, StudyConfig, draw_
                                 search_cells, search_trial, source_key, trial_config, trial_grid)
 from raydp.study.population import (PopulationAdmit, join_population, population_filter, population_summary,
                                     start_population, write_population)
+from raydp.study.private_selection import SECRET_STATE, run_private_selection
 from raydp.study.results import collect_results, selection_value, trial_labels
 
 
@@ -619,6 +620,8 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
         raise ConfigError("a PBT study cannot be resumed (its population filter's state lived in the stopped run): run "
                           "it again into another --results-dir; what the stopped run spent still counts (E7/E14)")
     study_dir = (Path(results_dir) / study.name).resolve()
+    if study.selection == "private-dp":
+        return _run_private_selection(study, study_dir, progress, resume, held)
     trials_dir = study_dir / "trials"
     storage = TuneStorage.for_study(study, study_dir)
     if resume and not any(storage.can_restore(name)
@@ -733,6 +736,22 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
         summary["unfinished_trials"] = unfinished
     (study_dir / "study_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return study_dir
+
+
+def _run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, resume: bool, held: list) -> Path:
+    """A ``selection: private-dp`` study (:mod:`raydp.study.private_selection`) in its locked directory; a
+    directory this call created is removed again when the study fails before any trial was drawn."""
+    if resume:
+        check_resumed_study(study, study_dir)
+    created = not study_dir.exists()
+    study_dir.mkdir(parents=True, exist_ok=True)
+    held.append(lock_study_dir(study_dir))
+    try:
+        return run_private_selection(study, study_dir, progress, resume)
+    except BaseException:
+        if created and not (study_dir / SECRET_STATE).exists():
+            shutil.rmtree(study_dir, ignore_errors=True)
+        raise
 
 
 def unfinished_in(grid, planned: int | None = None) -> int:

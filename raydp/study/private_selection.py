@@ -1,0 +1,490 @@
+"""``selection: private-dp``: private hyperparameter selection with one end-to-end epsilon (issue 32).
+
+The mechanism (Papernot & Steinke, "Hyperparameter Tuning with Renyi Differential Privacy", ICLR 2022,
+arXiv:2110.03620v2), once per (model, epsilon, seed) cell of the study:
+
+1. draw the number of trials K from a fixed distribution (Poisson, Thm. 6; truncated negative binomial, Thm. 2)
+   with secret randomness (the OS's), and each trial's settings independently from ``search_space`` (uniform,
+   log-uniform or a uniform choice), with secret randomness too: a public seed would fix the candidates'
+   order, and the released best's settings would then tell which of them won, so K's lower bound;
+2. run every trial: a DP-SGD run at the per-trial epsilon solved from the cell's end-to-end epsilon (below), then
+   ONE Gaussian release of its score on the private validation split (:func:`score_release`);
+3. release the trial with the lowest noisy score: its adapters, settings, score and run summary without timings.
+   Nothing else: not K, not the other trials, not their wall times (``work/`` keeps them, private).
+
+Accounting. Each trial's RDP curve is its planned training curve (:func:`raydp.runner.privacy_setup.
+planned_rdp_curve`, the same for every draw: the search space may only vary settings that leave the plan
+unchanged, checked at its corners) plus the score release's a / (2 s^2) (Mironov 2017, Prop. 7, sensitivity 1 after
+dividing by the score range). The released result is RDP with :func:`raydp.privacy.accounting.selection.
+selection_rdp` of that curve (dp_accounting's repeat-and-select), converted to (epsilon, delta); the per-trial
+epsilon is the largest whose end-to-end epsilon meets the cell's (:func:`plan_cell`). After each trial, its ledger's
+curve is checked against the planned one: a trial that spent more stops the study with nothing released. Every
+cell is charged to the dataset's lifetime budget by its end-to-end curve, which does not depend on K.
+
+Limits (docs/privacy.md): K = 0 (Poisson only) releases nothing for the cell, which is part of Thm. 6's output;
+a trial that fails stops the study with nothing released (a failure is not covered by the theorem: the
+study's trials are fixed-plan DP-SGD runs, which fail on bugs or resources, not on the data); the study's total
+run time grows with K, so whoever watches the driver learns about K: release the result, not the run's timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import secrets
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from raydp.data import load_manifest, load_texts, load_units, manifest_id, resolve_dataset
+from raydp.data.splits import has_split, load_value_spans
+from raydp.errors import ConfigError
+from raydp.evaluation.evaluate import load_trained_model
+from raydp.evaluation.perplexity import value_nll_per_sequence
+from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve, rdp_epsilon
+from raydp.privacy.accounting.selection import (POISSON, SelectionDistribution, calibrate_trial_parameter,
+                                                selection_rdp)
+from raydp.privacy.ledger import PrivacyLedger
+from raydp.privacy.lifetime import charge, read_budget
+from raydp.runner.privacy_setup import (build_strategy, plan_private_run, planned_rdp_curve, training_units)
+from raydp.runner.run import run_training
+from raydp.runner.task import Task
+from raydp.study.config import PrivateSelectionSettings, SearchDimension, StudyConfig, trial_config
+
+#: the mechanism's secret state (K and the drawn settings of every cell): private, never in a releasable file
+SECRET_STATE = Path("work") / "private-selection.json"
+SECRET_FORMAT = "raydp-private-selection-v1"
+#: what a private-dp study releases, one directory per cell
+RELEASED = "released"
+#: run-summary keys a released trial drops: timings follow the private batch sizes and, summed, K
+TIMING_KEYS = ("wall_seconds", "train_loop_seconds", "resumed_from_step")
+#: a run directory's files a released trial keeps (adapter/ is copied whole)
+RELEASED_FILES = ("summary.json", "config.json", "privacy_ledger.parquet", "PRIVACY.txt")
+#: a cell's per-trial epsilon is solved in [end-to-end / EPSILON_RANGE, end-to-end]
+EPSILON_RANGE = 50.0
+
+PRIVATE_SELECTION_NOTE = """What in this study directory is private (selection: private-dp, ERRATA E11-E15; issue 32):
+- dataset/  the private splits: never release.
+- work/     the mechanism's secret state (the number of trials of each cell and their settings), every trial's
+            run directory, score and Tune state: keep private. Releasing any of it voids the end-to-end epsilon.
+Releasable: released/ (per cell: the selected trial's adapter/, summary.json without timings, config.json,
+privacy_ledger.parquet, PRIVACY.txt, and selection.json with its settings, its DP score and the end-to-end
+guarantee), study.json and study_summary.json. Unprotected inside them, labelled: the private eval split's figures
+(eval_*, ERRATA E15), for the data owner. The study's own run time grows with the number of trials: do not
+release it.
+"""
+
+
+def distribution_of(settings: PrivateSelectionSettings) -> SelectionDistribution:
+    """The law of K the study file names (Papernot & Steinke Def. 1; Poisson: Sec. 3.3)."""
+    if settings.distribution == "poisson":
+        return SelectionDistribution.poisson(settings.mean)
+    if settings.distribution == "geometric":
+        return SelectionDistribution.geometric(settings.mean)
+    if settings.distribution == "logarithmic":
+        return SelectionDistribution.logarithmic(settings.mean)
+    return SelectionDistribution.truncated_negative_binomial(settings.mean, settings.shape)
+
+
+def score_rdp(noise: float, orders=DEFAULT_ORDERS) -> np.ndarray:
+    """RDP of the score release: a Gaussian mechanism of sensitivity 1 (the score divided by its range) and noise
+    std ``noise``: a / (2 noise^2) at order a (Mironov 2017, Prop. 7)."""
+    return np.asarray(orders, dtype=np.float64) / (2.0 * float(noise) ** 2)
+
+
+def draw_settings(space: dict[str, SearchDimension], rng: secrets.SystemRandom) -> dict:
+    """One independent draw from the search space: log-uniform, uniform, or a uniform choice per dimension."""
+    values = {}
+    for name, dim in space.items():
+        if dim.choices is not None:
+            values[name] = dim.choices[rng.randrange(len(dim.choices))]
+        elif dim.log:
+            values[name] = float(math.exp(rng.uniform(math.log(dim.low), math.log(dim.high))))
+        else:
+            values[name] = float(rng.uniform(dim.low, dim.high))
+    return values
+
+
+def draw_count(distribution: SelectionDistribution) -> int:
+    """K, from a generator seeded by 128 bits of OS entropy that no file keeps."""
+    return int(distribution.sample(np.random.default_rng(secrets.randbits(128))))
+
+
+@dataclass(frozen=True)
+class CellPlan:
+    """One cell's mechanism, fixed before any trial runs."""
+
+    key: str
+    model: str
+    epsilon: float  # the end-to-end target
+    seed: int
+    strategy: str
+    trial_epsilon: float  # each trial's DP-SGD target (its planned curve's PLD epsilon)
+    training_curve: np.ndarray  # each trial's planned training curve at DEFAULT_ORDERS
+    trial_curve: np.ndarray  # training + the score release
+    end_to_end_curve: np.ndarray  # repeat-and-select of trial_curve
+    end_to_end_epsilon: float
+    delta: float
+
+    def describe(self, settings: PrivateSelectionSettings) -> dict:
+        """The cell's public description: what the study file fixes and the guarantee it gives (no K)."""
+        distribution = distribution_of(settings)
+        n = max(1, math.ceil(distribution.mean))  # the mean, never the realised K
+        composed = rdp_epsilon(n * self.trial_curve, DEFAULT_ORDERS, self.delta)
+        return {"model": self.model, "epsilon": self.epsilon, "seed": self.seed, "strategy": self.strategy,
+                "delta": self.delta, "trial_epsilon": self.trial_epsilon,
+                "end_to_end_epsilon": self.end_to_end_epsilon,
+                "theorem": ("Papernot & Steinke 2022, Thm. 6 (Poisson number of trials)" if distribution.kind == POISSON
+                            else "Papernot & Steinke 2022, Thm. 2 (truncated negative binomial number of trials)"),
+                "distribution": {"kind": distribution.kind, "mean": distribution.mean, "shape": distribution.shape},
+                "score_epsilon_share": rdp_epsilon(score_rdp(settings.score_noise), DEFAULT_ORDERS, self.delta),
+                "for_comparison": {
+                    "trials": n, "basic_composition_epsilon": n * self.trial_epsilon,
+                    "rdp_composition_epsilon": composed,
+                    "note": "what releasing every one of this many trials (E[K] rounded up, never the realised K) "
+                            "would cost: basic composition, and RDP composition (the tuning-aware figure)"}}
+
+
+def cell_key(model: str, epsilon: float, seed: int) -> str:
+    return f"{model}_eps{epsilon:g}_seed{seed}"
+
+
+def _cells(study: StudyConfig) -> list[tuple[str, float, int]]:
+    return [(model, float(eps), int(seed)) for model in study.models for eps in study.epsilons for seed in study.seeds]
+
+
+def _trial_spec(study: StudyConfig, model: str, epsilon: float, seed: int, values: dict) -> dict:
+    return {"model": model, "epsilon": epsilon, "seed": seed, "strategy": study.strategies[0], "search": values}
+
+
+def plan_cell(study: StudyConfig, dataset: str, model: str, epsilon: float, seed: int) -> CellPlan:
+    """Solve the cell's per-trial epsilon: the largest whose trials (training plus the score release) give an
+    end-to-end epsilon at most the cell's (:func:`raydp.privacy.accounting.selection.calibrate_trial_parameter`,
+    bisection on 1 / epsilon, since the repeat-and-select epsilon grows with the trial's). Refused when the search
+    space's corners plan different curves: every draw must be bounded by one curve."""
+    settings = study.selection_settings
+    space = study.search_space[study.strategies[0]]
+    corners = [{k: d.corners()[i if i < len(d.corners()) else -1] for k, d in space.items()} for i in (0, 1)]
+    n_train = len(load_texts(dataset, "train"))
+    score = score_rdp(settings.score_noise)
+
+    def training(trial_eps: float, values: dict) -> tuple[np.ndarray, float]:
+        config = trial_config(study, _trial_spec(study, model, trial_eps, seed, values), dataset)
+        units = training_units(config, dataset, n_train)
+        plan = plan_private_run(config, units.public_count, build_strategy(config))
+        return planned_rdp_curve(plan, config.delta), config.delta
+
+    curves = [training(epsilon, corner)[0] for corner in corners]
+    if not np.allclose(curves[0], curves[1], rtol=1e-9, atol=0.0):
+        raise ConfigError(f"search_space.{study.strategies[0]}: its corners plan different privacy curves; "
+                          "selection: private-dp needs one plan for every draw (search clips, learning rates and "
+                          "schedules, not what changes sigma, q or the steps)")
+    distribution = distribution_of(settings)
+    delta = training(epsilon, corners[0])[1]
+
+    def trial_rdp_of(inverse_eps: float) -> np.ndarray:
+        return training(1.0 / inverse_eps, corners[0])[0] + score
+
+    try:
+        inverse = calibrate_trial_parameter(epsilon, delta, distribution, trial_rdp_of, low=1.0 / epsilon,
+                                            high=EPSILON_RANGE / epsilon, rtol=1e-3)
+    except ConfigError as exc:
+        raise ConfigError(f"cell {cell_key(model, epsilon, seed)}: end-to-end epsilon {epsilon:g} is unreachable "
+                          f"with this score noise and number of trials ({exc})") from None
+    trial_eps = 1.0 / inverse
+    training_curve, _ = training(trial_eps, corners[0])
+    trial_curve = training_curve + score
+    end_curve = selection_rdp(trial_curve, DEFAULT_ORDERS, distribution)
+    return CellPlan(cell_key(model, epsilon, seed), model, epsilon, seed, study.strategies[0], trial_eps,
+                    training_curve, trial_curve, end_curve, rdp_epsilon(end_curve, DEFAULT_ORDERS, delta), delta)
+
+
+# ----------------------------------------------------------------------------------------------- secret state
+
+def _write_private(path: Path, value: dict) -> None:
+    """Write ``value`` as JSON readable by the owner only (0600), atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        json.dump(value, handle, indent=1)
+    os.replace(tmp, path)
+
+
+def draw_or_read_state(study: StudyConfig, study_dir: Path, resume: bool) -> dict:
+    """Each cell's K and trials (an opaque id and drawn settings each), drawn once with OS entropy and kept in
+    ``work/``. A resume reads them back and never redraws: K is the mechanism's secret state, and a redraw would
+    be a second, uncharged selection."""
+    path = Path(study_dir) / SECRET_STATE
+    if path.is_file():
+        if not resume:
+            raise ConfigError(f"{study_dir} already holds a private selection: finish it with --resume, or run into "
+                              "another --results-dir")
+        state = json.loads(path.read_text())
+        if state.get("format") != SECRET_FORMAT:
+            raise ConfigError(f"{path}: not a {SECRET_FORMAT} file")
+        return state
+    if resume:
+        raise ConfigError(f"nothing to resume in {study_dir}: it has no private selection state ({SECRET_STATE})")
+    rng = secrets.SystemRandom()
+    distribution = distribution_of(study.selection_settings)
+    space = study.search_space[study.strategies[0]]
+    cells = {}
+    for model, eps, seed in _cells(study):
+        count = draw_count(distribution)
+        cells[cell_key(model, eps, seed)] = [{"id": secrets.token_hex(6), "settings": draw_settings(space, rng)}
+                                             for _ in range(count)]
+    state = {"format": SECRET_FORMAT, "cells": cells}
+    _write_private(path, state)
+    return state
+
+
+# ------------------------------------------------------------------------------------------------ the score
+
+def score_release(values: np.ndarray, units: np.ndarray, score_range: tuple[float, float], noise: float,
+                  n_units: int, rng: np.random.Generator) -> float:
+    """The DP score of one trial (lower is better): each record's value-token NLL clipped to [low, high]; each
+    unit (patient) contributes the mean of its records' minus ``low``, in [0, high - low], so adding or removing
+    a unit moves the sum by at most high - low; the sum gets Gaussian noise of std ``noise`` (high - low); the
+    score is ``low`` plus the noisy sum over ``n_units``, the split's unit count, treated as public like the
+    training split's (ERRATA E11). Post-processing after the noise."""
+    low, high = score_range
+    clipped = np.clip(np.asarray(values, dtype=np.float64), low, high) - low
+    _, inverse = np.unique(np.asarray(units), return_inverse=True)
+    sums = np.bincount(inverse.reshape(-1), weights=clipped)
+    counts = np.bincount(inverse.reshape(-1))
+    total = float((sums / counts).sum())
+    return low + (total + float(rng.normal(0.0, noise * (high - low)))) / max(int(n_units), 1)
+
+
+def trial_score(run_dir: Path, config, dataset: str, settings: PrivateSelectionSettings) -> float:
+    """Score the trained run on the private validation split (:func:`score_release`), with OS-entropy noise."""
+    loaded = load_trained_model(run_dir, config, config.device)
+    task = Task.build(config.task.kind, config.task.label, loaded.tokenizer, encoder=loaded.is_encoder)
+    max_length = config.max_length or min(loaded.max_positions, 512)
+    texts = load_texts(dataset, "validation")
+    split = task.split(texts, loaded.tokenizer, max_length, spans=load_value_spans(dataset, "validation"))
+    values = value_nll_per_sequence(loaded.model, split, loaded.device)
+    units = load_units(dataset, "validation")
+    return score_release(values, units, settings.score_range, settings.score_noise, len(np.unique(units)),
+                         np.random.default_rng(secrets.randbits(128)))
+
+
+def check_trial_spend(run_dir: Path, plan_curve: np.ndarray) -> None:
+    """The trial's ledger against its planned training curve: a trial that spent more than planned breaks the
+    theorem's one-curve condition, so the study stops with nothing released."""
+    ledger = PrivacyLedger.load(run_dir / "privacy_ledger.parquet")
+    spent = ledger_rdp_curve(ledger, DEFAULT_ORDERS)
+    if np.any(spent > np.asarray(plan_curve) * (1 + 1e-9) + 1e-12):
+        raise ConfigError(f"trial {run_dir.name} spent more than its plan (order "
+                          f"{DEFAULT_ORDERS[int(np.argmax(spent - plan_curve))]}): nothing is released")
+
+
+def run_selection_trial(params: dict) -> None:
+    """The Tune trainable: one trial of a private selection, trained into the private ``work/``, then scored."""
+    from ray import tune  # lazy: `raydp study --check` loads no Ray
+
+    study = StudyConfig(**params["study"])
+    trial = params["trial"]
+    dataset = params["dataset"]
+    config = trial_config(study, _trial_spec(study, trial["model"], trial["trial_epsilon"], trial["seed"],
+                                             trial["settings"]), dataset)
+    torch.set_num_threads(config.cpus or 1)
+    out = Path(params["study_dir"]) / "work" / "trials" / trial["id"]
+    run_training(config, out / "run", overwrite=True, progress=False, charge_lifetime=False)  # charged by the cell
+    check_trial_spend(out / "run", np.asarray(trial["training_curve"]))
+    score = trial_score(out / "run", config, dataset, study.selection_settings)
+    _write_private(out / "score.json", {"id": trial["id"], "score": score})
+    tune.report({"done": True})
+
+
+# ------------------------------------------------------------------------------------------------ the driver
+
+def plan_study(study: StudyConfig, study_dir: Path, progress: bool = True) -> tuple[str, dict[str, CellPlan]]:
+    """Build the dataset (into ``study_dir/dataset``) and solve every cell's plan; needs no Ray."""
+    probe = trial_config(study, _trial_spec(study, study.models[0], study.epsilons[0], study.seeds[0],
+                                            draw_settings(study.search_space[study.strategies[0]],
+                                                          secrets.SystemRandom())))
+    dataset = str(resolve_dataset(probe.data, Path(study_dir) / "dataset", progress=progress))
+    if not has_split(dataset, "validation"):
+        raise ConfigError(f"dataset {dataset} has no private validation split: set base.data.fractions.validation")
+    solved: dict[tuple[str, float], CellPlan] = {}  # a cell's plan does not depend on its seed
+    plans = {}
+    for model, eps, seed in _cells(study):
+        if (model, eps) not in solved:
+            solved[(model, eps)] = plan_cell(study, dataset, model, eps, seed)
+        plans[cell_key(model, eps, seed)] = dataclasses.replace(solved[(model, eps)], key=cell_key(model, eps, seed),
+                                                                seed=seed)
+    return dataset, plans
+
+
+def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, resume: bool) -> Path:
+    """Run (or resume) a private-dp study in ``study_dir`` (locked by the caller); returns the directory."""
+    import ray  # lazy: `raydp study --check` loads no Ray
+    from ray import tune  # lazy: as above
+
+    from raydp.runner.launch import ensure_ray  # lazy: imports Ray
+
+    log = logging.getLogger("raydp.study")
+    say = (lambda text: print(f"raydp: {text}", flush=True)) if progress else (lambda text: None)
+    dataset, plans = plan_study(study, study_dir, progress)
+    for plan in plans.values():
+        say(f"cell {plan.key}: each trial at epsilon {plan.trial_epsilon:.4g} (score noise "
+            f"{study.selection_settings.score_noise:g}); the released best: epsilon {plan.end_to_end_epsilon:.4g} "
+            f"at delta {plan.delta:g}")
+    _charge(study, dataset, plans, study_dir)
+    state = draw_or_read_state(study, study_dir, resume)
+    (study_dir / "PRIVACY.txt").write_text(PRIVATE_SELECTION_NOTE)
+    (study_dir / "study.json").write_text(json.dumps(study.model_dump(mode="json"), indent=2))
+
+    pending = []
+    for key, trials in state["cells"].items():
+        plan = plans[key]
+        for trial in trials:
+            if not (study_dir / "work" / "trials" / trial["id"] / "score.json").is_file():
+                pending.append({"id": trial["id"], "settings": trial["settings"], "model": plan.model,
+                                "seed": plan.seed, "trial_epsilon": plan.trial_epsilon,
+                                "training_curve": plan.training_curve.tolist()})
+    if pending:
+        ensure_ray()
+        cpus, gpus = study.resources.cpus_per_trial, study.resources.gpus_per_trial
+        if cpus > ray.cluster_resources().get("CPU", 0):
+            raise ConfigError(f"resources.cpus_per_trial={cpus} exceeds the cluster's "
+                              f"{int(ray.cluster_resources().get('CPU', 0))} CPUs: no trial could ever start")
+        say("training the cells' trials (how many is secret: no progress is shown)")
+        bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+        trainable = tune.with_resources(run_selection_trial, tune.PlacementGroupFactory([bundle]))
+        common = {"study": study.model_dump(mode="json"), "dataset": dataset, "study_dir": str(study_dir)}
+        # a fresh experiment name each time: finished trials are skipped above, an unfinished one starts over
+        # (its partial run released nothing); Tune's state and logs stay in the private work/
+        tuner = tune.Tuner(trainable, param_space={**common, "trial": tune.grid_search(pending)},
+                           tune_config=tune.TuneConfig(trial_dirname_creator=lambda t: t.trial_id),
+                           run_config=tune.RunConfig(name=f"selection-{secrets.token_hex(4)}",
+                                                     storage_path=str(study_dir / "work" / "tune"),
+                                                     failure_config=tune.FailureConfig(max_failures=0),
+                                                     verbose=0))
+        with _output_to(study_dir / "work" / "tune.log"):  # Tune prints the number of trials: keep it private
+            grid = tuner.fit()
+        failed = [r for r in grid if r.error is not None]
+        if failed:
+            log.error("private selection: a trial failed: %s", str(failed[0].error).splitlines()[0][:300])
+            raise ConfigError("a trial of the private selection failed: nothing is released (finish the study with "
+                              "--resume once the cause is fixed; the number of trials is kept)")
+    released = _release(study, study_dir, plans, state)
+    summary = {"study": study.name, "selection": "private-dp", "released": released,
+               "note": "each cell released its best trial only; the number of trials, the other trials and every "
+                       "timing are private (work/)"}
+    (study_dir / "study_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return study_dir
+
+
+@contextlib.contextmanager
+def _output_to(path: Path):
+    """Send this process's stdout and stderr (file descriptors 1 and 2: Tune's tables, Ray's forwarded trial logs)
+    to ``path`` for the block: they name the trials, so how many ran."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    log = open(path, "a", buffering=1)  # where sys.stdout is not fd 1 (a notebook, a test's capture)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        log.close()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for handle in (*saved, fd):
+            os.close(handle)
+
+
+def _charge(study: StudyConfig, dataset: str, plans: dict[str, CellPlan], study_dir: Path) -> None:
+    """Charge every cell's end-to-end curve (independent of K) to the dataset's lifetime budget, before any trial.
+    A resume charges the same labels again, which the register counts once."""
+    manifest = load_manifest(dataset)
+    dataset_id, source = manifest_id(manifest), manifest.get("source_sha256")
+    if read_budget(dataset_id, source) is None and not manifest.get("lifetime_budget"):
+        return
+    unit = "patient" if manifest.get("privacy_unit") == "patient" else "record"
+    labels = {f"study:{study.name}@{Path(study_dir).resolve()}/{key}": plan.end_to_end_curve
+              for key, plan in plans.items()}
+    charge(dataset_id, labels, DEFAULT_ORDERS, privacy_unit=unit, required=bool(manifest.get("lifetime_budget")),
+           source_sha256=source)
+
+
+def _release(study: StudyConfig, study_dir: Path, plans: dict[str, CellPlan], state: dict) -> list[dict]:
+    """Per cell, copy the best trial's releasable files to ``released/CELL`` and describe it."""
+    settings = study.selection_settings
+    out = []
+    for key, trials in state["cells"].items():
+        plan = plans[key]
+        entry = plan.describe(settings)
+        scores = {t["id"]: json.loads((study_dir / "work" / "trials" / t["id"] / "score.json").read_text())["score"]
+                  for t in trials}
+        target = study_dir / RELEASED / key
+        if target.exists():
+            shutil.rmtree(target)
+        if not trials:  # Poisson's K = 0: the mechanism's empty output
+            entry.update(released=False, note="no trial ran (K = 0 is part of the mechanism): nothing is released")
+            out.append(entry)
+            continue
+        best = min(trials, key=lambda t: scores[t["id"]])
+        run_dir = study_dir / "work" / "trials" / best["id"] / "run"
+        target.mkdir(parents=True)
+        shutil.copytree(run_dir / "adapter", target / "adapter")
+        for name in RELEASED_FILES:
+            if (run_dir / name).is_file():
+                shutil.copy2(run_dir / name, target / name)
+        run_summary = json.loads((run_dir / "summary.json").read_text())
+        for key_ in TIMING_KEYS:
+            run_summary.pop(key_, None)
+        run_summary.setdefault("privacy", {})["end_to_end"] = {
+            "epsilon": plan.end_to_end_epsilon, "delta": plan.delta, "theorem": entry["theorem"],
+            "note": "this run was selected privately among a secret number of trials: the released result's "
+                    "guarantee is this end-to-end epsilon, not the run's own (privacy.epsilon)"}
+        (target / "summary.json").write_text(json.dumps(run_summary, indent=2))
+        entry.update(released=True, settings=best["settings"], score=scores[best["id"]],
+                     score_split="private validation (a DP release, charged)",
+                     final_eval_value_nll=run_summary.get("final_eval_value_nll"),
+                     final_public_value_nll=run_summary.get("final_public_value_nll"),
+                     eval_note="final_eval_value_nll is on the private eval split: unprotected, for the data owner "
+                               "(ERRATA E15); nothing was selected on it",
+                     directory=str(target.relative_to(study_dir)))
+        (target / "selection.json").write_text(json.dumps(entry, indent=2))
+        out.append(entry)
+    return out
+
+
+def format_selection(study_dir: Path) -> str:
+    """The released cells as a table for the terminal (``raydp study`` / ``raydp report``)."""
+    summary = json.loads((Path(study_dir) / "study_summary.json").read_text())
+    lines = [f"study {summary['study']}: private selection (selection: private-dp); each cell released its best "
+             "trial only",
+             f"{'cell':<28} {'trial eps':>9} {'end-to-end eps':>14} {'DP score':>9} {'eval value NLL':>14}  settings"]
+    for e in summary["released"]:
+        cell = cell_key(e["model"], e["epsilon"], e["seed"])
+        if not e.get("released"):
+            lines.append(f"{cell:<28} {e['trial_epsilon']:>9.4g} {e['end_to_end_epsilon']:>14.4g} {'-':>9} "
+                         f"{'-':>14}  nothing released (K = 0)")
+            continue
+        settings = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in e["settings"].items())
+        nll = e.get("final_eval_value_nll")
+        lines.append(f"{cell:<28} {e['trial_epsilon']:>9.4g} {e['end_to_end_epsilon']:>14.4g} {e['score']:>9.3f} "
+                     f"{(f'{nll:.3f}' if nll is not None else '-'):>14}  {settings}")
+    lines.append("eval value NLL: the private eval split, unprotected, for the data owner (ERRATA E15); the DP "
+                 "score (private validation split) chose the trial; " + (summary["released"][0]["theorem"]
+                                                                         if summary["released"] else ""))
+    return "\n".join(lines)

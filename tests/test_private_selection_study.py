@@ -1,0 +1,264 @@
+"""``selection: private-dp`` (issue 32): the study mode around the repeat-and-select accountant
+(tests/test_private_selection.py tests the accountant against the theorems and a randomized-response mechanism).
+
+Checked here against independent computations: the score release against a naive per-patient loop, the per-record
+value NLL against the split's aggregate evaluation, each cell's plan against the accountant and the run's own
+calibration; and, on real Ray Tune runs, what a finished study releases (one trial per cell, the same files and keys
+whatever K was, every field classified), that a resume reads K back instead of redrawing it, and that Tune's
+tables (which count the trials) never reach the terminal."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+import raydp.study.private_selection as ps
+from raydp.errors import ConfigError
+from raydp.privacy.accounting.rdp import DEFAULT_ORDERS
+from raydp.privacy.accounting.selection import SelectionDistribution, selection_epsilon
+from raydp.settings import validate_config
+from raydp.study.config import StudyConfig, load_study
+
+from releasable import unclassified_private_selection
+
+SPACE = {"static-pairwise": {"clip": {"low": 0.01, "high": 1.0, "log": True},
+                             "lr": {"low": 1e-4, "high": 1e-2, "log": True},
+                             "lr_decay": {"choices": ["constant", "cosine"]}}}
+STUDY = {
+    "name": "ps", "models": ["embedded-tiny"], "epsilons": [4.0], "seeds": [0], "strategies": ["static-pairwise"],
+    "search": "random", "selection": "private-dp", "search_space": SPACE, "wandb": {"mode": "disabled"},
+    "private_selection": {"distribution": "poisson", "mean": 2.0, "score_noise": 6.0},
+    "resources": {"cpus_per_trial": 1},
+    "base": {"data": {"n_records": 600}, "max_steps": 4, "eval_max_records": 16, "public_eval_records": 16,
+             "warmup_steps": 1},
+}
+
+
+def study_of(**changes) -> StudyConfig:
+    values = json.loads(json.dumps(STUDY))
+    values.update(changes)
+    return validate_config(StudyConfig, values)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"search": "grid"}, "selection: private-dp with search: random"),
+    ({"selection": "public"}, "selection: private-dp with search: random"),
+    ({"strategies": ["static-pairwise", "static"]}, "one strategy and its search_space"),
+    ({"strategies": ["rldp"], "search_space": {"rldp": {"t_rl": {"low": 2, "high": 8}}}}, "planned before it runs"),
+    ({"private_data": False}, "on public data select publicly"),
+    ({"base": {"data": {"source": "public"}}}, "on public data select publicly"),
+    ({"base": {"data": {"fractions": {"validation": 0.0}}}}, "fractions.validation must be > 0"),
+    ({"evaluate": {"audit": False}}, "attack the released run with raydp eval"),
+    ({"tuned_from": "x"}, "does not take tuned_from"),
+    ({"settings_grid": {"static-pairwise": {"clip": [0.1]}}}, "does not take settings_grid"),
+    ({"wandb": {"mode": "offline"}}, "wandb would log every trial"),
+    ({"private_selection": {"distribution": "poisson", "shape": 1.0}}, "shape is the eta"),
+    ({"private_selection": {"distribution": "geometric", "mean": 1.0}}, "needs mean > 1"),
+    ({"private_selection": {"score_range": [5, 5]}}, "score_range needs low < high"),
+])
+def test_refusals(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        study_of(**changes)
+
+
+def test_private_selection_block_alone_is_refused():
+    values = {k: v for k, v in STUDY.items() if k not in ("search", "selection", "search_space")}
+    with pytest.raises(ConfigError, match="selection: private-dp with search: random"):
+        validate_config(StudyConfig, values)
+
+
+def test_score_release_matches_a_naive_per_patient_loop():
+    rng = np.random.default_rng(3)
+    values = rng.normal(60, 30, size=200)  # some below low and above high
+    units = rng.integers(0, 70, size=200)
+    low, high, noise = 30.0, 110.0, 6.0
+    got = ps.score_release(values, units, (low, high), noise, 70, np.random.default_rng(11))
+    per_patient = {}
+    for v, u in zip(values.tolist(), units.tolist()):
+        per_patient.setdefault(u, []).append(min(max(v, low), high) - low)
+    total = sum(sum(vs) / len(vs) for vs in per_patient.values())
+    expected = low + (total + np.random.default_rng(11).normal(0.0, noise * (high - low))) / 70
+    assert got == pytest.approx(expected, rel=1e-12)
+    # one patient removed moves the noiseless sum by at most high - low (the sensitivity the noise is scaled to)
+    keep = units != units[0]
+    without = ps.score_release(values[keep], units[keep], (low, high), 0.0 + 1e-300, 70, np.random.default_rng(0))
+    full = ps.score_release(values, units, (low, high), 1e-300, 70, np.random.default_rng(0))
+    assert abs(full - without) * 70 <= (high - low) + 1e-9
+
+
+def test_value_nll_per_sequence_sums_to_the_split_evaluation(tmp_path):
+    from raydp.data import load_texts, resolve_dataset
+    from raydp.data.splits import load_value_spans
+    from raydp.evaluation.perplexity import evaluate_perplexity, value_nll_per_sequence
+    from raydp.model import load_model
+    from raydp.config import DataConfig
+
+    dataset = resolve_dataset(DataConfig(n_records=300), tmp_path / "d", progress=False)
+    loaded = load_model("embedded-tiny", device="cpu", progress=False)
+    from raydp.model.batches import TokenizedSplit
+    split = TokenizedSplit(load_texts(dataset, "validation"), loaded.tokenizer, 128,
+                           spans=load_value_spans(dataset, "validation"))
+    per = value_nll_per_sequence(loaded.model, split, loaded.device, batch_size=5)
+    whole = evaluate_perplexity(loaded.model, split, loaded.device, batch_size=7)
+    assert len(per) == len(split) > 0
+    assert per.sum() / len(per) == pytest.approx(whole.value_nll_per_record, rel=1e-5)
+    assert (per > 0).all()
+
+
+@pytest.fixture(scope="module")
+def tiny_dataset(tmp_path_factory):
+    from raydp.config import DataConfig
+    from raydp.data import resolve_dataset
+
+    return str(resolve_dataset(DataConfig(n_records=600), tmp_path_factory.mktemp("ds") / "d", progress=False))
+
+
+def test_cell_plan_meets_its_end_to_end_epsilon_and_is_tight(tiny_dataset):
+    from raydp.runner.privacy_setup import build_strategy, plan_private_run, planned_rdp_curve, training_units
+    from raydp.data import load_texts
+    from raydp.study.config import trial_config
+
+    study = study_of()
+    plan = ps.plan_cell(study, tiny_dataset, "embedded-tiny", 4.0, 0)
+    dist = SelectionDistribution.poisson(2.0)
+    score = np.asarray(DEFAULT_ORDERS) / (2 * 6.0 ** 2)
+    assert plan.end_to_end_epsilon <= 4.0
+    assert plan.trial_epsilon < 4.0
+
+    def curve_at(eps):  # the run's own plan at that epsilon (what the trial calibrates when it starts)
+        config = trial_config(study, {"model": "embedded-tiny", "epsilon": eps, "seed": 0,
+                                      "strategy": "static-pairwise", "search": {"clip": 0.1, "lr": 1e-3}},
+                              tiny_dataset)
+        units = training_units(config, tiny_dataset, len(load_texts(tiny_dataset, "train")))
+        return planned_rdp_curve(plan_private_run(config, units.public_count, build_strategy(config)), config.delta)
+
+    np.testing.assert_allclose(plan.training_curve, curve_at(plan.trial_epsilon), rtol=1e-9)
+    np.testing.assert_allclose(plan.trial_curve, plan.training_curve + score, rtol=1e-12)
+    assert selection_epsilon(plan.trial_curve, DEFAULT_ORDERS, dist, 1e-5) == pytest.approx(plan.end_to_end_epsilon)
+    # tight: a trial 1% richer would break the end-to-end target
+    assert selection_epsilon(curve_at(plan.trial_epsilon * 1.01) + score, DEFAULT_ORDERS, dist, 1e-5) > 4.0
+    # the figures beside it, from E[K] (never the realised K): composing 2 trials costs more
+    described = plan.describe(study.selection_settings)
+    assert described["for_comparison"]["trials"] == 2
+    assert described["for_comparison"]["basic_composition_epsilon"] == pytest.approx(2 * plan.trial_epsilon)
+
+
+def test_a_search_space_that_changes_the_plan_is_refused(tiny_dataset):
+    # ewpba's step distance shapes its sigma schedule over the epochs, so its corners plan different curves
+    study = study_of(strategies=["ewpba"], search_space={"ewpba": {"step_distance": {"choices": [1, 3]}}},
+                     base={"data": {"n_records": 600}, "epochs": 3})
+    with pytest.raises(ConfigError, match="corners plan different privacy curves"):
+        ps.plan_cell(study, tiny_dataset, "embedded-tiny", 4.0, 0)
+
+
+def test_secret_state_is_drawn_once_private_and_read_back(tmp_path):
+    study = study_of(seeds=[0, 1, 2])
+    state = ps.draw_or_read_state(study, tmp_path, resume=False)
+    path = tmp_path / ps.SECRET_STATE
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert set(state["cells"]) == {f"embedded-tiny_eps4_seed{s}" for s in (0, 1, 2)}
+    for trials in state["cells"].values():
+        for t in trials:
+            assert 0.01 <= t["settings"]["clip"] <= 1.0 and 1e-4 <= t["settings"]["lr"] <= 1e-2
+            assert t["settings"]["lr_decay"] in ("constant", "cosine")
+    assert ps.draw_or_read_state(study, tmp_path, resume=True) == state  # never redrawn
+    with pytest.raises(ConfigError, match="already holds a private selection"):
+        ps.draw_or_read_state(study, tmp_path, resume=False)
+    with pytest.raises(ConfigError, match="nothing to resume"):
+        ps.draw_or_read_state(study, tmp_path / "other", resume=True)
+
+
+def test_k_and_settings_are_drawn_from_their_laws():
+    dist = SelectionDistribution.poisson(3.0)
+    ks = np.array([ps.draw_count(dist) for _ in range(4000)])
+    assert abs(ks.mean() - 3.0) < 4 * math.sqrt(3.0 / 4000)  # 4 standard errors
+    rng = __import__("secrets").SystemRandom()
+    clips = np.array([ps.draw_settings(study_of().search_space["static-pairwise"], rng)["clip"] for _ in range(4000)])
+    logs = (np.log(clips) - np.log(0.01)) / (np.log(1.0) - np.log(0.01))  # log-uniform: uniform on [0, 1]
+    assert abs(logs.mean() - 0.5) < 4 * math.sqrt(1 / 12 / 4000)
+
+
+def _run(tmp_path, monkeypatch, k: int, name: str, resume: bool = False):
+    """A real private-dp study with K fixed to ``k`` (the only randomness replaced: K's draw)."""
+    from raydp.study.runner import run_study
+
+    monkeypatch.setattr(ps, "draw_count", lambda distribution: k)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({**json.loads(json.dumps(STUDY)), "name": name}))
+    return run_study(path, tmp_path / "runs", progress=True, resume=resume)
+
+
+def _released_shape(study_dir: Path) -> dict:
+    """Every released file and, for JSON, its nested keys (values aside)."""
+    def keys(value, prefix=""):
+        if isinstance(value, dict):
+            return {p for k, v in value.items() for p in keys(v, f"{prefix}.{k}") | {f"{prefix}.{k}"}}
+        if isinstance(value, list):
+            return {p for v in value for p in keys(v, f"{prefix}[]")}
+        return set()
+
+    out = {}
+    for f in sorted(study_dir.rglob("*")):
+        rel = f.relative_to(study_dir).as_posix()
+        if f.is_file() and not rel.startswith(("work/", "dataset/")):
+            out[rel] = sorted(keys(json.loads(f.read_text()))) if f.suffix == ".json" and "adapter" not in rel else None
+    return out
+
+
+def test_a_study_releases_one_trial_whatever_k(tmp_path, monkeypatch, capfd):
+    one = _run(tmp_path, monkeypatch, 1, "ps-one")
+    three = _run(tmp_path, monkeypatch, 3, "ps-three")
+    printed = capfd.readouterr()
+    assert "Number of trials" not in printed.out + printed.err  # Tune's table stayed in work/
+    assert "Number of trials" in (three / "work" / "tune.log").read_text()
+    assert len(json.loads((three / ps.SECRET_STATE).read_text())["cells"]["embedded-tiny_eps4_seed0"]) == 3
+    assert len(list((three / "work" / "trials").iterdir())) == 3
+    shape_one, shape_three = _released_shape(one), _released_shape(three)
+    assert shape_one == shape_three  # same files, same keys: nothing released says how many trials ran
+    assert "released/embedded-tiny_eps4_seed0/adapter/adapter_model.safetensors" in shape_three
+    assert unclassified_private_selection(three) == []
+    entry = json.loads((three / "study_summary.json").read_text())["released"][0]
+    state = json.loads((three / ps.SECRET_STATE).read_text())["cells"]["embedded-tiny_eps4_seed0"]
+    scores = {t["id"]: json.loads((three / "work" / "trials" / t["id"] / "score.json").read_text())["score"]
+              for t in state}
+    best = min(state, key=lambda t: scores[t["id"]])
+    assert entry["settings"] == best["settings"] and entry["score"] == scores[best["id"]]  # the lowest DP score
+    summary = json.loads((three / "released/embedded-tiny_eps4_seed0/summary.json").read_text())
+    assert not set(ps.TIMING_KEYS) & set(summary)
+    assert summary["privacy"]["end_to_end"]["epsilon"] == entry["end_to_end_epsilon"] <= 4.0
+    assert summary["privacy"]["epsilon"] <= entry["trial_epsilon"] * (1 + 1e-6)
+
+
+@pytest.mark.slow
+def test_resume_reads_k_back_and_reruns_only_unfinished_trials(tmp_path, monkeypatch):
+    study_dir = _run(tmp_path, monkeypatch, 2, "ps-resume")
+    state = json.loads((study_dir / ps.SECRET_STATE).read_text())
+    trials = state["cells"]["embedded-tiny_eps4_seed0"]
+    done = study_dir / "work" / "trials" / trials[0]["id"] / "score.json"
+    kept = (study_dir / "work" / "trials" / trials[1]["id"] / "score.json").read_text()
+    done.unlink()  # as if stopped while the first trial ran
+    monkeypatch.setattr(ps, "draw_count", lambda distribution: pytest.fail("K was redrawn"))
+    from raydp.study.runner import run_study
+
+    run_study(tmp_path / "ps-resume.yaml", tmp_path / "runs", progress=False, resume=True)
+    assert json.loads((study_dir / ps.SECRET_STATE).read_text()) == state
+    assert done.is_file()
+    assert (study_dir / "work" / "trials" / trials[1]["id"] / "score.json").read_text() == kept  # not rerun
+
+
+def test_check_and_report_commands(tmp_path, tiny_dataset, capsys):
+    from raydp.cli import main
+
+    path = tmp_path / "ps.yaml"
+    path.write_text(yaml.safe_dump(STUDY))
+    assert load_study(path).selection == "private-dp"
+    assert main(["study", str(path), "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "private selection over 1 cell(s)" in out and "embedded-tiny_eps4_seed0" in out
