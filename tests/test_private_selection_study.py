@@ -262,3 +262,39 @@ def test_check_and_report_commands(tmp_path, tiny_dataset, capsys):
     assert main(["study", str(path), "--check"]) == 0
     out = capsys.readouterr().out
     assert "private selection over 1 cell(s)" in out and "embedded-tiny_eps4_seed0" in out
+
+
+def test_lifetime_budget_is_charged_the_end_to_end_curve(tmp_path, monkeypatch):
+    """The cell's end-to-end curve (which does not depend on K) is charged before any trial; past the budget the
+    study is refused with nothing left behind; a resume is not charged twice."""
+    from raydp.cli import main
+    from raydp.data import load_manifest, manifest_id
+    from raydp.privacy.lifetime import read_budget, set_budget, spent_epsilon
+    from raydp.study.runner import run_study
+
+    monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "owner.key"))
+    data = tmp_path / "data"
+    assert main(["data", "build", "--output", str(data), "--n-records", "600"]) == 0
+    manifest = load_manifest(data)
+    dataset_id = manifest_id(manifest)
+    set_budget(dataset_id, 10.0, 1e-5, source_sha256=manifest.get("source_sha256"))
+    values = {**json.loads(json.dumps(STUDY)), "name": "ps-budget"}
+    values["base"]["data"] = {"source": str(data)}
+    path, too_much = tmp_path / "ps-budget.yaml", tmp_path / "ps-too-much.yaml"
+    path.write_text(yaml.safe_dump(values))
+    too_much.write_text(yaml.safe_dump({**values, "name": "ps-too-much", "epsilons": [12.0]}))
+    monkeypatch.setattr(ps, "draw_count", lambda distribution: pytest.fail("K drawn before the charge"))
+    with pytest.raises(ConfigError, match="lifetime"):
+        run_study(too_much, tmp_path / "runs", progress=False)
+    assert not (tmp_path / "runs" / "ps-too-much").exists()
+    assert spent_epsilon(read_budget(dataset_id, manifest.get("source_sha256"))) == 0.0
+
+    study = load_study(path)
+    _, plans = ps.plan_study(study, tmp_path / "s", progress=False)
+    plan = plans["embedded-tiny_eps4_seed0"]
+    for _ in range(2):  # the same study directory twice (a resume): one charge
+        ps._charge(study, str(data), plans, tmp_path / "s")
+        spent = spent_epsilon(read_budget(dataset_id, manifest.get("source_sha256")))
+        assert spent == pytest.approx(plan.end_to_end_epsilon, rel=1e-9)
+    assert spent == pytest.approx(selection_epsilon(plan.trial_curve, DEFAULT_ORDERS,
+                                                    SelectionDistribution.poisson(2.0), 1e-5), rel=1e-9)

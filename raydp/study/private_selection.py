@@ -469,22 +469,29 @@ def _release(study: StudyConfig, study_dir: Path, plans: dict[str, CellPlan], st
 
 
 def format_selection(study_dir: Path) -> str:
-    """The released cells as a table for the terminal (``raydp study`` / ``raydp report``)."""
+    """The released cells as a table for the terminal (``raydp study`` / ``raydp report``), with what composing
+    E[K] (rounded up) trials would have cost beside the end-to-end epsilon."""
     summary = json.loads((Path(study_dir) / "study_summary.json").read_text())
     lines = [f"study {summary['study']}: private selection (selection: private-dp); each cell released its best "
              "trial only",
-             f"{'cell':<28} {'trial eps':>9} {'end-to-end eps':>14} {'DP score':>9} {'eval value NLL':>14}  settings"]
+             f"{'cell':<26} {'trial eps':>9} {'end-to-end':>10} {'composed':>8} {'basic':>6} {'DP score':>9} "
+             f"{'eval NLL':>9}  settings"]
     for e in summary["released"]:
         cell = cell_key(e["model"], e["epsilon"], e["seed"])
+        other = e.get("for_comparison") or {}
+        head = (f"{cell:<26} {e['trial_epsilon']:>9.4g} {e['end_to_end_epsilon']:>10.4g} "
+                f"{other.get('rdp_composition_epsilon', float('nan')):>8.3g} "
+                f"{other.get('basic_composition_epsilon', float('nan')):>6.3g}")
         if not e.get("released"):
-            lines.append(f"{cell:<28} {e['trial_epsilon']:>9.4g} {e['end_to_end_epsilon']:>14.4g} {'-':>9} "
-                         f"{'-':>14}  nothing released (K = 0)")
+            lines.append(f"{head} {'-':>9} {'-':>9}  nothing released (K = 0)")
             continue
         settings = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in e["settings"].items())
         nll = e.get("final_eval_value_nll")
-        lines.append(f"{cell:<28} {e['trial_epsilon']:>9.4g} {e['end_to_end_epsilon']:>14.4g} {e['score']:>9.3f} "
-                     f"{(f'{nll:.3f}' if nll is not None else '-'):>14}  {settings}")
-    lines.append("eval value NLL: the private eval split, unprotected, for the data owner (ERRATA E15); the DP "
-                 "score (private validation split) chose the trial; " + (summary["released"][0]["theorem"]
-                                                                         if summary["released"] else ""))
+        lines.append(f"{head} {e['score']:>9.3f} {(f'{nll:.3f}' if nll is not None else '-'):>9}  {settings}")
+    if summary["released"]:
+        first = summary["released"][0]
+        lines.append(f"composed / basic: RDP and basic composition of {first['for_comparison']['trials']} trials "
+                     "(E[K] rounded up), what releasing every trial would cost; the DP score (private validation "
+                     "split) chose each trial; eval NLL: the private eval split's value-token NLL, unprotected, for "
+                     f"the data owner (ERRATA E15); {first['theorem']}")
     return "\n".join(lines)
