@@ -224,6 +224,9 @@ def test_a_study_releases_one_trial_whatever_k(tmp_path, monkeypatch, capfd):
     assert shape_one == shape_three  # same files, same keys: nothing released says how many trials ran
     assert "released/embedded-tiny_eps4_seed0/adapter/adapter_model.safetensors" in shape_three
     assert unclassified_private_selection(three) == []
+    start = (three / "study.json").stat().st_mtime  # no file's time tells how long the trials took
+    stamped = [p for p in (three / "released").rglob("*")] + [three / "study_summary.json", three / "released"]
+    assert {p.stat().st_mtime for p in stamped} == {start}
     entry = json.loads((three / "study_summary.json").read_text())["released"][0]
     state = json.loads((three / ps.SECRET_STATE).read_text())["cells"]["embedded-tiny_eps4_seed0"]
     scores = {t["id"]: json.loads((three / "work" / "trials" / t["id"] / "score.json").read_text())["score"]

@@ -383,7 +383,19 @@ def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, r
                "note": "each cell released its best trial only; the number of trials, the other trials and every "
                        "timing are private (work/)"}
     (study_dir / "study_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    _stamp_releasable(study_dir)
     return study_dir
+
+
+def _stamp_releasable(study_dir: Path) -> None:
+    """Give every releasable file and directory the modification time of ``study.json`` (written before any trial):
+    the time between the study's start and its release grows with K, and copies would carry the chosen trial's."""
+    when = (study_dir / "study.json").stat().st_mtime
+    paths = [study_dir / "study_summary.json", study_dir / "PRIVACY.txt", study_dir / RELEASED]
+    paths += sorted((study_dir / RELEASED).rglob("*"), reverse=True) if (study_dir / RELEASED).is_dir() else []
+    for path in paths:
+        if path.exists():
+            os.utime(path, (when, when))
 
 
 @contextlib.contextmanager
@@ -444,10 +456,10 @@ def _release(study: StudyConfig, study_dir: Path, plans: dict[str, CellPlan], st
         best = min(trials, key=lambda t: scores[t["id"]])
         run_dir = study_dir / "work" / "trials" / best["id"] / "run"
         target.mkdir(parents=True)
-        shutil.copytree(run_dir / "adapter", target / "adapter")
+        shutil.copytree(run_dir / "adapter", target / "adapter", copy_function=shutil.copyfile)
         for name in RELEASED_FILES:
             if (run_dir / name).is_file():
-                shutil.copy2(run_dir / name, target / name)
+                shutil.copyfile(run_dir / name, target / name)
         run_summary = json.loads((run_dir / "summary.json").read_text())
         for key_ in TIMING_KEYS:
             run_summary.pop(key_, None)
