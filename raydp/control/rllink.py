@@ -910,7 +910,7 @@ def check_served_policy(policy: dict, expect: dict | None, url: str) -> None:
     decoding = policy.get("action_decoding")
     if decoding != expect.get("action_decoding"):
         raise ConfigError(f"policy server {url} acts in {decoding!r} clip decoding; this run decodes "
-                          f"{expect.get('action_decoding')!r} (set rldp.action_decoding: {decoding})")
+                          f"{expect.get('action_decoding')!r} (set settings.action_decoding: {decoding})")
 
 
 def check_policy_server(address: RLlinkAddress, secret: bytes, expect: dict | None = None,

@@ -256,9 +256,9 @@ def check_policy_privacy_mode(manifest: dict, privacy_mode: str, name: str) -> N
         if "paper" not in _declared_modes(manifest):
             raise ConfigError(f"policy {name}'s manifest declares no privacy mode (for some or all of the runs that "
                               "trained it), so it counts as paper mode (it may have seen unprivatized statistics); "
-                              "use rldp.privacy_mode=paper or a strict policy")
+                              "use settings.privacy_mode=paper or a strict policy")
         raise ConfigError(f"policy {name} was trained in paper mode (it saw unprivatized statistics); "
-                          "use rldp.privacy_mode=paper or a strict policy")
+                          "use settings.privacy_mode=paper or a strict policy")
 
 
 def provenance_summary(manifest: dict) -> list[str]:

@@ -24,6 +24,7 @@ import numpy as np
 
 from raydp.privacy.mechanism import DeclaredRelease, Dials, StepRelease
 from raydp.privacy.schedule import CONSTANT, SigmaSchedule
+from raydp.strategies.rldp_settings import PUBLIC_PROBE_RECORDS
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,8 @@ class Strategy(ABC):
     privacy_mode: str = "strict"
     #: whether :meth:`calibrate_public` must be called with a public probe before the first step
     needs_public_probe: bool = False
+    #: how many public records that probe holds (RLDP: its ``public_probe_records`` setting)
+    public_probe_records: int = PUBLIC_PROBE_RECORDS
     #: whether sigma is chosen during training from earlier releases. Such runs are enforced and
     #: reported with a Renyi filter, valid under fully adaptive composition (ERRATA E13,
     #: :mod:`raydp.privacy.filter`); fixed schedules keep PLD/PRV/RDP accounting of the ledger. Choosing

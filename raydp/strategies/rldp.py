@@ -60,6 +60,7 @@ from raydp.errors import ConfigError
 from raydp.privacy.statistics import ClippedLossSum, NormHistogram
 from raydp.privacy.mechanism import Dials, StepRelease
 from raydp.strategies.base import PAPER_MODE_LABEL, Strategy, StrategyContext
+from raydp.strategies.rldp_settings import RLDPSettings
 
 TRACE_FILE = "control_trace.parquet"
 DECISIONS_FILE = "controller_decisions.parquet"
@@ -89,7 +90,7 @@ class RLDPStrategy(Strategy):
     allocation = "proportional"
     needs_public_probe = True
     adaptive_sigma = True  # Eq. 13-14: sigma follows the policy's actions (Renyi filter, ERRATA E13)
-    settings_model = None  # its settings are TrainConfig.rldp (raydp.config.RLDPConfig)
+    settings_model = RLDPSettings  # TrainConfig.settings (raydp.strategies.rldp_settings)
 
     def __init__(self, settings, client=None):
         self.settings = settings
@@ -103,6 +104,7 @@ class RLDPStrategy(Strategy):
         # relative to sigma_0, so they do not depend on the chosen clips either.
         self.adaptive_sigma = bool(settings.noise_control)
         self.privacy_mode = settings.privacy_mode
+        self.public_probe_records = settings.public_probe_records
         self.client = client
         self.histogram = NormHistogram(None, None, settings.histogram_bins, settings.histogram_noise)
         self.loss_release = ClippedLossSum(None, settings.loss_noise)
