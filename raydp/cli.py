@@ -554,6 +554,7 @@ def cmd_policy_show(args) -> int:
 
 
 def cmd_policy_export(args) -> int:
+    from raydp.control.modes import unprotected
     from raydp.control.store import (  # lazy: `raydp --help` loads no pandas
         export_policy, load_manifest, policy_privacy_mode, resolve_policy)
 
@@ -562,7 +563,7 @@ def cmd_policy_export(args) -> int:
     archive = export_policy(path, Path(args.to), overwrite=args.overwrite,
                             include_private_replay=args.include_private_replay)
     print(f"policy {path.name} exported to {archive.absolute()}")
-    if policy_privacy_mode(manifest) == "paper":
+    if unprotected(policy_privacy_mode(manifest)):
         print("  WARNING: paper-mode policy: the archive's replay buffer holds unprivatized statistics of "
               "private data (ERRATA E14)")
     return 0

@@ -45,7 +45,6 @@ CLIP_MAX = 1.0
 CLIP_FLOOR = 1e-3
 RELATIVE_BOUNDS = (1e-3, 10.0)  # multiplier of the public reference scale (relative decoding)
 CAPPED_BOUNDS = (1e-3, 1.0)  # relative-capped: never above the public reference
-DECODINGS = ("paper", "relative", "relative-capped")
 MULTIPLIER_BOUNDS = {"relative": RELATIVE_BOUNDS, "relative-capped": CAPPED_BOUNDS}
 
 

@@ -23,9 +23,10 @@ def policy_layout_for(config):
     from raydp.model.loading import LoraSettings, expected_adapter_pairs
 
     settings = config.strategy_settings()
-    if settings.architecture == "shared":
-        return ObservationLayout("shared", settings.n_max)
-    return ObservationLayout("paper", expected_adapter_pairs(config.model, LoraSettings(**config.lora.model_dump())))
+    if not settings.modes.fixed_pairs:
+        return ObservationLayout(settings.architecture, settings.n_max)
+    return ObservationLayout(settings.architecture,
+                             expected_adapter_pairs(config.model, LoraSettings(**config.lora.model_dump())))
 
 
 def sac_settings(config):

@@ -15,6 +15,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from raydp.control.modes import ControllerModes, apply_paper_mode, resolve
 from raydp.settings import StrictModel
 
 #: public records that set a public probe's histogram bins and loss bound (every strategy that calibrates on them)
@@ -24,6 +25,10 @@ PUBLIC_PROBE_RECORDS = 32
 class RLDPSettings(StrictModel):
     """The RLDP controller (RLDP Sec. 2.4, Alg. 1, Sec. 3.1-3.2; ERRATA E3/E4)."""
 
+    paper_mode: bool = Field(False, description=(
+        "reproduce RLDP as published: privacy_mode, action_decoding and architecture left unset take their paper "
+        "value (raw statistics, UNPROTECTED and labelled; Eq. 10; Eq. 22-27); one set explicitly keeps its value "
+        "(raydp.control.modes)"))
     privacy_mode: Literal["strict", "paper"] = Field(
         "strict", description="strict: the controller sees only DP releases; paper: raw statistics (labelled)")
     t_warm: int = Field(50, ge=0, description="steps before the controller acts (Alg. 1 line 13)")
@@ -60,6 +65,16 @@ class RLDPSettings(StrictModel):
     frozen: bool = Field(False, description="act with the saved policy without training it")
     save_policy: str | None = Field(None, description="also save the trained policy as policy_dir/NAME")
     policy_dir: str = Field("policies", description="where named policies live")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _paper_mode(cls, values):
+        return apply_paper_mode(values)
+
+    @property
+    def modes(self) -> ControllerModes:
+        """The one reading of the mode settings (raydp.control.modes): what each component needs."""
+        return resolve(self.privacy_mode, self.action_decoding, self.architecture)
 
     @model_validator(mode="after")
     def _consistent(self):

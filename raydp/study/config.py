@@ -25,6 +25,7 @@ import pandas as pd
 from pydantic import AfterValidator, Field, model_validator
 
 from raydp.config import StrictModel, TrainConfig, load_yaml_mapping, validate_config
+from raydp.control.modes import resolve_values
 from raydp.errors import ConfigError
 from raydp.evaluation.results import EvalConfig
 from raydp.strategies.registry import (SPECS, STRATEGY_CHOICES, capability_names, get_spec, strategy_class,
@@ -296,7 +297,7 @@ class StudyConfig(StrictModel):
             if controller is None:
                 raise ValueError("transfer moves a controller's policy: it needs "
                                  f"{capability_names('controller')} in strategies")
-            if (self.strategy_settings.get(controller) or {}).get("architecture") == "paper":
+            if resolve_values(self.strategy_settings.get(controller)).fixed_pairs:
                 raise ValueError("transfer needs the size-agnostic policy "
                                  f"(strategy_settings.{controller}.architecture: shared)")
             if self.policy == "shared":

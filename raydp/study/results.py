@@ -84,6 +84,7 @@ import pandas as pd
 import torch
 from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
+from raydp.control.modes import resolve_values, unprotected
 from raydp.control.store import load_manifest, policy_privacy_mode, provenance_of, resolve_policy
 from raydp.data.identity import identity_of, manifest_id
 from raydp.errors import ConfigError
@@ -492,7 +493,7 @@ def _paper_rldp(study, trial: dict | None = None) -> bool:
     """Whether a controller trial ran in paper mode (the study's base, or the trial's settings_grid variant)."""
     controller = study.controller_strategy
     rldp = {**(study.strategy_settings.get(controller) or {}), **((trial or {}).get("grid") or {})} if controller else {}
-    return rldp.get("privacy_mode") == "paper"
+    return resolve_values(rldp).raw_statistics
 
 
 def _trial_policy(study, trial: dict) -> tuple[str | None, Path | None, str | None]:
@@ -522,7 +523,7 @@ def _policy_runs(study, trial: dict, study_dir: Path, sha: str | None,
         return [], [], [f"trial {trial['name']} started from policy {name}, which cannot be read ({problem}): "
                         "the spend of the runs that trained it is unknown"]
     manifest = load_manifest(path)
-    labels = [PAPER_POLICY_LABEL] if policy_privacy_mode(manifest) == "paper" else []
+    labels = [PAPER_POLICY_LABEL] if unprotected(policy_privacy_mode(manifest)) else []
     if path == study_dir or study_dir in path.parents:  # trained by a trial of this study: composed as a trial
         return [], labels, []
     runs, warnings = [], []
@@ -547,7 +548,7 @@ def _policy_runs(study, trial: dict, study_dir: Path, sha: str | None,
                      "curve": curve_on_orders(entry["rdp_orders"], entry["rdp_curve"]),
                      "epsilon_target": entry.get("epsilon"), "privacy_unit": entry.get("privacy_unit"),
                      "labels": [str(label) for label in entry.get("labels") or []]
-                     + ([PAPER_MODE_LABEL] if entry.get("privacy_mode") == "paper" else [])})
+                     + ([PAPER_MODE_LABEL] if unprotected(entry.get("privacy_mode")) else [])})
     return runs, labels, warnings
 
 
