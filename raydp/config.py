@@ -12,7 +12,6 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from raydp.data.splits import check_fractions
 from raydp.settings import StrictModel, load_yaml_mapping, validate_config  # noqa: F401  (re-exported)
 from raydp.control.transports import transport_for
 from raydp.strategies.registry import (NONPRIVATE, SPECS, STRATEGY_CHOICES, get_spec, strategy_class,
@@ -74,6 +73,8 @@ class DataConfig(StrictModel):
                              "is kept on its own, so one patient's presence never moves another)")
         if generated and self.sample_fraction is not None:
             raise ValueError("sample_fraction subsamples a CSV; n_records sizes synthetic data")
+        from raydp.data.splits import check_fractions  # lazy: the data package loads pandas and scipy
+
         try:
             check_fractions(self.fractions)
         except Exception as exc:
@@ -132,7 +133,7 @@ class TrainConfig(StrictModel):
     """One fine-tuning run (RLDP Sec. 3.1 defaults)."""
 
     model: str = Field("embedded", description="embedded preset, Hugging Face name, or local model dir")
-    data: DataConfig = DataConfig()
+    data: DataConfig = Field(default_factory=DataConfig)
     task: TaskConfig = TaskConfig()
     lora: LoraConfigModel = LoraConfigModel()
     strategy: str = Field("nonprivate", description="nonprivate, or a registered DP strategy "

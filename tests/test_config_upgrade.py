@@ -82,3 +82,14 @@ def test_a_saved_study_json_with_base_rldp_compares_equal_after_the_upgrade():
     assert upgrade_study_values(old) == saved
     with pytest.raises(ValueError, match="base.rldp.t_warm and strategy_settings.rldp.t_warm are both set"):
         upgrade_study_values({**saved, "base": {"rldp": {"t_warm": 2}}})
+
+
+def test_the_config_models_load_without_pandas_scipy_or_torch():
+    """The CLI reads the models to build its flags (issue 30): importing raydp.config must stay light."""
+    import subprocess
+    import sys
+
+    code = ("import sys, raydp.config, raydp.strategies.rldp_settings; "
+            "print(sorted(m for m in ('pandas', 'scipy', 'torch', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
