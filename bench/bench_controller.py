@@ -34,7 +34,7 @@ def one_run(strategy: str, steps: int, t_rl: int, threads: int, out: Path) -> di
 
     # epochs high enough that max_steps sets the step count (and sigma_0 is calibrated for it)
     config = validate_config(TrainConfig, {"strategy": strategy, "epsilon": 2.0, "epochs": 100.0, "max_steps": steps,
-                                           "rldp": {"t_rl": t_rl}})
+                                           **({"settings": {"t_rl": t_rl}} if strategy == "rldp" else {})})
     session, startup = None, 0.0
     if strategy == "rldp":
         started = time.perf_counter()

@@ -133,8 +133,8 @@ def main(argv=None) -> int:
     server = RLlinkPolicyServer(layout, settings, port=port, trained_on=trained_on(config)).start()
     try:
         connection = rllink_connection(RLlinkAddress("127.0.0.1", port), resolve_secret()[0],
-                                       {"privacy_mode": config.rldp.privacy_mode,
-                                        "action_decoding": config.rldp.action_decoding})
+                                       {"privacy_mode": config.strategy_settings().privacy_mode,
+                                        "action_decoding": config.strategy_settings().action_decoding})
         out = ray.get(run.decide_loop.remote("rllink", connection, args.decisions, args.gap, args.pairs, 0,
                                              args.weights_every))
         server.wait_idle(60)

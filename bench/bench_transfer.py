@@ -35,7 +35,8 @@ def main() -> None:
     def cfg(model, strategy="rldp", **rldp):
         return validate_config(TrainConfig, {"model": model, "strategy": strategy, "epsilon": args.epsilon,
                                              "epochs": args.epochs,
-                                             "rldp": {"t_rl": args.t_rl, "policy_dir": str(policy_dir), **rldp}})
+                                             **({"settings": {"t_rl": args.t_rl, "policy_dir": str(policy_dir), **rldp}}
+                                                if strategy == "rldp" else {})})
 
     runs = {
         "source (embedded, online)": cfg("embedded", save_policy="source"),

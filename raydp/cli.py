@@ -20,7 +20,7 @@ from pathlib import Path
 
 from raydp import __version__
 from raydp.errors import ConfigError, RaydpError
-from raydp.strategies.registry import STRATEGY_CHOICES, controller_settings_field
+from raydp.strategies.registry import STRATEGY_CHOICES
 
 
 def _add_data_source_args(parser: argparse.ArgumentParser, defaults: bool) -> None:
@@ -198,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def train_config_from_args(args: argparse.Namespace):
-    from raydp.config import TrainConfig, load_yaml_mapping, validate_config  # lazy: `raydp --help` loads no pandas
+    from raydp.config import (  # lazy: `raydp --help` loads no pandas
+        TrainConfig, load_yaml_mapping, upgrade_train_values, validate_config)
 
     values = load_yaml_mapping(args.config) if args.config else {}
     for key in ("model", "strategy", "epsilon", "delta", "accountant", "clip", "epochs", "max_steps", "batch_size",
@@ -233,15 +234,13 @@ def train_config_from_args(args: argparse.Namespace):
             task[key] = getattr(args, flag)
     if task:
         values["task"] = task
-    block = controller_settings_field()  # the controller's settings block (RLDP's `rldp`)
-    rldp = dict(values.get(block) or {})
-    for flag, key in (("privacy_mode", "privacy_mode"), ("t_warm", "t_warm"), ("t_rl", "t_rl"), ("b_sac", "b_sac"),
-                      ("k", "k"), ("r_max", "r_max"), ("policy_arch", "architecture"), ("policy", "policy"),
-                      ("frozen", "frozen"), ("save_policy", "save_policy"), ("policy_dir", "policy_dir")):
-        if getattr(args, flag) is not None:
-            rldp[key] = getattr(args, flag)
-    if rldp:
-        values[block] = rldp
+    rldp = {key: getattr(args, flag) for flag, key in (
+        ("privacy_mode", "privacy_mode"), ("t_warm", "t_warm"), ("t_rl", "t_rl"), ("b_sac", "b_sac"), ("k", "k"),
+        ("r_max", "r_max"), ("policy_arch", "architecture"), ("policy", "policy"), ("frozen", "frozen"),
+        ("save_policy", "save_policy"), ("policy_dir", "policy_dir")) if getattr(args, flag) is not None}
+    if rldp:  # the controller's settings, under settings like every strategy's
+        values = upgrade_train_values({**values, "strategy": values.get("strategy", args.strategy)})
+        values["settings"] = {**(values.get("settings") or {}), **rldp}
     return validate_config(TrainConfig, values)
 
 
@@ -576,6 +575,7 @@ def cmd_policy_show(args) -> int:
 
 
 def cmd_policy_export(args) -> int:
+    from raydp.control.modes import unprotected
     from raydp.control.store import (  # lazy: `raydp --help` loads no pandas
         export_policy, load_manifest, policy_privacy_mode, resolve_policy)
 
@@ -584,7 +584,7 @@ def cmd_policy_export(args) -> int:
     archive = export_policy(path, Path(args.to), overwrite=args.overwrite,
                             include_private_replay=args.include_private_replay)
     print(f"policy {path.name} exported to {archive.absolute()}")
-    if policy_privacy_mode(manifest) == "paper":
+    if unprotected(policy_privacy_mode(manifest)):
         print("  WARNING: paper-mode policy: the archive's replay buffer holds unprivatized statistics of "
               "private data (ERRATA E14)")
     return 0

@@ -12,11 +12,10 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from raydp.data.splits import check_fractions
 from raydp.settings import StrictModel, load_yaml_mapping, validate_config  # noqa: F401  (re-exported)
 from raydp.control.transports import transport_for
-from raydp.strategies.registry import (STRATEGY_CHOICES, get_spec, strategy_class, strategy_settings,
-                                       with_capability)
+from raydp.strategies.registry import (NONPRIVATE, SPECS, STRATEGY_CHOICES, get_spec, strategy_class,
+                                       strategy_settings, with_capability)
 
 
 #: records of the embedded default's synthetic dataset (the benchmark, issue 27): with the default split fractions,
@@ -74,6 +73,8 @@ class DataConfig(StrictModel):
                              "is kept on its own, so one patient's presence never moves another)")
         if generated and self.sample_fraction is not None:
             raise ValueError("sample_fraction subsamples a CSV; n_records sizes synthetic data")
+        from raydp.data.splits import check_fractions  # lazy: the data package loads pandas and scipy
+
         try:
             check_fractions(self.fractions)
         except Exception as exc:
@@ -99,59 +100,40 @@ class TaskConfig(StrictModel):
                               "other field in synthetic records: use it with the real CSV)")
 
 
-class RLDPConfig(StrictModel):
-    """The RLDP controller (RLDP Sec. 2.4, Alg. 1, Sec. 3.1-3.2; ERRATA E3/E4)."""
-
-    privacy_mode: Literal["strict", "paper"] = Field(
-        "strict", description="strict: the controller sees only DP releases; paper: raw statistics (labelled)")
-    t_warm: int = Field(50, ge=0, description="steps before the controller acts (Alg. 1 line 13)")
-    t_rl: int = Field(112, gt=0, description="steps between decisions (T_RL)")
-    b_sac: int = Field(4, gt=0, description="transitions per SAC update (B_SAC)")
-    k: int = Field(2, gt=0, description="SAC updates per decision (K)")
-    r_max: float = Field(5.0, gt=0, description="reward lower bound -R_max (Eq. 20)")
-    initial_clip: float = Field(0.1, gt=0, le=1.0, description="C_0 per pair before the controller acts")
-    noise_control: bool = Field(
-        True, description="the policy also sets sigma (Eq. 11-15; Renyi filter, ERRATA E13); false: sigma stays "
-                          "sigma_0 and the policy sets the clips only, accounted like a fixed-sigma run")
-    action_decoding: Literal["paper", "relative", "relative-capped"] = Field(
-        "relative", description="clip actions as Eq. 10 (C_i = min(e^a_i, 1)), or relative to each pair's public "
-                             "reference norm (C_i = r_i e^a_i, e^a_i in [1e-3, 10]; relative-capped: in [1e-3, 1]; "
-                             "raydp.control.decoding)")
-    clip_floor: float = Field(1e-3, gt=0, lt=1.0, description="lower bound on decoded clip radii")
-    histogram_bins: int = Field(24, ge=2, description="bins of the DP norm histogram (strict mode)")
-    histogram_decades: float = Field(6.0, gt=0, description="log10 width of the histogram, centred on the public norm")
-    histogram_noise: float = Field(4.0, gt=0, description="histogram noise std per unit sigma and sensitivity")
-    loss_noise: float = Field(4.0, gt=0, description="loss-sum noise std per unit sigma and sensitivity")
-    public_probe_records: int = Field(32, gt=0, description="public records that set the bins and loss bound")
-    architecture: Literal["shared", "paper"] = Field(
-        "shared", description="shared: size-agnostic (transfers across models); paper: Eq. 22-27 for fixed n")
-    n_max: int = Field(64, gt=0, description="adapter slots of a shared policy")
-    hidden: int = Field(128, gt=0)
-    gamma: float = Field(0.99, ge=0, lt=1)
-    tau: float = Field(0.01, gt=0, le=1)
-    actor_lr: float = Field(2e-4, gt=0)
-    critic_lr: float = Field(1e-4, gt=0)
-    alpha: float = Field(0.04, gt=0, description="fixed entropy temperature")
-    replay_capacity: int = Field(10_000, gt=0)
-    policy: str | None = Field(None, description="start from a saved policy (name under policy_dir, or a path)")
-    frozen: bool = Field(False, description="act with the saved policy without training it")
-    save_policy: str | None = Field(None, description="also save the trained policy as policy_dir/NAME")
-    policy_dir: str = Field("policies", description="where named policies live")
-
-    @model_validator(mode="after")
-    def _consistent(self):
-        if self.frozen and not self.policy:
-            raise ValueError("a frozen policy needs --policy NAME")
-        if self.frozen and self.save_policy:
-            raise ValueError("a frozen policy is not trained; there is nothing new to save")
-        return self
+def upgrade_train_values(values):
+    """An old run config's values in today's form (every TrainConfig is read through this, so old YAML files, a
+    stored run's ``config.json`` and a study's base all load; ``raydp migrate`` rewrites stored ones). A strategy's
+    legacy settings block (RLDP's ``rldp:``, before issue 30: its spec's ``legacy_block``) moves under ``settings``
+    when the config runs that strategy, and is dropped otherwise: every old run's config.json carried it, defaults
+    included, whatever its strategy, and no other strategy read it."""
+    if not isinstance(values, dict):
+        return values
+    blocks = {spec.legacy_block: name for name, spec in SPECS.items() if spec.legacy_block and spec.legacy_block in values}
+    if not blocks:
+        return values
+    values = dict(values)
+    for block, owner in blocks.items():
+        legacy = values.pop(block)
+        if values.get("strategy", NONPRIVATE) != owner or legacy is None:
+            continue
+        if not isinstance(legacy, dict):
+            raise ValueError(f"{block}: give the strategy's settings as a mapping (under settings)")
+        settings = values.get("settings") or {}
+        if not isinstance(settings, dict):
+            continue  # the field's own validation names it
+        both = sorted(set(legacy) & set(settings))
+        if both:
+            raise ValueError(f"{block}.{both[0]} and settings.{both[0]} are both set: {block}'s settings now go under "
+                             "settings only")
+        values["settings"] = {**legacy, **settings}
+    return values
 
 
 class TrainConfig(StrictModel):
     """One fine-tuning run (RLDP Sec. 3.1 defaults)."""
 
     model: str = Field("embedded", description="embedded preset, Hugging Face name, or local model dir")
-    data: DataConfig = DataConfig()
+    data: DataConfig = Field(default_factory=DataConfig)
     task: TaskConfig = TaskConfig()
     lora: LoraConfigModel = LoraConfigModel()
     strategy: str = Field("nonprivate", description="nonprivate, or a registered DP strategy "
@@ -196,12 +178,16 @@ class TrainConfig(StrictModel):
     max_length: int | None = Field(None, gt=1, description="token cap per sequence (default: model's, at most 512; "
                                    "a classification prompt is exactly this long, default 384, left-filled)")
     device: str = "auto"
-    rldp: RLDPConfig = RLDPConfig()
     cpus: int | None = Field(None, gt=0, description="CPU threads of the run (default: all of this machine's)")
     controller: str = Field("broker", description="where an RLDP run's policy is: 'broker' (a policy service "
                             "started for the run) or 'rllink://HOST:PORT', a policy server reached over RLlib's "
                             "RLlink protocol (raydp.control.rllink; HOST is IPv4 loopback only, localhost meaning "
                             "127.0.0.1, and defaults to 127.0.0.1: reach a remote server through an SSH tunnel)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _upgrade(cls, values):
+        return upgrade_train_values(values)
 
     @field_validator("controller")
     @classmethod
@@ -222,7 +208,7 @@ class TrainConfig(StrictModel):
         if transport_for(self.controller).external:  # the policy lives outside the run (a server owns it)
             for key in ("policy", "frozen", "save_policy"):
                 if getattr(self.strategy_settings(), key):
-                    raise ValueError(f"{spec.config_field}.{key} does not apply with controller "
+                    raise ValueError(f"settings.{key} does not apply with controller "
                                      f"{self.controller!r}: the policy server owns the policy")
         if self.common_random_numbers and self.data.source != "public" and not Path(self.data.source).expanduser().is_dir():
             # a dataset directory (a study's built dataset) is checked when the run starts: its manifest says
@@ -230,10 +216,9 @@ class TrainConfig(StrictModel):
                              "(data.source: public); on private data the randomness is secret (ERRATA E12)")
         if spec.private and self.epsilon is None:
             raise ValueError(f"strategy {self.strategy!r} needs a target epsilon")
-        if self.settings and (not spec.private or spec.config_field):
-            raise ValueError(f"strategy {self.strategy!r} takes no `settings`" +
-                             (f" (its settings are the `{spec.config_field}` block)" if spec.config_field else ""))
-        if spec.private and not spec.config_field:
+        if self.settings and not spec.private:
+            raise ValueError(f"strategy {self.strategy!r} takes no `settings`")
+        if spec.private:
             self.strategy_settings()  # a bad setting is an error naming it, before anything runs
             if getattr(strategy_class(self.strategy), "mechanism", None) == "local":
                 if self.task.kind != "classification":
@@ -245,10 +230,7 @@ class TrainConfig(StrictModel):
         return self
 
     def strategy_settings(self):
-        """The strategy's validated settings model (RLDP: the ``rldp`` block, its spec's ``config_field``)."""
-        field = get_spec(self.strategy).config_field
-        if field:
-            return getattr(self, field)
+        """The strategy's validated settings model (from ``settings``; RLDP's too)."""
         return strategy_settings(self.strategy, self.settings, clip=self.clip, batch_size=self.batch_size)
 
     @property

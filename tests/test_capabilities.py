@@ -77,7 +77,7 @@ def test_the_registry_declares_every_capability_code_asks_for():
     assert with_capability(STRATEGY_CHOICES, "controller") == ["rldp"]
     assert with_capability(STRATEGY_CHOICES, "population") == ["pbt"]
     assert set(with_capability(STRATEGY_CHOICES, "challenger")) == {"rldp", "clip-schedule"}
-    assert get_spec("rldp").config_field == "rldp"
+    assert get_spec("rldp").legacy_block == "rldp"  # read only to migrate old configs
     with pytest.raises(Exception, match="no strategy class"):
         get_spec("nonprivate").load()
 
@@ -89,7 +89,7 @@ def test_a_config_asks_its_strategy_for_its_capabilities():
     plain = validate_config(TrainConfig, {})
     assert not plain.is_private and not plain.is_controlled
     rldp = validate_config(TrainConfig, {"strategy": "rldp", "epsilon": 2.0})
-    assert rldp.is_private and rldp.is_controlled and rldp.strategy_settings() is rldp.rldp
+    assert rldp.is_private and rldp.is_controlled and rldp.strategy_settings().t_rl == 112
     static = validate_config(TrainConfig, {"strategy": "static", "epsilon": 2.0, "clip": 0.5})
     assert static.is_private and not static.is_controlled and static.strategy_settings().clip == 0.5
 

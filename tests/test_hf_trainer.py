@@ -270,7 +270,7 @@ class FakePolicy:
 @pytest.mark.parametrize("strategy", ["dc-sgd-p", "rldp"])  # declared releases; adaptive sigma, pairwise clips
 def test_other_strategies_under_the_trainer(tmp_path, texts, strategy):
     loaded = fresh_model()
-    extra = ({"rldp": {"t_warm": 1, "t_rl": 2}, "dataset_id": "rdi1:" + "d" * 32} if strategy == "rldp"
+    extra = ({"settings": {"t_warm": 1, "t_rl": 2}, "dataset_id": "rdi1:" + "d" * 32} if strategy == "rldp"
              else {"units": np.arange(N_RECORDS) // 2})
     client = FakePolicy(service="a policy that learns") if strategy == "rldp" else None
     dp = DPTraining(loaded.model, texts, loaded.tokenizer, **{**PRIVACY, "strategy": strategy}, max_steps=3,

@@ -95,7 +95,7 @@ def test_shipped_policy_is_strict_public_and_usable():
     assert policy_privacy_mode(manifest) == "strict"
     assert manifest["trained_on"]["pretraining"]["public_data"]
     assert manifest["provenance"] and all(e["public_data"] for e in manifest["provenance"])
-    config = validate_config(TrainConfig, {"strategy": "rldp", "epsilon": 2.0, "rldp": {"policy": "public-embedded"}})
+    config = validate_config(TrainConfig, {"strategy": "rldp", "epsilon": 2.0, "settings": {"policy": "public-embedded"}})
     assert check_policy_privacy(config) is not None  # no error
 
 
@@ -105,7 +105,7 @@ def test_a_policy_acts_only_in_the_clip_decoding_it_learned(tmp_path):
 
     fake_policy(tmp_path, "eq10", provenance=[entry()], trained_on={"model": "embedded-tiny"})  # before the option
     def config(decoding):
-        return validate_config(TrainConfig, {"model": "embedded-tiny", "strategy": "rldp", "epsilon": 2.0, "rldp": {
+        return validate_config(TrainConfig, {"model": "embedded-tiny", "strategy": "rldp", "epsilon": 2.0, "settings": {
             "policy": "eq10", "policy_dir": str(tmp_path), "action_decoding": decoding}})
 
     with pytest.raises(ConfigError, match="acts in 'paper' clip decoding; this run decodes 'relative'"):
@@ -123,11 +123,11 @@ def test_paper_policy_refuses_to_drive_a_strict_run(tmp_path):
 
     def config(policy, mode):
         return validate_config(TrainConfig, {"model": "embedded-tiny", "strategy": "rldp", "epsilon": 2.0,
-                                             "rldp": {"policy": policy, "policy_dir": str(tmp_path),
-                                                      "privacy_mode": mode}})
+                                             "settings": {"policy": policy, "policy_dir": str(tmp_path),
+                                                          "privacy_mode": mode}})
 
     message = ("policy paperpol was trained in paper mode (it saw unprivatized statistics); "
-               "use rldp.privacy_mode=paper or a strict policy")
+               "use settings.privacy_mode=paper or a strict policy")
     with pytest.raises(ConfigError) as err:
         start_policy(config("paperpol", "strict"))  # before any Ray actor starts
     assert str(err.value) == message

@@ -22,7 +22,7 @@ from raydp.runner.launch import train
 def tiny_config(**overrides):
     values = {"model": "embedded-tiny", "strategy": "rldp", "epsilon": 2.0, "data": {"n_records": 400},
               "max_steps": 24, "eval_every": 12, "eval_max_records": 16, "warmup_steps": 4,
-              "rldp": {"t_warm": 4, "t_rl": 4, "b_sac": 4, "k": 2, "n_max": 8, "hidden": 32}}
+              "settings": {"t_warm": 4, "t_rl": 4, "b_sac": 4, "k": 2, "n_max": 8, "hidden": 32}}
     for key, value in overrides.items():
         if isinstance(value, dict):
             values[key] = {**values.get(key, {}), **value}
@@ -95,7 +95,7 @@ def test_saved_policy_reloads_and_gives_identical_actions(trained_session, tmp_p
 @pytest.fixture(scope="module")
 def rldp_run(local_ray, tmp_path_factory):
     root = tmp_path_factory.mktemp("rldp")
-    config = tiny_config(rldp={"save_policy": "tiny", "policy_dir": str(root / "policies")})
+    config = tiny_config(settings={"save_policy": "tiny", "policy_dir": str(root / "policies")})
     summary = train(config, root / "run", progress=False)
     return root, summary
 
@@ -139,7 +139,7 @@ def test_rldp_run_is_within_budget_with_its_traces(rldp_run):
 def test_frozen_policy_controls_a_model_with_more_adapters_in_paper_mode(rldp_run, tmp_path):
     root, _ = rldp_run
     config = tiny_config(model="embedded-tiny-deep",
-                         rldp={"policy": "tiny", "policy_dir": str(root / "policies"), "frozen": True,
+                         settings={"policy": "tiny", "policy_dir": str(root / "policies"), "frozen": True,
                                "privacy_mode": "paper"})
     summary = train(config, tmp_path / "deep", progress=False)
     assert summary["n_adapter_pairs"] == 4  # the policy was trained with 2
@@ -159,7 +159,7 @@ def test_rldp_needs_a_policy_to_freeze():
     from raydp.errors import ConfigError
 
     with pytest.raises(ConfigError, match="frozen policy needs"):
-        tiny_config(rldp={"frozen": True})
+        tiny_config(settings={"frozen": True})
 
 
 # ~2.5-5 min: two Ray actor runs sharing one policy service is test_study.py::
@@ -171,8 +171,8 @@ def test_two_runs_share_a_policy_and_one_can_die(local_ray, tmp_path):
     from raydp.runner.actor import FineTuningRun
 
     with PolicySession(ObservationLayout("shared", 8), SACSettings(b_sac=4, k=2, hidden=32)) as session:
-        survivor_cfg = tiny_config(max_steps=40, epochs=5, rldp={"t_rl": 2, "t_warm": 2})  # 5 epochs > 40 steps
-        victim_cfg = tiny_config(max_steps=400, data={"n_records": 400, "seed": 1}, rldp={"t_rl": 2, "t_warm": 2})
+        survivor_cfg = tiny_config(max_steps=40, epochs=5, settings={"t_rl": 2, "t_warm": 2})  # 5 epochs > 40 steps
+        victim_cfg = tiny_config(max_steps=400, data={"n_records": 400, "seed": 1}, settings={"t_rl": 2, "t_warm": 2})
         survivor, victim = (FineTuningRun.options(num_cpus=1).remote(1) for _ in range(2))
         done = survivor.run.remote(survivor_cfg.model_dump(mode="json"), str(tmp_path / "a"), False,
                                    session.connection(), "survivor", False)

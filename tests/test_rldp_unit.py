@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from raydp.config import RLDPConfig
+from raydp.strategies.rldp_settings import RLDPSettings
 from raydp.control.features import ObservationLayout
 from raydp.privacy.mechanism import Dials, StepRelease
 from raydp.strategies.base import StrategyContext
@@ -40,7 +40,7 @@ class FakeClient:
 
 
 def make_rldp(action, spent, t_warm=2, t_rl=3, r_max=5.0, probe=((1.0, 1.0),), **rldp):
-    settings = RLDPConfig(t_warm=t_warm, t_rl=t_rl, r_max=r_max, histogram_bins=BINS, histogram_decades=6.0,
+    settings = RLDPSettings(t_warm=t_warm, t_rl=t_rl, r_max=r_max, histogram_bins=BINS, histogram_decades=6.0,
                           initial_clip=0.1, clip_floor=1e-3, **{"action_decoding": "paper", **rldp})
     client = FakeClient(action)
     strategy = RLDPStrategy(settings, client=client)
@@ -111,7 +111,7 @@ def test_paper_warm_up_follows_the_exact_norms_at_every_step():
 def test_decisions_come_after_the_warm_up_every_t_rl_steps():
     strategy, client = make_rldp([0.0] * 5, [0.0], t_warm=4, t_rl=3)
     assert [t for t in range(1, 16) if strategy.wants_decision(t)] == [6, 9, 12, 15]
-    no_client = RLDPStrategy(RLDPConfig(t_warm=4, t_rl=3))
+    no_client = RLDPStrategy(RLDPSettings(t_warm=4, t_rl=3))
     assert not any(no_client.wants_decision(t) for t in range(20))
 
 

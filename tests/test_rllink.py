@@ -49,7 +49,7 @@ STRICT = {"privacy_mode": "strict", "action_decoding": "relative"}  # what a run
 def tiny_config(**overrides):
     values = {"model": "embedded-tiny", "strategy": "rldp", "epsilon": 2.0, "data": {"n_records": 300},
               "max_steps": 12, "max_length": 96, "eval_every": 12, "eval_max_records": 8, "public_eval_records": 16,
-              "warmup_steps": 2, "rldp": {"t_warm": 2, "t_rl": 2, "b_sac": 4, "k": 2, "n_max": 8, "hidden": 32}}
+              "warmup_steps": 2, "settings": {"t_warm": 2, "t_rl": 2, "b_sac": 4, "k": 2, "n_max": 8, "hidden": 32}}
     values.update(overrides)
     return validate_config(TrainConfig, values)
 
@@ -227,8 +227,8 @@ def test_controller_urls_and_their_one_line_errors(capsys):
             tiny_config(controller=bad)
     with pytest.raises(ConfigError, match="drives a run whose dials a policy sets \\(strategy rldp\\), not 'static'"):
         validate_config(TrainConfig, {"strategy": "static", "epsilon": 1.0, "controller": "rllink://:5555"})
-    with pytest.raises(ConfigError, match="rldp.save_policy does not apply"):
-        tiny_config(controller="rllink://:5555", rldp={"save_policy": "p"})
+    with pytest.raises(ConfigError, match="settings.save_policy does not apply"):
+        tiny_config(controller="rllink://:5555", settings={**tiny_config().settings, "save_policy": "p"})
     from raydp.cli import main
 
     assert main(["train", "-o", "/nonexistent/x", "--strategy", "rldp", "--epsilon", "1",
@@ -312,7 +312,7 @@ def test_one_run_actor_serves_both_transports(server, monkeypatch, tmp_path):
         assert type(client) is PolicyClient and client.layout == layout
     finally:
         ray.kill(broker)
-    expect = {"privacy_mode": "strict", "action_decoding": config.rldp.action_decoding}
+    expect = {"privacy_mode": "strict", "action_decoding": config.strategy_settings().action_decoding}
     client = client_from_connection(rllink_connection(server.address, SECRET.encode(), expect), "run-2")
     try:
         assert type(client) is RLlinkPolicyClient and client.layout == layout and client.service == server.url
@@ -491,7 +491,7 @@ def test_a_policy_server_saves_its_policy_with_the_provenance_of_the_runs_that_t
     assert manifest["transitions"] == 6 and manifest["sac_updates"] == 6 * 2
     config = tiny_config()
     assert manifest["trained_on"]["privacy_mode"] == "strict" and manifest["layout"] == policy_layout_for(config).as_dict()
-    assert manifest["trained_on"]["action_decoding"] == config.rldp.action_decoding and manifest["trained_on"]["runs"] == 1
+    assert manifest["trained_on"]["action_decoding"] == config.strategy_settings().action_decoding and manifest["trained_on"]["runs"] == 1
     # run A's entry as it sent it, but for its id (the server's); run B's 2 transitions are not hidden: an
     # entry of unknown dataset and spend
     first, unknown = manifest["provenance"]
@@ -658,7 +658,7 @@ def test_only_ipv4_loopback_is_accepted_and_localhost_is_never_resolved(server, 
     ``localhost`` is the literal 127.0.0.1, never resolved."""
     from raydp.control.address import is_loopback, require_loopback
 
-    assert tiny_config().rldp.action_decoding == STRICT["action_decoding"]
+    assert tiny_config().strategy_settings().action_decoding == STRICT["action_decoding"]
     for host in ("::1", "0:0:0:0:0:0:0:1", "::ffff:127.0.0.1", "[::1]"):
         assert not is_loopback(host), host
         with pytest.raises(ConfigError, match="IPv4 loopback"):
@@ -778,8 +778,8 @@ def test_a_policy_server_refuses_to_restore_a_policy_of_another_mode_or_decoding
         with pytest.raises(ConfigError, match=message) as refused:
             policy_server(tiny_config(), restore=path)
         assert "\n" not in str(refused.value)
-    rldp = {**tiny_config().rldp.model_dump(), "privacy_mode": "paper"}
-    srv = policy_server(tiny_config(rldp=rldp), restore=paper, frozen=True)
+    rldp = {**tiny_config().settings, "privacy_mode": "paper"}
+    srv = policy_server(tiny_config(settings=rldp), restore=paper, frozen=True)
     try:
         assert srv.runner.config.env_config["policy"] == {"privacy_mode": "paper", "action_decoding": "relative"}
     finally:

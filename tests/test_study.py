@@ -27,7 +27,8 @@ TINY_STUDY = {
     "sac_grid": {"t_rl": [4], "b_sac": [4], "k": [2]},
     "resources": {"cpus_per_trial": 1},
     "base": {"data": {"n_records": 400}, "max_steps": 24, "eval_every": 8, "eval_max_records": 16,
-             "warmup_steps": 4, "rldp": {"t_warm": 4, "n_max": 8, "hidden": 32}},
+             "warmup_steps": 4},
+    "strategy_settings": {"rldp": {"t_warm": 4, "n_max": 8, "hidden": 32}},
 }
 
 
@@ -48,7 +49,7 @@ def write_study(tmp_path, **changes):
     ({"base": {"strategy": "static"}}, "base.strategy is set by the study's grid"),
     ({"base": {"batch_size": -3}}, "batch_size"),
     ({"base": {"data": {"n_records": 400}, "delta": 0.01}}, "trial static_embedded-tiny_eps2_seed0: delta=0.01"),
-    ({"base": {"data": {"n_records": 400}, "rldp": {"frozen": True}}}, "frozen policy needs"),
+    ({"strategy_settings": {"rldp": {"frozen": True}}}, "frozen policy needs"),
     ({"name": "bad name!"}, "name"),
     ({"evaluate": {}}, "evaluate.audit needs audit canaries in the data"),
     ({"policy": "shared", "sac_grid": {"t_rl": [4], "b_sac": [4, 8], "k": [2]}}, "a shared policy has one B_SAC"),
@@ -114,8 +115,8 @@ def test_settings_grid_expands_into_named_trials_with_their_settings(tmp_path):
     names = [trial_name(t) for t in trials]
     assert len(set(names)) == 5 and names[1].endswith("_clip0.01")
     assert trial_config(study, trials[1]).settings == {"clip": 0.01}
-    assert trial_config(study, trials[3]).rldp.action_decoding == "paper"
-    assert trial_config(study, trials[4]).rldp.action_decoding == "relative"
+    assert trial_config(study, trials[3]).strategy_settings().action_decoding == "paper"
+    assert trial_config(study, trials[4]).strategy_settings().action_decoding == "relative"
 
 
 @pytest.fixture(scope="module")
@@ -322,13 +323,12 @@ def test_rldp_trials_can_share_one_policy(tiny_study, tmp_path, monkeypatch):
     from raydp.study.runner import prepare_study
 
     monkeypatch.chdir(tmp_path)
-    rldp = {**TINY_STUDY["base"]["rldp"], "policy": "pre", "policy_dir": "policies"}
-    study = load_study(write_study(tmp_path, name="reuse", strategies=["rldp"], base={**TINY_STUDY["base"],
-                                                                                       "rldp": rldp}))
+    rldp = {**TINY_STUDY["strategy_settings"]["rldp"], "policy": "pre", "policy_dir": "policies"}
+    study = load_study(write_study(tmp_path, name="reuse", strategies=["rldp"], strategy_settings={"rldp": rldp}))
     dataset, (trial,) = prepare_study(study, tmp_path / "reuse")
     assert trial["policy_path"] == str((tmp_path / "policies" / "pre").resolve())
     monkeypatch.chdir(tmp_path / "reuse")  # as in a Tune trial
-    assert trial_config(study, trial, dataset, trial["policy_path"]).rldp.policy == trial["policy_path"]
+    assert trial_config(study, trial, dataset, trial["policy_path"]).strategy_settings().policy == trial["policy_path"]
 
 
 def _trial_footprint(study_dir: Path) -> tuple[dict, dict, list]:

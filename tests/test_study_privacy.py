@@ -237,8 +237,8 @@ def test_a_saved_policys_training_runs_on_the_same_data_compose(tmp_path, monkey
     public = {**same, "dataset_id": public_id("f" * 64), "public_data": True}
     write_manifest(pol, layout=ObservationLayout("shared", 8), sac={}, trained_on={"model": "embedded"}, results={},
                    transitions=1, updates=1, provenance=[same, elsewhere, public])
-    study = make_study(strategies=["rldp"], base={"delta": DELTA, "rldp": {"policy": "prior",
-                                                                          "policy_dir": str(policies)}})
+    study = make_study(strategies=["rldp"], base={"delta": DELTA},
+                       strategy_settings={"rldp": {"policy": "prior", "policy_dir": str(policies)}})
     d = study_dir_with_dataset(tmp_path)
     trial = {**spec("rldp_a", 0.5, strategy="rldp"), "t_rl": 4, "b_sac": 4, "k": 2}
     trial_b = {**spec("rldp_b", 2.0, strategy="rldp"), "t_rl": 4, "b_sac": 4, "k": 2}
@@ -340,10 +340,10 @@ def test_a_stopped_studys_trials_are_finished_interrupted_or_not_run_and_interru
 
 
 def test_a_study_that_freezes_its_policy_marks_its_rldp_trials_frozen(tmp_path):
-    """base.rldp.frozen: the results table says so (the report then keys the arm "(frozen policy)"), like a
+    """strategy_settings.rldp.frozen: the results table says so (the report then keys the arm "(frozen policy)"), like a
     transfer study's frozen stage; a baseline trial beside it is not frozen."""
-    study = make_study(strategies=["rldp", "static"], base={"delta": DELTA, "rldp": {"frozen": True,
-                                                                                  "policy": "public-embedded"}})
+    study = make_study(strategies=["rldp", "static"], base={"delta": DELTA},
+                       strategy_settings={"rldp": {"frozen": True, "policy": "public-embedded"}})
     d = study_dir_with_dataset(tmp_path)
     t_rl, t_static = spec("rldp_frozen", 2.0, strategy="rldp"), spec("static_beside", 2.0)
     table = collect_results(study, d, [t_rl, t_static], [])

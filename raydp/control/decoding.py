@@ -10,7 +10,7 @@ The action is ``a_t = (a_1..a_n, a_{n+1})`` in R^{n+1}, drawn from the actor's u
 * Eq. 14: ``log sigma_{t+1} = beta log sigma_t + (1 - beta) log sigma_prop``, beta = 0.8;
 * Eq. 15: ``sigma_{t+1} = exp(log sigma_{t+1})``.
 
-``relative`` decoding (raydp's, issue 12; ``rldp.action_decoding: relative``) replaces Eq. 10 only:
+``relative`` decoding (raydp's, issue 12; ``settings.action_decoding: relative``) replaces Eq. 10 only:
 ``C_i = r_i * exp(clamp(a_i, log RELATIVE_BOUNDS))``, where r_i is pair i's public reference scale (the
 median per-sample norm of pair i on PUBLIC records under the initial model, measured by the public
 probe). A zero action then means "clip at the public reference" rather than Eq. 10's "C_i = 1", and
@@ -45,7 +45,6 @@ CLIP_MAX = 1.0
 CLIP_FLOOR = 1e-3
 RELATIVE_BOUNDS = (1e-3, 10.0)  # multiplier of the public reference scale (relative decoding)
 CAPPED_BOUNDS = (1e-3, 1.0)  # relative-capped: never above the public reference
-DECODINGS = ("paper", "relative", "relative-capped")
 MULTIPLIER_BOUNDS = {"relative": RELATIVE_BOUNDS, "relative-capped": CAPPED_BOUNDS}
 
 

@@ -31,13 +31,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from raydp.control.modes import ARCHITECTURES, fixed_pairs
 from raydp.errors import ConfigError
 
 LAYOUT_VERSION = "rldp-obs-v1"
 ADAPTER_FEATURES = ("log_q25", "log_q50", "log_q75", "log_clip", "relative_depth")
 GLOBAL_FEATURES = ("utility", "epsilon_ratio", "log_dispersion", "loss", "log_fisher_mean", "log_fisher_var",
                    "skewness", "excess_kurtosis", "log_sigma_ratio", "progress")
-ARCHITECTURES = ("shared", "paper")
 FEATURE_CLIP = 10.0
 
 
@@ -180,15 +180,20 @@ class ObservationLayout:
 
     @property
     def obs_dim(self) -> int:
-        extra = self.n_slots if self.architecture == "shared" else 0
+        extra = 0 if self.fixed_pairs else self.n_slots
         return self.n_slots * self.f_adapter + self.g_global + extra
 
     @property
     def act_dim(self) -> int:
         return self.n_slots + 1
 
+    @property
+    def fixed_pairs(self) -> bool:
+        """The policy controls exactly ``n_slots`` pairs (the paper's Eq. 22-27), not a padded, masked set."""
+        return fixed_pairs(self.architecture)
+
     def check_adapters(self, n_pairs: int) -> None:
-        if self.architecture == "paper" and n_pairs != self.n_slots:
+        if self.fixed_pairs and n_pairs != self.n_slots:
             raise ConfigError(f"this policy ('paper' architecture) controls exactly {self.n_slots} adapter pairs; "
                               f"the model has {n_pairs}. Use a 'shared' policy to transfer across model sizes")
         if n_pairs > self.n_slots:
@@ -200,7 +205,7 @@ class ObservationLayout:
         per = np.zeros((self.n_slots, self.f_adapter))
         per[:n] = adapters
         parts = [per.ravel(), globals_]
-        if self.architecture == "shared":
+        if not self.fixed_pairs:
             mask = np.zeros(self.n_slots)
             mask[:n] = 1.0
             parts.append(mask)

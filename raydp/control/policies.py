@@ -22,16 +22,17 @@ def policy_layout_for(config):
     # lazy: rllink's Ray workers load no transformers
     from raydp.model.loading import LoraSettings, expected_adapter_pairs
 
-    settings = config.rldp
-    if settings.architecture == "shared":
-        return ObservationLayout("shared", settings.n_max)
-    return ObservationLayout("paper", expected_adapter_pairs(config.model, LoraSettings(**config.lora.model_dump())))
+    settings = config.strategy_settings()
+    if not settings.modes.fixed_pairs:
+        return ObservationLayout(settings.architecture, settings.n_max)
+    return ObservationLayout(settings.architecture,
+                             expected_adapter_pairs(config.model, LoraSettings(**config.lora.model_dump())))
 
 
 def sac_settings(config):
     from raydp.control.sac import SACSettings  # lazy: imports RLlib, which a run without a controller never loads
 
-    s = config.rldp
+    s = config.strategy_settings()
     return SACSettings(b_sac=s.b_sac, k=s.k, gamma=s.gamma, tau=s.tau, actor_lr=s.actor_lr, critic_lr=s.critic_lr,
                        alpha=s.alpha, replay_capacity=s.replay_capacity, hidden=s.hidden, seed=config.seed)
 
@@ -39,15 +40,15 @@ def sac_settings(config):
 def trained_on(config, **extra) -> dict:
     """What a saved policy's manifest records about the runs that trained it: the model, privacy mode and
     clip decoding (a restored policy must match both, :func:`check_policy_privacy`), plus ``extra``."""
-    return {"model": config.model, "privacy_mode": config.rldp.privacy_mode,
-            "action_decoding": config.rldp.action_decoding, **extra}
+    s = config.strategy_settings()
+    return {"model": config.model, "privacy_mode": s.privacy_mode, "action_decoding": s.action_decoding, **extra}
 
 
 def check_policy_privacy(config, restore: Path | None = None) -> Path | None:
-    """The saved policy an RLDP config starts from (``restore``, else ``rldp.policy``; None if neither),
+    """The saved policy an RLDP config starts from (``restore``, else ``settings.policy``; None if neither),
     after checking it may drive this run: a policy trained in paper mode saw unprivatized statistics of
     private data (ERRATA E3/E14), so it may not drive a strict run (one-line ConfigError)."""
-    s = config.rldp
+    s = config.strategy_settings()
     if restore is None:
         restore = resolve_policy(s.policy, s.policy_dir) if s.policy else None
     if restore is not None:
@@ -63,4 +64,4 @@ def check_policy_decoding(manifest: dict, action_decoding: str, name) -> None:
     trained = policy_action_decoding(manifest)
     if trained != action_decoding:
         raise ConfigError(f"policy {name} acts in {trained!r} clip decoding; this run decodes "
-                          f"{action_decoding!r} (set rldp.action_decoding: {trained})")
+                          f"{action_decoding!r} (set settings.action_decoding: {trained})")

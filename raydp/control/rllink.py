@@ -124,7 +124,7 @@ from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 from raydp.control.address import (LOOPBACK, RLlinkAddress, Secret, loopback_host, loopback_refusal, parse_rllink,
                                    require_loopback)
 from raydp.control.broker import exploration_generator, explore_sample, log_sampled, run_seed
-from raydp.control.decoding import DECODINGS
+from raydp.control.modes import DECODINGS, PAPER, unprotected
 from raydp.control.features import ObservationLayout
 from raydp.control.policies import check_policy_decoding
 from raydp.control.sac import SACSettings, sac_config
@@ -321,7 +321,7 @@ class AuthenticatedRLlinkServer(EnvRunnerServerForExternalInference):
         with self._pending_lock:
             out = dict(self.unattributed)
             if self._connection_transitions:
-                mode = self._connection_mode or "paper"  # never assumed strict
+                mode = self._connection_mode or PAPER  # never assumed strict
                 out[mode] = out.get(mode, 0) + self._connection_transitions
             return out
 
@@ -340,7 +340,7 @@ class AuthenticatedRLlinkServer(EnvRunnerServerForExternalInference):
         self.client_socket = None
         with self._pending_lock:  # the connection ended: what it sent without an entry stays unattributed
             if self._connection_transitions:
-                mode = self._connection_mode or "paper"
+                mode = self._connection_mode or PAPER
                 self.unattributed[mode] = self.unattributed.get(mode, 0) + self._connection_transitions
             self._connection_transitions, self._connection_mode = 0, None
         if self.server_socket is None:
@@ -902,7 +902,7 @@ def check_served_policy(policy: dict, expect: dict | None, url: str) -> None:
         return
     served, mode = policy.get("privacy_mode"), expect.get("privacy_mode")
     if served != mode:
-        if mode == "strict":
+        if not unprotected(mode):
             raise ConfigError(f"policy server {url} serves a {served or 'undeclared'}-mode policy; a strict run "
                               "may only use a strict one (ERRATA E3/E14): start the server with a strict config")
         raise ConfigError(f"policy server {url} serves a {served or 'undeclared'}-mode policy; a {mode}-mode run "
@@ -910,7 +910,7 @@ def check_served_policy(policy: dict, expect: dict | None, url: str) -> None:
     decoding = policy.get("action_decoding")
     if decoding != expect.get("action_decoding"):
         raise ConfigError(f"policy server {url} acts in {decoding!r} clip decoding; this run decodes "
-                          f"{expect.get('action_decoding')!r} (set rldp.action_decoding: {decoding})")
+                          f"{expect.get('action_decoding')!r} (set settings.action_decoding: {decoding})")
 
 
 def check_policy_server(address: RLlinkAddress, secret: bytes, expect: dict | None = None,

@@ -55,6 +55,7 @@ import numpy as np
 
 from raydp import __version__
 from raydp.control.features import LAYOUT_VERSION, ObservationLayout
+from raydp.control.modes import PAPER, PRIVACY_MODES, recorded_privacy_mode, unprotected
 from raydp.data.identity import identity_of
 from raydp.errors import ConfigError
 
@@ -142,7 +143,6 @@ def _list_dir(root: Path) -> list[dict]:
     return out
 
 
-PRIVACY_MODES = ("strict", "paper")
 PROVENANCE_KEYS = ("dataset_id", "privacy_mode", "privacy_unit", "epsilon", "delta", "guarantee",
                    "rdp_orders", "rdp_curve")
 
@@ -239,26 +239,26 @@ def policy_privacy_mode(manifest: dict) -> str:
     (ERRATA E3/E14): a paper-mode run, or a mode that is unknown (a manifest that declares none, an
     entry without one), may have shown the policy unprivatized statistics."""
     modes = _declared_modes(manifest)
-    return "strict" if modes and all(mode == "strict" for mode in modes) else "paper"
+    return recorded_privacy_mode(not modes or any(unprotected(mode) for mode in modes))
 
 
 def policy_action_decoding(manifest: dict) -> str:
     """The clip decoding a saved policy acts in (``trained_on.action_decoding``; a manifest written before
     the option existed acts in the paper's Eq. 10, 'paper')."""
-    return (manifest.get("trained_on") or {}).get("action_decoding", "paper")
+    return (manifest.get("trained_on") or {}).get("action_decoding", PAPER)
 
 
 def check_policy_privacy_mode(manifest: dict, privacy_mode: str, name: str) -> None:
     """A paper-mode policy saw unprivatized statistics of private data (ERRATA E3/E14): driving a strict
     run with it would make that run's strict guarantee false. ConfigError (one line) in that case; a policy
     whose manifest declares no privacy mode counts as paper mode (:func:`policy_privacy_mode`)."""
-    if privacy_mode == "strict" and policy_privacy_mode(manifest) == "paper":
-        if "paper" not in _declared_modes(manifest):
+    if not unprotected(privacy_mode) and unprotected(policy_privacy_mode(manifest)):
+        if PAPER not in _declared_modes(manifest):
             raise ConfigError(f"policy {name}'s manifest declares no privacy mode (for some or all of the runs that "
                               "trained it), so it counts as paper mode (it may have seen unprivatized statistics); "
-                              "use rldp.privacy_mode=paper or a strict policy")
+                              "use settings.privacy_mode=paper or a strict policy")
         raise ConfigError(f"policy {name} was trained in paper mode (it saw unprivatized statistics); "
-                          "use rldp.privacy_mode=paper or a strict policy")
+                          "use settings.privacy_mode=paper or a strict policy")
 
 
 def provenance_summary(manifest: dict) -> list[str]:
@@ -397,7 +397,7 @@ def export_policy(source: Path, archive: Path, overwrite: bool = False,
         # an old manifest names its datasets by a plain hash of their records (issue 26): it must not leave
         raise ConfigError(f"policy {source.name} is in the old format ({manifest.get('format')}), whose provenance names "
                           "datasets by a plain hash of their records: run `raydp migrate` on it before exporting")
-    if policy_privacy_mode(manifest) == "paper" and not include_private_replay:
+    if unprotected(policy_privacy_mode(manifest)) and not include_private_replay:
         raise ConfigError(f"policy {source.name} was trained in paper mode: its replay buffer holds unprivatized "
                           "statistics of private data (ERRATA E14); pass --include-private-replay to export it anyway")
     if archive.exists() and not overwrite:

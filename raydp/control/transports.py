@@ -5,9 +5,9 @@ A transport is one module holding its address parser, its client factory and its
 it before anything starts); a spec names its client and launcher as ``"module:attribute"``, loaded when used.
 
 - ``broker`` (the default): the launcher starts a policy service for the run (:mod:`raydp.control.service`);
-  the run owns its policy (``rldp.policy``, ``frozen``, ``save_policy`` apply).
+  the run owns its policy (``settings.policy``, ``frozen``, ``save_policy`` apply).
 - ``rllink://HOST:PORT``: a policy server reached over RLlib's RLlink protocol (:mod:`raydp.control.rllink`);
-  the server owns the policy (``external``), so a run's ``rldp.policy`` and friends do not apply.
+  the server owns the policy (``external``), so a run's ``settings.policy`` and friends do not apply.
 
 A launcher is built from the run's config before Ray starts (its checks fail with one line then),
 ``start()`` returns the connection dict the run actor builds its client from (``connection["kind"]`` is the

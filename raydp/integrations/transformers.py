@@ -453,7 +453,7 @@ class DPTraining:
         """A batch of PUBLIC records for a strategy that calibrates on them (RLDP's histogram bins)."""
         texts = self.public_texts
         if texts is None:
-            texts = public_corpus(self.config.rldp.public_probe_records, seed=PUBLIC_PROBE_SEED, progress=False)
+            texts = public_corpus(self.strategy.public_probe_records, seed=PUBLIC_PROBE_SEED, progress=False)
         if self.tokenizer is None:
             raise ConfigError(f"strategy {self.config.strategy!r} calibrates on public texts: pass the tokenizer")
         split = TokenizedSplit(list(texts), self.tokenizer, self.max_length)
@@ -664,7 +664,8 @@ def _check_served_policy(client, config: TrainConfig) -> None:
     # lazy: Ray (RLlib) only with an RLlink policy
     from raydp.control.rllink import check_run_declaration, check_served_policy
 
-    run = {"privacy_mode": config.rldp.privacy_mode, "action_decoding": config.rldp.action_decoding}
+    settings = config.strategy_settings()
+    run = {"privacy_mode": settings.privacy_mode, "action_decoding": settings.action_decoding}
     check_served_policy(served["policy"] or {}, run, getattr(client, "service", None) or "(RLlink)")
     check_run_declaration(client, run)  # the client's uploads are admitted and labelled by what it declares
 

@@ -232,7 +232,7 @@ class DPStep:
         self._pending = StepRelease(step, dials, sigma_eff, prepared.clamped, noisy_a, noisy_b, noisy_norms,
                                     noisy_gradient=gradient, statistics=statistics,
                                     statistics_noise_std=statistics_std)
-        if self.strategy.privacy_mode == "paper":  # unprivatized, labelled (ERRATA E3)
+        if self.strategy.raw_statistics:  # unprivatized, labelled (ERRATA E3)
             self._pending.raw_pair_norms = norms.detach().cpu().numpy()
             self._pending.raw_losses = grads.losses.detach().cpu().numpy()
         self._before_update = self._parameters_flat()

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="IPv4 loopback address to bind (default 127.0.0.1; others, IPv6 included, are refused: "
                              "reach a remote server through an SSH tunnel, e.g. ssh -L 5555:127.0.0.1:5555 server)")
     parser.add_argument("--policy", metavar="DIR",
-                        help="start from a saved policy (a name under the config's rldp.policy_dir, or a path)")
+                        help="start from a saved policy (a name under the config's settings.policy_dir, or a path)")
     parser.add_argument("--frozen", action="store_true",
                         help="serve --policy without training it (runs act greedily and upload nothing)")
     parser.add_argument("--save", metavar="DIR", help="write the policy to DIR (must not exist) when the server stops")
@@ -90,12 +90,13 @@ def run(args) -> int:
     values.setdefault("strategy", with_capability(STRATEGY_CHOICES, "controller")[0])  # the policy's strategy
     values.pop("controller", None)  # the runs' transport, not the server's
     config = validate_config(TrainConfig, values)
+    settings = config.strategy_settings()
     for key in ("policy", "frozen", "save_policy"):  # the server's policy is given by its flags
-        if getattr(config.rldp, key):
-            raise ConfigError(f"rldp.{key} in {args.config}: the policy server takes --policy, --frozen and --save")
+        if getattr(settings, key):
+            raise ConfigError(f"settings.{key} in {args.config}: the policy server takes --policy, --frozen and --save")
     restore = None
     if args.policy:  # a paper-mode policy may not serve a strict config; the decoding must match (E3/E14)
-        restore = check_policy_privacy(config, resolve_policy(args.policy, config.rldp.policy_dir))
+        restore = check_policy_privacy(config, resolve_policy(args.policy, settings.policy_dir))
     layout, settings = policy_layout_for(config), sac_settings(config)
     _, source = resolve_secret()  # refuse before Ray starts
     import ray  # lazy: Ray only when the server runs

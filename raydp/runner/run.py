@@ -76,7 +76,7 @@ RUN_PRIVACY_NOTE = """What in this run directory is private (ERRATA E11-E15; tes
 - evaluation.json (after `raydp eval`): attacks and audit computed from private records: keep private; and
   report.html's attack and audit sections (membership ROC curves included), which are drawn from it.
 - a non-private run (strategy nonprivate): nothing here is protected: keep it all private.
-- a paper-mode RLDP run (rldp.privacy_mode: paper): controller_decisions.parquet, control_trace.parquet and policy/
+- a paper-mode RLDP run (settings.privacy_mode: paper): controller_decisions.parquet, control_trace.parquet and policy/
   hold unprivatized statistics of the private records (E3): keep them private.
 Releasable, with their labels: summary.json, config.json, privacy_ledger.parquet, train_metrics.parquet,
 eval_metrics.parquet, adapter/, and (strict mode) the controller's files. Unprotected inside them: every eval_*
@@ -215,7 +215,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             sampler, gradient = local_run.sampler, local_run.step
             total_steps = min(local_run.planned_steps, config.max_steps or local_run.planned_steps)
         elif config.is_private:
-            probe = (public_probe_batch(loaded.tokenizer, max_length, config.rldp.public_probe_records, loaded.device,
+            probe = (public_probe_batch(loaded.tokenizer, max_length, strategy.public_probe_records, loaded.device,
                                         task) if strategy.needs_public_probe else None)
             private = setup_private_run(config, plan, loaded.model, loaded.pairs, units, loaded.device,
                                         strategy=strategy, public_batch=probe,

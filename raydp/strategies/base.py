@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from raydp.control.modes import PAPER_MODE_LABEL, recorded_privacy_mode  # noqa: F401  (PAPER_MODE_LABEL re-exported)
 from raydp.privacy.mechanism import DeclaredRelease, Dials, StepRelease
 from raydp.privacy.schedule import CONSTANT, SigmaSchedule
+from raydp.strategies.rldp_settings import PUBLIC_PROBE_RECORDS
 
 
 @dataclass(frozen=True)
@@ -71,10 +73,6 @@ class StrategyContext:
     tensor_sizes: tuple[int, ...] = ()
 
 
-PAPER_MODE_LABEL = ("epsilon covers the gradient releases only; the controller observed unprivatized "
-                    "statistics")
-
-
 class Strategy(ABC):
     """Sets the dials before each DP step and observes the release after it."""
 
@@ -84,11 +82,14 @@ class Strategy(ABC):
     clip_mode: str = "pairwise"
     #: noise allocation across clip groups: "proportional", "uniform" (pairwise) or "flat"
     allocation: str = "proportional"
-    #: "strict": observes only DP releases (default); "paper": also the raw statistics of RLDP Sec. 2.4,
-    #: which no accountant covers (ERRATA E3); such runs carry :data:`PAPER_MODE_LABEL`
-    privacy_mode: str = "strict"
+    #: False: observes only DP releases (default, "strict"); True: also the raw statistics of RLDP Sec. 2.4,
+    #: which no accountant covers (ERRATA E3, RLDP's "paper" privacy mode: raydp.control.modes); such runs
+    #: carry :data:`PAPER_MODE_LABEL`
+    raw_statistics: bool = False
     #: whether :meth:`calibrate_public` must be called with a public probe before the first step
     needs_public_probe: bool = False
+    #: how many public records that probe holds (RLDP: its ``public_probe_records`` setting)
+    public_probe_records: int = PUBLIC_PROBE_RECORDS
     #: whether sigma is chosen during training from earlier releases. Such runs are enforced and
     #: reported with a Renyi filter, valid under fully adaptive composition (ERRATA E13,
     #: :mod:`raydp.privacy.filter`); fixed schedules keep PLD/PRV/RDP accounting of the ledger. Choosing
@@ -100,6 +101,11 @@ class Strategy(ABC):
     #: where the DP step's per-unit contributions come from: ``"per_sample"`` (LoRA hooks, per-sample
     #: gradients) or ``"ghost"`` (ghost clipping, norms only; flat clipping, :mod:`raydp.privacy.ghost`)
     gradient_source: str = "per_sample"
+
+    @property
+    def privacy_mode(self) -> str:
+        """The recorded privacy mode ('strict' or 'paper'; summaries, decisions)."""
+        return recorded_privacy_mode(self.raw_statistics)
 
     def setup(self, context: StrategyContext) -> None:
         self.context = context
@@ -122,7 +128,7 @@ class Strategy(ABC):
 
     def labels(self) -> tuple[str, ...]:
         """Caveats the strategy's design puts on the run's epsilon (carried by every artifact stating it)."""
-        return (PAPER_MODE_LABEL,) if self.privacy_mode == "paper" else ()
+        return (PAPER_MODE_LABEL,) if self.raw_statistics else ()
 
     def plan(self, request: PlanRequest) -> None:
         """Called once before calibration with the run's public plan parameters; a strategy whose
@@ -167,6 +173,6 @@ class Strategy(ABC):
                "gradient_source": self.gradient_source,
                "releases": [{"name": r.name, "noise": {k: v for k, v in vars(r.noise).items() if v is not None}}
                             for r in self.releases()]}
-        if self.privacy_mode == "paper":
+        if self.raw_statistics:
             out["privacy_label"] = PAPER_MODE_LABEL
         return out

@@ -57,10 +57,11 @@ class ForwardStrategy:
 
     name = "forward"
     mechanism = LOCAL
-    privacy_mode = "strict"
     adaptive_sigma = False
     clip_mode = "local"
     allocation = "local"
+    privacy_mode = "strict"  # the record; it observes no statistics
+    raw_statistics = False
     settings_model = ForwardSettings
 
     def __init__(self, settings=None, clip: float | None = None):

@@ -3,12 +3,13 @@
 The CLI's ``--strategy`` choices, :class:`~raydp.config.TrainConfig`'s ``strategy`` and ``settings`` and the
 study file's ``strategies`` all derive from this table. Classes are imported when first asked for, so
 reading the names costs nothing. A strategy's settings come from ``TrainConfig.settings`` (validated by
-its ``settings_model``; the top-level ``clip`` fills a ``clip`` setting left unset); RLDP's come from the
-``rldp`` block of the config, which the controller and the studies share.
+its ``settings_model``; the top-level ``clip`` fills a ``clip`` setting left unset), RLDP's included (before
+issue 30 they were a separate ``rldp:`` block, its spec's ``legacy_block``, which old configs still use: they are
+migrated when read, :func:`raydp.config.upgrade_train_values`).
 
 Capabilities are declared here, in each strategy's :class:`StrategySpec` (like Opacus's ``get_optimizer_class``
 table), and code outside a strategy's own module asks for a capability, never for a name: ``private`` (False for
-``nonprivate`` only), ``config_field`` (the config block that holds the settings), ``controller`` (a live policy
+``nonprivate`` only), ``controller`` (a live policy
 sets the dials: the run needs a policy client, and studies grid its SAC cell), ``population`` (Tune's PBT sets the
 dials across a population) and ``challenger`` (a learned method that reports test against the tuned baselines).
 A strategy class's ``adaptive_sigma`` says it chooses sigma from earlier releases, so its runs are enforced and
@@ -30,8 +31,12 @@ class StrategySpec:
     name: str
     target: str  # "module:Class"
     summary: str
-    #: the TrainConfig field holding the settings instead of ``settings`` (RLDP: ``rldp``)
-    config_field: str | None = None
+    #: "module:Class" of the settings model where it can be imported without the strategy (no numpy, no torch):
+    #: the CLI builds a flag per setting from it (:mod:`raydp.cli_flags`); None: the class's ``settings_model``
+    settings: str | None = None
+    #: the config block that held the settings before they moved under ``settings`` (RLDP: ``rldp``); read only
+    #: to migrate an old config or study (:func:`raydp.config.upgrade_train_values`)
+    legacy_block: str | None = None
     #: False for the one non-private strategy: no epsilon, no DP step
     private: bool = True
     #: a live policy sets the dials: the run needs a policy client (:mod:`raydp.control`), runs as a Ray actor,
@@ -69,7 +74,8 @@ _SPECS = (
                  "DualTune-GhostDP: non-private phase 1 (public, or redacted private: labelled), then flat DP-SGD "
                  "with ghost clipping"),
     StrategySpec("rldp", "raydp.strategies.rldp:RLDPStrategy",
-                 "RLDP: a SAC policy sets per-pair clips and sigma online (Renyi filter)", config_field="rldp",
+                 "RLDP: a SAC policy sets per-pair clips and sigma online (Renyi filter)",
+                 settings="raydp.strategies.rldp_settings:RLDPSettings", legacy_block="rldp",
                  controller=True, challenger=True),
     StrategySpec("adaclip", "raydp.strategies.adaclip:AdaClipStrategy",
                  "AdaClip (Pichapati et al. 2019): per-coordinate centring and scaling from noisy gradients"),
@@ -125,14 +131,18 @@ def capability_names(capability: str) -> str:
     return " or ".join(repr(name) for name in with_capability(STRATEGY_CHOICES, capability))
 
 
-def controller_settings_field(names=None) -> str | None:
-    """The config block of the controller strategy among ``names`` (default: all), or None without one."""
-    found = with_capability(STRATEGY_CHOICES if names is None else names, "controller")
-    return get_spec(found[0]).config_field if found else None
-
-
 def strategy_class(name: str):
     return get_spec(name).load()
+
+
+def settings_model(name: str):
+    """The pydantic model of strategy ``name``'s settings (None: it takes none), loaded from the spec's light
+    ``settings`` module where it has one, so that reading it loads no strategy."""
+    spec = get_spec(name)
+    if spec.settings:
+        module, _, attr = spec.settings.partition(":")
+        return getattr(importlib.import_module(module), attr)
+    return strategy_class(name).settings_model if spec.target else None
 
 
 def strategy_settings(name: str, values: dict | None = None, **run_values):
@@ -141,9 +151,9 @@ def strategy_settings(name: str, values: dict | None = None, **run_values):
     leaves unset, so a strategy that needs the run's batch size reads the run's own."""
     from raydp.settings import validate_config
 
-    model = strategy_class(name).settings_model
+    model = settings_model(name)
     if model is None:
-        raise ConfigError(f"strategy {name!r} takes its settings from the config's `{get_spec(name).config_field}` block")
+        raise ConfigError(f"strategy {name!r} takes no settings")
     values = dict(values or {})
     for key, value in run_values.items():
         if value is not None and key in model.model_fields and key not in values:

@@ -43,7 +43,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raydp.control.decoding import MULTIPLIER_BOUNDS, RELATIVE_BOUNDS, decode_action
+from raydp.control.decoding import RELATIVE_BOUNDS, decode_action
 from raydp.control.features import (
     ControllerView,
     IntervalStatistics,
@@ -59,7 +59,8 @@ from raydp.control.reward import reward as rldp_reward
 from raydp.errors import ConfigError
 from raydp.privacy.statistics import ClippedLossSum, NormHistogram
 from raydp.privacy.mechanism import Dials, StepRelease
-from raydp.strategies.base import PAPER_MODE_LABEL, Strategy, StrategyContext
+from raydp.strategies.base import Strategy, StrategyContext
+from raydp.strategies.rldp_settings import RLDPSettings
 
 TRACE_FILE = "control_trace.parquet"
 DECISIONS_FILE = "controller_decisions.parquet"
@@ -89,7 +90,7 @@ class RLDPStrategy(Strategy):
     allocation = "proportional"
     needs_public_probe = True
     adaptive_sigma = True  # Eq. 13-14: sigma follows the policy's actions (Renyi filter, ERRATA E13)
-    settings_model = None  # its settings are TrainConfig.rldp (raydp.config.RLDPConfig)
+    settings_model = RLDPSettings  # TrainConfig.settings (raydp.strategies.rldp_settings)
 
     def __init__(self, settings, client=None):
         self.settings = settings
@@ -102,7 +103,9 @@ class RLDPStrategy(Strategy):
         # The declared statistics keep fixed sensitivities (sqrt(n) and the public loss bound) and noise
         # relative to sigma_0, so they do not depend on the chosen clips either.
         self.adaptive_sigma = bool(settings.noise_control)
-        self.privacy_mode = settings.privacy_mode
+        self.modes = settings.modes  # privacy mode, decoding, architecture, read once (raydp.control.modes)
+        self.raw_statistics = self.modes.raw_statistics
+        self.public_probe_records = settings.public_probe_records
         self.client = client
         self.histogram = NormHistogram(None, None, settings.histogram_bins, settings.histogram_noise)
         self.loss_release = ClippedLossSum(None, settings.loss_noise)
@@ -116,7 +119,7 @@ class RLDPStrategy(Strategy):
     def releases(self) -> tuple:
         """strict: the per-pair norm histogram and the clipped loss sum, declared here with their noise;
         their bins and bound are placed from public records (:meth:`calibrate_public`). paper: none."""
-        return () if self.privacy_mode == "paper" else (self.histogram, self.loss_release)
+        return () if self.raw_statistics else (self.histogram, self.loss_release)
 
     def setup(self, context: StrategyContext) -> None:
         super().setup(context)
@@ -155,7 +158,7 @@ class RLDPStrategy(Strategy):
         t = release.step + 1
         if release.dials.sigma is not None:
             self.sigma = release.dials.sigma  # the sigma in force (after the guard) is sigma_t of Eq. 13-14
-        if self.privacy_mode == "strict":
+        if not self.raw_statistics:
             self._interval.add(release)
             if t <= self.settings.t_warm:
                 self._warm.add(release)
@@ -163,7 +166,7 @@ class RLDPStrategy(Strategy):
             self._last_raw = (release.raw_pair_norms, release.raw_losses)
             if t <= self.settings.t_warm:
                 self._warm_raw.append(release.raw_pair_norms)
-        if t <= self.settings.t_warm and (self.privacy_mode == "paper" or t == self.settings.t_warm):
+        if t <= self.settings.t_warm and (self.raw_statistics or t == self.settings.t_warm):
             self._warm_up_clips()
         if t == self.settings.t_warm:  # the first decision's window starts after the warm-up
             self._interval = _Interval(self.context.n_pairs, self.settings.histogram_bins)
@@ -183,7 +186,7 @@ class RLDPStrategy(Strategy):
         """Alg. 1 line 14: C_i <- median per-sample norm of pair i (pairs without data keep C_i). strict: from
         the warm-up's summed DP histogram, for pairs whose denoised mass is at least half the expected
         samples (post-processing of the charged releases; see the module docstring)."""
-        if self.privacy_mode == "strict":
+        if not self.raw_statistics:
             counts = denoise_counts(self._warm.counts, math.sqrt(self._warm.count_var))
             medians = np.array([histogram_quantiles(row, self.histogram.edges, (0.5,))[0] for row in counts])
             expected = self.context.expected_batch_size * self._warm.steps
@@ -195,7 +198,7 @@ class RLDPStrategy(Strategy):
         self.clips = np.where(ok, np.maximum(np.where(ok, medians, 1.0), self.settings.clip_floor), self.clips)
 
     def _statistics(self) -> IntervalStatistics:
-        if self.privacy_mode == "strict":
+        if not self.raw_statistics:
             iv = self._interval
             return summarise_histogram(iv.counts, self.histogram.edges, math.sqrt(iv.count_var), iv.loss_sum,
                                        self.context.expected_batch_size * iv.steps)
@@ -216,7 +219,7 @@ class RLDPStrategy(Strategy):
         if self._previous is not None:
             r = rldp_reward(utility, self._previous[0], eps_t, self._previous[1], self.settings.r_max)
         action = layout.split_action(self.client.decide(obs, r), ctx.n_pairs)
-        bounds = MULTIPLIER_BOUNDS.get(self.settings.action_decoding)  # None: Eq. 10 (paper)
+        bounds = self.modes.clip_bounds  # None: Eq. 10 (paper)
         if bounds is not None and (self.pair_reference is None or len(self.pair_reference) != ctx.n_pairs):
             raise ConfigError("relative action decoding needs the public probe's per-pair norms")
         decoded = decode_action(action, self.sigma, ctx.sigma_0, eps_t, ctx.epsilon_target, self.settings.clip_floor,
@@ -231,7 +234,7 @@ class RLDPStrategy(Strategy):
                                "sigma_proposed": decoded.sigma_proposed, "step_size": decoded.step_size,
                                "clip_next": list(decoded.clip),
                                "privacy_mode": self.privacy_mode,
-                               "privacy_label": PAPER_MODE_LABEL if self.privacy_mode == "paper" else None})
+                               "privacy_label": self.modes.label})
         self._interval = _Interval(ctx.n_pairs, self.settings.histogram_bins)
 
     # -- checkpoints -------------------------------------------------------------------------------
@@ -286,7 +289,7 @@ class RLDPStrategy(Strategy):
         out.update({"t_warm": s.t_warm, "t_rl": s.t_rl, "b_sac": s.b_sac, "k": s.k, "r_max": s.r_max,
                     "architecture": s.architecture, "action_decoding": s.action_decoding,
                     "noise_control": s.noise_control, "policy": s.policy, "frozen": s.frozen,
-                    "strict_releases": [] if self.privacy_mode == "paper" else
+                    "strict_releases": [] if self.raw_statistics else
                     [{"name": "norm_histogram", "noise_multiplier": s.histogram_noise},
                      {"name": "loss_sum", "noise_multiplier": s.loss_noise}]})
         return out

@@ -25,9 +25,11 @@ import pandas as pd
 from pydantic import AfterValidator, Field, model_validator
 
 from raydp.config import StrictModel, TrainConfig, load_yaml_mapping, validate_config
+from raydp.control.modes import resolve_values
 from raydp.errors import ConfigError
 from raydp.evaluation.results import EvalConfig
-from raydp.strategies.registry import STRATEGY_CHOICES, capability_names, get_spec, strategy_class, with_capability
+from raydp.strategies.registry import (SPECS, STRATEGY_CHOICES, capability_names, get_spec, strategy_class,
+                                       with_capability)
 
 
 def _known_strategy(name: str) -> str:
@@ -204,7 +206,33 @@ class Resources(StrictModel):
     gpus_per_trial: float = Field(0.0, ge=0, description="GPUs of each trial's run (a cluster)")
 
 
-#: rldp settings a settings_grid may not vary: the study composes the provenance of base.rldp's policy
+def upgrade_study_values(values):
+    """An old study file's values in today's form (every StudyConfig is read through this; a stored study.json
+    too). A strategy's legacy settings block in ``base`` (RLDP's ``base.rldp``, before issue 30) becomes that
+    strategy's ``strategy_settings``, like every other strategy's (:func:`raydp.config.upgrade_train_values`)."""
+    if not isinstance(values, dict) or not isinstance(values.get("base"), dict):
+        return values
+    blocks = {spec.legacy_block: name for name, spec in SPECS.items()
+              if spec.legacy_block and spec.legacy_block in values["base"]}
+    if not blocks:
+        return values
+    base, arms = dict(values["base"]), dict(values.get("strategy_settings") or {})
+    for block, owner in blocks.items():
+        legacy = base.pop(block)
+        if legacy is None:
+            continue
+        if not isinstance(legacy, dict):
+            raise ValueError(f"base.{block}: give the strategy's settings as a mapping (strategy_settings.{owner})")
+        both = sorted(set(legacy) & set(arms.get(owner) or {}))
+        if both:
+            raise ValueError(f"base.{block}.{both[0]} and strategy_settings.{owner}.{both[0]} are both set: "
+                             f"{block}'s settings now go under strategy_settings.{owner} only")
+        arms[owner] = {**legacy, **(arms.get(owner) or {})}
+    return {**values, "base": base, "strategy_settings": arms}
+
+
+#: controller settings a settings_grid may not vary: the study composes the provenance of the policy its
+#: strategy_settings name
 GRID_FORBIDDEN_RLDP = frozenset({"policy", "policy_dir", "frozen", "save_policy"})
 
 
@@ -222,8 +250,7 @@ class StudyConfig(StrictModel):
     settings_grid: dict[str, dict[str, list]] = Field(
         default_factory=dict, description="per strategy, settings to grid over: one trial per combination, e.g. "
         "{static-pairwise: {clip: [0.01, 0.1]}} (tuning a baseline's clip on public data), or the run fields lr, "
-        "lr_decay, lr_end, warmup_steps, rescale_moments; for rldp they are rldp settings, e.g. "
-        "{rldp: {action_decoding: [paper, relative]}}")
+        "lr_decay, lr_end, warmup_steps, rescale_moments; e.g. {rldp: {action_decoding: [paper, relative]}}")
     tuned_from: str | None = Field(None, description=(
         "a finished search study's directory (search_space, on PUBLIC data): each trial of a strategy it searched "
         "runs with the best values of its (strategy, model, epsilon) cell (study_summary.json search_best)"))
@@ -268,6 +295,11 @@ class StudyConfig(StrictModel):
     private_selection: PrivateSelectionSettings | None = Field(None, description=(
         "selection: private-dp: the law of the number of trials and the score release (defaults if omitted)"))
 
+    @model_validator(mode="before")
+    @classmethod
+    def _upgrade(cls, values):
+        return upgrade_study_values(values)
+
     @model_validator(mode="after")
     def _consistent(self):
         unknown = [s for s in self.strategy_settings if s not in STRATEGY_CHOICES]
@@ -305,9 +337,9 @@ class StudyConfig(StrictModel):
             if controller is None:
                 raise ValueError("transfer moves a controller's policy: it needs "
                                  f"{capability_names('controller')} in strategies")
-            block = get_spec(controller).config_field
-            if (self.base.get(block) or {}).get("architecture") == "paper":
-                raise ValueError(f"transfer needs the size-agnostic policy ({block}.architecture: shared)")
+            if resolve_values(self.strategy_settings.get(controller)).fixed_pairs:
+                raise ValueError("transfer needs the size-agnostic policy "
+                                 f"(strategy_settings.{controller}.architecture: shared)")
             if self.policy == "shared":
                 raise ValueError("transfer trains one policy per source trial; use policy: per-trial")
             if controller in self.settings_grid:
@@ -321,11 +353,11 @@ class StudyConfig(StrictModel):
                 raise ValueError(f"settings_grid.{strategy}: give each setting a non-empty list of values")
             if spec.controller and set(grid) & GRID_FORBIDDEN_RLDP:
                 raise ValueError(f"settings_grid.{strategy} cannot vary {sorted(set(grid) & GRID_FORBIDDEN_RLDP)[0]}: "
-                                 f"the policy a trial starts from is the study's (base.{spec.config_field}), so its "
+                                 f"the policy a trial starts from is the study's (strategy_settings.{strategy}), so its "
                                  "provenance is composed")
             if spec.controller and self.policy == "shared":
                 raise ValueError(f"settings_grid.{strategy}: one shared policy cannot act under several "
-                                 f"{spec.config_field} settings; use policy: per-trial")
+                                 f"{strategy} settings; use policy: per-trial")
             if not spec.controller and set(grid) & set(self.strategy_settings.get(strategy) or {}):
                 raise ValueError(f"settings_grid.{strategy} and strategy_settings.{strategy} both set "
                                  f"{sorted(set(grid) & set(self.strategy_settings[strategy]))[0]}")
@@ -641,23 +673,20 @@ def trial_config(study: StudyConfig, trial: dict, dataset_dir: str | None = None
         values["settings"] = {**values.get("settings", {}), **trial["settings"]}
     spec = get_spec(trial["strategy"])
     for key in ("grid", "tuned", "search"):  # settings_grid; tuned_from's best; an Optuna-sampled trial's values
-        if key == "grid" and spec.controller:
-            continue  # a controller's grid values are its settings block's (below)
         if trial.get(key):  # run fields, then the strategy's settings
             run = {k: v for k, v in trial[key].items() if k in SEARCHABLE_RUN_FIELDS}
             values.update(run)
             settings = {k: v for k, v in trial[key].items() if k not in run}
             if settings:
                 values["settings"] = {**values.get("settings", {}), **settings}
-    if spec.controller:
-        rldp = dict(values.get(spec.config_field) or {})
-        rldp.update(trial.get("grid") or {})
-        rldp.update({k: trial[k] for k in ("t_rl", "b_sac", "k") if trial.get(k) is not None})
+    if spec.controller:  # the trial's SAC cell and the policy it starts from
+        settings = dict(values.get("settings") or {})
+        settings.update({k: trial[k] for k in ("t_rl", "b_sac", "k") if trial.get(k) is not None})
         if trial.get("frozen_from"):
-            rldp.update({"policy": policy_path or "(source policy, saved in stage 1)", "frozen": True})
-        elif policy_path:  # the study's rldp.policy, resolved to an absolute path by the driver
-            rldp["policy"] = policy_path
-        values[spec.config_field] = rldp
+            settings.update({"policy": policy_path or "(source policy, saved in stage 1)", "frozen": True})
+        elif policy_path:  # the study's settings.policy, resolved to an absolute path by the driver
+            settings["policy"] = policy_path
+        values["settings"] = settings
     where = ", ".join(f"{k}={v}" for k, v in trial.items()
                       if v is not None and k not in ("frozen_from", "optuna_id", "settings", "stage", "grid", "policy_path",
                                                      "search", "tuned"))

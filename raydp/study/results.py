@@ -84,6 +84,7 @@ import pandas as pd
 import torch
 from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
+from raydp.control.modes import resolve_values, unprotected
 from raydp.control.store import load_manifest, policy_privacy_mode, provenance_of, resolve_policy
 from raydp.data.identity import identity_of, manifest_id
 from raydp.errors import ConfigError
@@ -93,7 +94,7 @@ from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve, rdp_e
 from raydp.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 from raydp.runner.local_setup import ledger_local_plan
 from raydp.strategies.base import PAPER_MODE_LABEL
-from raydp.strategies.registry import STRATEGY_CHOICES, get_spec, is_private, with_capability
+from raydp.strategies.registry import STRATEGY_CHOICES, is_private, with_capability
 
 #: the learned controllers a study compares with the baselines (never a baseline themselves, issue 29): the
 #: registry's ``challenger`` capability
@@ -189,7 +190,7 @@ def _read_summary(run_dir: Path) -> dict | None:
 
 def _trial_row(trial: dict, run_dir: Path, status: str, result: dict, s: dict | None = None,
                frozen: bool = False) -> dict:
-    """``frozen``: the study freezes every RLDP trial's policy (``base.rldp.frozen``)."""
+    """``frozen``: the study freezes every RLDP trial's policy (``strategy_settings.rldp.frozen``)."""
     row = {"trial": trial["name"], "status": status, "model": trial["model"], "strategy": trial["strategy"],
            "epsilon_target": trial.get("epsilon"), "seed": trial["seed"], "t_rl": trial.get("t_rl"),
            "b_sac": trial.get("b_sac"), "k": trial.get("k"),
@@ -491,17 +492,16 @@ def dataset_identity(dataset_dir: str | Path | None) -> str | None:
 def _paper_rldp(study, trial: dict | None = None) -> bool:
     """Whether a controller trial ran in paper mode (the study's base, or the trial's settings_grid variant)."""
     controller = study.controller_strategy
-    block = get_spec(controller).config_field if controller else None
-    rldp = {**(study.base.get(block) or {}), **((trial or {}).get("grid") or {})} if block else {}
-    return rldp.get("privacy_mode") == "paper"
+    rldp = {**(study.strategy_settings.get(controller) or {}), **((trial or {}).get("grid") or {})} if controller else {}
+    return resolve_values(rldp).raw_statistics
 
 
 def _trial_policy(study, trial: dict) -> tuple[str | None, Path | None, str | None]:
-    """(name, resolved path, problem) of the saved policy an RLDP trial starts from (``rldp.policy``),
+    """(name, resolved path, problem) of the saved policy an RLDP trial starts from (its ``policy`` setting),
     if any. A frozen transfer trial's policy is its stage-1 trial's, which the study composes itself."""
     if trial.get("strategy") not in CONTROLLERS:
         return None, None, None
-    rldp = study.base.get(get_spec(trial["strategy"]).config_field) or {}
+    rldp = study.strategy_settings.get(trial["strategy"]) or {}
     name = trial.get("policy_path") or rldp.get("policy")  # resolved by the driver (frozen: the source trial's)
     if not name:
         return None, None, None
@@ -523,7 +523,7 @@ def _policy_runs(study, trial: dict, study_dir: Path, sha: str | None,
         return [], [], [f"trial {trial['name']} started from policy {name}, which cannot be read ({problem}): "
                         "the spend of the runs that trained it is unknown"]
     manifest = load_manifest(path)
-    labels = [PAPER_POLICY_LABEL] if policy_privacy_mode(manifest) == "paper" else []
+    labels = [PAPER_POLICY_LABEL] if unprotected(policy_privacy_mode(manifest)) else []
     if path == study_dir or study_dir in path.parents:  # trained by a trial of this study: composed as a trial
         return [], labels, []
     runs, warnings = [], []
@@ -548,7 +548,7 @@ def _policy_runs(study, trial: dict, study_dir: Path, sha: str | None,
                      "curve": curve_on_orders(entry["rdp_orders"], entry["rdp_curve"]),
                      "epsilon_target": entry.get("epsilon"), "privacy_unit": entry.get("privacy_unit"),
                      "labels": [str(label) for label in entry.get("labels") or []]
-                     + ([PAPER_MODE_LABEL] if entry.get("privacy_mode") == "paper" else [])})
+                     + ([PAPER_MODE_LABEL] if unprotected(entry.get("privacy_mode")) else [])})
     return runs, labels, warnings
 
 
@@ -663,8 +663,7 @@ def collect_results(study, study_dir: Path, trials: list[dict], grid, dataset_di
                 unfinished[trial["name"]] = spend
     rows = []
     controller = study.controller_strategy
-    block = get_spec(controller).config_field if controller else None
-    frozen = bool(block and (study.base.get(block) or {}).get("frozen"))  # a grid cannot set it
+    frozen = bool(controller and (study.strategy_settings.get(controller) or {}).get("frozen"))  # a grid cannot set it
     for trial in trials:
         status, metrics = statuses.get(trial["name"], ("NOT_RUN", {}))
         rows.append(_trial_row(trial, study_dir / "trials" / trial["name"], status, metrics, frozen=frozen))

@@ -59,7 +59,7 @@ from raydp.runner.privacy_setup import charge_lifetime as charge_lifetime_budget
 from raydp.runner.run import run_training
 from raydp.strategies.registry import get_spec
 from raydp.study.config import (TUNING_FORMAT, TUNING_RECORD, StudyConfig, draw_in_range, load_study, optuna_trial,
-                                search_cells, search_trial, source_key, trial_config, trial_grid)
+                                search_cells, search_trial, source_key, trial_config, trial_grid, upgrade_study_values)
 from raydp.study.population import (PopulationAdmit, join_population, population_filter, population_summary,
                                     start_population, write_population)
 from raydp.study.private_selection import SECRET_STATE, run_private_selection
@@ -213,7 +213,7 @@ def check_resumed_study(study: StudyConfig, study_dir: Path) -> None:
     saved_path = Path(study_dir) / "study.json"
     if not saved_path.is_file():
         raise ConfigError(f"{study_dir} has no study.json: it cannot be resumed (nothing says which study ran there)")
-    saved = json.loads(saved_path.read_text())
+    saved = upgrade_study_values(json.loads(saved_path.read_text()))  # a study.json from before issue 30: base.rldp
     now = json.loads(json.dumps(study.model_dump(mode="json")))
     changed = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
     if changed:
