@@ -328,3 +328,41 @@ def test_malformed_or_linked_registers_fail_closed(tmp_path, monkeypatch):
     register_path(other).symlink_to(register_path(first))
     with pytest.raises(ConfigError, match="must not be a link"):
         read_budget(other)
+
+
+def test_two_budgets_set_at_once_on_one_source_make_one_register(tmp_path, monkeypatch):
+    """Two builds of one source (two ids) budgeted at the same moment: the lookup of the source's register and the
+    creation of one are one locked step, so the second finds the first's register. The lookup is slowed down here so
+    that without the directory lock both would find none and create two (the race review 3 documented)."""
+    import threading
+    import time
+
+    import raydp.privacy.lifetime as lifetime
+
+    monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "owner.key"))
+    source = "ab" * 32
+    ids = ["rdi1:" + "0a" * 16, "rdi1:" + "0b" * 16]
+    looked_up = lifetime.register_for
+
+    def slow_lookup(*args, **kwargs):
+        found = looked_up(*args, **kwargs)
+        time.sleep(0.3)  # both threads inside the window between finding no register and creating one
+        return found
+
+    monkeypatch.setattr(lifetime, "register_for", slow_lookup)
+    errors = []
+
+    def set_one(dataset_id):
+        try:
+            set_budget(dataset_id, 4.0, 1e-6, source_sha256=source)
+        except ConfigError as exc:  # the same values: the second call returns the first's register
+            errors.append(exc)
+
+    threads = [threading.Thread(target=set_one, args=(i,)) for i in ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    registers = sorted(p.name for p in register_path(ids[0]).parent.glob("*.json"))
+    assert not errors and len(registers) == 1
+    assert read_budget(ids[1], source)["dataset_id"] == read_budget(ids[0], source)["dataset_id"]

@@ -128,6 +128,19 @@ def _locked(path: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+@contextmanager
+def _directory_locked(budgets: Path):
+    """An exclusive lock on the whole ``budgets/`` directory (set_budget: finding a source's register and creating
+    one must be one step)."""
+    budgets.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(budgets / ".budgets.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _read(path: Path) -> dict | None:
     if path.is_symlink():  # a write would replace the link, not the register it points at
         raise ConfigError(f"{path}: a lifetime budget register must not be a link; nothing was started")
@@ -162,7 +175,14 @@ def set_budget(dataset_id: str, epsilon: float, delta: float, privacy_unit: str 
     if not (0 < epsilon < math.inf) or not (0 < delta < min(1.0, max_delta)):
         raise ConfigError(f"a lifetime budget needs 0 < epsilon < inf and 0 < delta < {min(1.0, max_delta):.3g} "
                           f"(1/N units), got ({epsilon}, {delta})")
-    path = register_for(dataset_id, source_sha256)
+    with _directory_locked(register_path(dataset_id).parent):  # the lookup and the creation together: two
+        # budgets set at once on two builds of one source would otherwise both find none and create two registers
+        path = register_for(dataset_id, source_sha256)
+        return _set_budget_in(path, dataset_id, epsilon, delta, privacy_unit, source_sha256)
+
+
+def _set_budget_in(path: Path, dataset_id: str, epsilon: float, delta: float, privacy_unit: str,
+                   source_sha256: str | None) -> dict:
     with _locked(path):
         register = _read(path)
         if register is not None:
