@@ -257,11 +257,12 @@ SELECTION = {
         "model", "epsilon", "seed", "strategy", "delta", "trial_epsilon", "end_to_end_epsilon", "theorem",
         "distribution.kind", "distribution.mean", "distribution.shape", "score_epsilon_share",
         "for_comparison.trials", "for_comparison.basic_composition_epsilon", "for_comparison.rdp_composition_epsilon",
-        "for_comparison.note", "released", "note", "score_split", "eval_note", "directory")},
+        "for_comparison.note", "released", "note", "score_note", "directory")},
     **{k: DP for k in ("settings.*", "score", "final_public_value_nll")},
-    "final_eval_value_nll": UNPROTECTED,
 }
 _END_TO_END = {f"privacy.end_to_end.{k}": PUBLIC for k in ("epsilon", "delta", "theorem", "note")}
+#: a released trial's summary: a run summary's fields without any UNPROTECTED one (no timing, no private eval figure)
+RELEASED_SUMMARY = {**{k: v for k, v in SUMMARY.items() if v != UNPROTECTED}, **_END_TO_END}
 PRIVATE_SELECTION_SUMMARY = {"study": PUBLIC, "selection": PUBLIC, "note": PUBLIC,
                              **{f"released[].{k}": v for k, v in SELECTION.items()}}
 #: the only top-level entries of a private-dp study directory; dataset/ and work/ are private (PRIVACY.txt)
@@ -281,7 +282,7 @@ def unclassified_private_selection(study_dir: Path) -> list[str]:
             if f.is_dir() or rel in WHOLE_FILES or rel == "selection.json":
                 continue
             if rel == "summary.json":
-                _check_json(f, {**SUMMARY, **_END_TO_END}, out)
+                _check_json(f, RELEASED_SUMMARY, out)
             elif rel == "privacy_ledger.parquet":
                 out.extend(unclassified_ledger(f))
             else:

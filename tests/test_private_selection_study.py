@@ -21,7 +21,7 @@ import yaml
 
 import raydp.study.private_selection as ps
 from raydp.errors import ConfigError
-from raydp.privacy.accounting.rdp import DEFAULT_ORDERS
+from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, rdp_epsilon
 from raydp.privacy.accounting.selection import SelectionDistribution, selection_epsilon
 from raydp.settings import validate_config
 from raydp.study.config import StudyConfig, load_study
@@ -59,6 +59,8 @@ def study_of(**changes) -> StudyConfig:
     ({"tuned_from": "x"}, "does not take tuned_from"),
     ({"settings_grid": {"static-pairwise": {"clip": [0.1]}}}, "does not take settings_grid"),
     ({"wandb": {"mode": "offline"}}, "wandb would log every trial"),
+    ({"base": {"unsafe_fixed_randomness": True}}, "needs secret randomness"),
+    ({"base": {"common_random_numbers": True}}, "needs secret randomness"),
     ({"private_selection": {"distribution": "poisson", "shape": 1.0}}, "shape is the eta"),
     ({"private_selection": {"distribution": "geometric", "mean": 1.0}}, "needs mean > 1"),
     ({"private_selection": {"score_range": [5, 5]}}, "score_range needs low < high"),
@@ -77,20 +79,23 @@ def test_private_selection_block_alone_is_refused():
 def test_score_release_matches_a_naive_per_patient_loop():
     rng = np.random.default_rng(3)
     values = rng.normal(60, 30, size=200)  # some below low and above high
+    values[[5, 9]] = [np.nan, np.inf]  # a non-finite record counts as the range's high end
     units = rng.integers(0, 70, size=200)
     low, high, noise = 30.0, 110.0, 6.0
-    got = ps.score_release(values, units, (low, high), noise, 70, np.random.default_rng(11))
+    got = ps.score_release(values, units, (low, high), noise, np.random.default_rng(11))
     per_patient = {}
     for v, u in zip(values.tolist(), units.tolist()):
+        v = high if not math.isfinite(v) else v
         per_patient.setdefault(u, []).append(min(max(v, low), high) - low)
     total = sum(sum(vs) / len(vs) for vs in per_patient.values())
-    expected = low + (total + np.random.default_rng(11).normal(0.0, noise * (high - low))) / 70
-    assert got == pytest.approx(expected, rel=1e-12)
-    # one patient removed moves the noiseless sum by at most high - low (the sensitivity the noise is scaled to)
-    keep = units != units[0]
-    without = ps.score_release(values[keep], units[keep], (low, high), 0.0 + 1e-300, 70, np.random.default_rng(0))
-    full = ps.score_release(values, units, (low, high), 1e-300, 70, np.random.default_rng(0))
-    assert abs(full - without) * 70 <= (high - low) + 1e-9
+    assert got == pytest.approx(total + np.random.default_rng(11).normal(0.0, noise * (high - low)), rel=1e-12)
+    # one patient removed moves the noiseless sum by at most high - low (the sensitivity the noise is scaled to),
+    # whatever its records: no division by the split's patient count, which moves with the patient too
+    for patient in np.unique(units):
+        keep = units != patient
+        without = ps.score_release(values[keep], units[keep], (low, high), 0.0, np.random.default_rng(0))
+        full = ps.score_release(values, units, (low, high), 0.0, np.random.default_rng(0))
+        assert 0.0 <= full - without <= (high - low) + 1e-9
 
 
 def test_value_nll_per_sequence_sums_to_the_split_evaluation(tmp_path):
@@ -152,9 +157,15 @@ def test_cell_plan_meets_its_end_to_end_epsilon_and_is_tight(tiny_dataset):
 
 def test_a_search_space_that_changes_the_plan_is_refused(tiny_dataset):
     # ewpba's step distance shapes its sigma schedule over the epochs, so its corners plan different curves
-    study = study_of(strategies=["ewpba"], search_space={"ewpba": {"step_distance": {"choices": [1, 3]}}},
-                     base={"data": {"n_records": 600}, "epochs": 3})
-    with pytest.raises(ConfigError, match="corners plan different privacy curves"):
+    # (every choice is checked, not only the first two: [1, 1, 3] was accepted by the first version)
+    for choices in ([1, 3], [1, 1, 3]):
+        study = study_of(strategies=["ewpba"], search_space={"ewpba": {"step_distance": {"choices": choices}}},
+                         base={"data": {"n_records": 600}, "epochs": 3})
+        with pytest.raises(ConfigError, match="corners plan different privacy curves"):
+            ps.plan_cell(study, tiny_dataset, "embedded-tiny", 4.0, 0)
+    # a choice that is not a valid run is refused before anything is charged, not when its trial fails
+    study = study_of(search_space={"static-pairwise": {"lr": {"choices": [1e-3, 1e-3, -1.0]}}})
+    with pytest.raises(ConfigError, match="lr"):
         ps.plan_cell(study, tiny_dataset, "embedded-tiny", 4.0, 0)
 
 
@@ -225,7 +236,8 @@ def test_a_study_releases_one_trial_whatever_k(tmp_path, monkeypatch, capfd):
     assert "released/embedded-tiny_eps4_seed0/adapter/adapter_model.safetensors" in shape_three
     assert unclassified_private_selection(three) == []
     start = (three / "study.json").stat().st_mtime  # no file's time tells how long the trials took
-    stamped = [p for p in (three / "released").rglob("*")] + [three / "study_summary.json", three / "released"]
+    stamped = [p for p in (three / "released").rglob("*")] + [three / "study_summary.json", three / "released",
+                                                               three]
     assert {p.stat().st_mtime for p in stamped} == {start}
     entry = json.loads((three / "study_summary.json").read_text())["released"][0]
     state = json.loads((three / ps.SECRET_STATE).read_text())["cells"]["embedded-tiny_eps4_seed0"]
@@ -233,6 +245,9 @@ def test_a_study_releases_one_trial_whatever_k(tmp_path, monkeypatch, capfd):
               for t in state}
     best = min(state, key=lambda t: scores[t["id"]])
     assert entry["settings"] == best["settings"] and entry["score"] == scores[best["id"]]  # the lowest DP score
+    assert "final_eval_value_nll" not in json.dumps(entry)  # the private eval split's figures stay in work/
+    owner = json.loads((three / ps.OWNER_REPORT).read_text())["cells"]["embedded-tiny_eps4_seed0"]
+    assert math.isfinite(owner["final_eval_value_nll"])
     summary = json.loads((three / "released/embedded-tiny_eps4_seed0/summary.json").read_text())
     assert not set(ps.TIMING_KEYS) & set(summary)
     assert summary["privacy"]["end_to_end"]["epsilon"] == entry["end_to_end_epsilon"] <= 4.0
@@ -295,9 +310,18 @@ def test_lifetime_budget_is_charged_the_end_to_end_curve(tmp_path, monkeypatch):
     study = load_study(path)
     _, plans = ps.plan_study(study, tmp_path / "s", progress=False)
     plan = plans["embedded-tiny_eps4_seed0"]
-    for _ in range(2):  # the same study directory twice (a resume): one charge
-        ps._charge(study, str(data), plans, tmp_path / "s")
+    for _ in range(2):  # one study run's tag twice (a resume): one charge
+        ps._charge(str(data), plans, "run-1")
         spent = spent_epsilon(read_budget(dataset_id, manifest.get("source_sha256")))
         assert spent == pytest.approx(plan.end_to_end_epsilon, rel=1e-9)
     assert spent == pytest.approx(selection_epsilon(plan.trial_curve, DEFAULT_ORDERS,
                                                     SelectionDistribution.poisson(2.0), 1e-5), rel=1e-9)
+    ps._charge(str(data), plans, "run-2")  # the study run again (e.g. into its removed directory): charged again
+    twice = spent_epsilon(read_budget(dataset_id, manifest.get("source_sha256")))
+    assert twice == pytest.approx(rdp_epsilon(2 * plan.end_to_end_curve, DEFAULT_ORDERS, 1e-5), rel=1e-9)
+    # a study protecting records is not charged to a budget per patient
+    record = validate_config(StudyConfig, {**values, "base": {**values["base"], "privacy_unit": "record"}})
+    _, record_plans = ps.plan_study(record, tmp_path / "r", progress=False)
+    assert record_plans["embedded-tiny_eps4_seed0"].privacy_unit == "record"
+    with pytest.raises(ConfigError, match="per patient"):
+        ps._charge(str(data), record_plans, "run-3")

@@ -416,6 +416,9 @@ class StudyConfig(StrictModel):
         if "validation" in fractions and not fractions["validation"] > 0:
             raise ValueError("selection: private-dp scores the private validation split: base.data.fractions."
                              "validation must be > 0")
+        for key in ("unsafe_fixed_randomness", "common_random_numbers"):
+            if self.base.get(key):
+                raise ValueError(f"selection: private-dp needs secret randomness: base.{key} is refused")
         refused = {"tuned_from": self.tuned_from, "settings_grid": self.settings_grid, "transfer": self.transfer,
                    "evaluate": self.evaluate, "storage": self.storage, "save_policy": self.save_policy}
         for key, value in refused.items():

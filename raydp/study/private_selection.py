@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import math
 import os
+import random
 import secrets
 import shutil
 import sys
@@ -54,7 +56,7 @@ from raydp.privacy.accounting.selection import (POISSON, SelectionDistribution, 
                                                 selection_rdp)
 from raydp.privacy.ledger import PrivacyLedger
 from raydp.privacy.lifetime import charge, read_budget
-from raydp.runner.privacy_setup import (build_strategy, plan_private_run, planned_rdp_curve, training_units)
+from raydp.runner.privacy_setup import build_strategy, plan_key, plan_private_run, planned_rdp_curve, training_units
 from raydp.runner.run import run_training
 from raydp.runner.task import Task
 from raydp.study.config import PrivateSelectionSettings, SearchDimension, StudyConfig, trial_config
@@ -66,10 +68,25 @@ SECRET_FORMAT = "raydp-private-selection-v1"
 RELEASED = "released"
 #: run-summary keys a released trial drops: timings follow the private batch sizes and, summed, K
 TIMING_KEYS = ("wall_seconds", "train_loop_seconds", "resumed_from_step")
-#: a run directory's files a released trial keeps (adapter/ is copied whole)
-RELEASED_FILES = ("summary.json", "config.json", "privacy_ledger.parquet", "PRIVACY.txt")
+#: a run directory's files a released trial keeps (adapter/ is copied whole; summary.json is rewritten)
+RELEASED_FILES = ("config.json", "privacy_ledger.parquet")
+#: run-summary keys of the private eval split that a released trial drops (they stay in work/, for the owner)
+EVAL_KEYS = ("eval_records", "eval_note")
+EVAL_PREFIXES = ("initial_eval_", "final_eval_", "best_eval_")
+#: the released trials' private eval figures (for the data owner; private)
+OWNER_REPORT = Path("work") / "owner-report.json"
+RELEASED_CELL_NOTE = """A run selected privately (raydp study, selection: private-dp; issue 32). Everything in this
+directory is releasable: adapter/ (the trained adapters), config.json, privacy_ledger.parquet (the run's training
+releases), summary.json (no timings, no private eval figures) and selection.json (its drawn settings, its DP score
+and the guarantee). The guarantee of the release is privacy.end_to_end in summary.json (also in selection.json), which
+covers the selection among a secret number of trials; privacy.epsilon is the run's training alone.
+"""
 #: a cell's per-trial epsilon is solved in [end-to-end / EPSILON_RANGE, end-to-end]
 EPSILON_RANGE = 50.0
+#: the most corner combinations of a search space that plan_cell checks
+MAX_CORNERS = 256
+#: interior draws whose plan key is checked beside the corners
+INTERIOR_CHECKS = 8
 
 PRIVATE_SELECTION_NOTE = """What in this study directory is private (selection: private-dp, ERRATA E11-E15; issue 32):
 - dataset/  the private splits: never release.
@@ -77,9 +94,10 @@ PRIVATE_SELECTION_NOTE = """What in this study directory is private (selection: 
             run directory, score and Tune state: keep private. Releasing any of it voids the end-to-end epsilon.
 Releasable: released/ (per cell: the selected trial's adapter/, summary.json without timings, config.json,
 privacy_ledger.parquet, PRIVACY.txt, and selection.json with its settings, its DP score and the end-to-end
-guarantee), study.json and study_summary.json. Unprotected inside them, labelled: the private eval split's figures
-(eval_*, ERRATA E15), for the data owner. The study's own run time grows with the number of trials: do not
-release it.
+guarantee), study.json and study_summary.json. The private eval split's figures of the released trials (not a DP
+release, ERRATA E15) are in work/owner-report.json, for the data owner.
+Not in any file here but still telling how many trials ran: the study's run time, and Ray's own logs and dashboard
+(/tmp/ray/session_*/ on this machine, or the cluster's), which name every trial: keep them private too.
 """
 
 
@@ -100,7 +118,7 @@ def score_rdp(noise: float, orders=DEFAULT_ORDERS) -> np.ndarray:
     return np.asarray(orders, dtype=np.float64) / (2.0 * float(noise) ** 2)
 
 
-def draw_settings(space: dict[str, SearchDimension], rng: secrets.SystemRandom) -> dict:
+def draw_settings(space: dict[str, SearchDimension], rng: random.Random) -> dict:
     """One independent draw from the search space: log-uniform, uniform, or a uniform choice per dimension."""
     values = {}
     for name, dim in space.items():
@@ -133,6 +151,7 @@ class CellPlan:
     end_to_end_curve: np.ndarray  # repeat-and-select of trial_curve
     end_to_end_epsilon: float
     delta: float
+    privacy_unit: str  # what every trial protects (the lifetime charge must be for the same unit)
 
     def describe(self, settings: PrivateSelectionSettings) -> dict:
         """The cell's public description: what the study file fixes and the guarantee it gives (no K)."""
@@ -165,33 +184,51 @@ def _trial_spec(study: StudyConfig, model: str, epsilon: float, seed: int, value
     return {"model": model, "epsilon": epsilon, "seed": seed, "strategy": study.strategies[0], "search": values}
 
 
+def corner_draws(space: dict[str, SearchDimension]) -> list[dict]:
+    """Every combination of the space's corners: each range's two ends, each of a list's choices. A plan that is
+    the same at all of them is the same at every draw for the settings a plan can depend on (it depends on a
+    setting's value through the plan key, which the check compares; see :func:`plan_cell`)."""
+    values = [dim.choices if dim.choices is not None else [dim.low, dim.high] for dim in space.values()]
+    count = math.prod(len(v) for v in values)
+    if count > MAX_CORNERS:
+        raise ConfigError(f"the search space has {count} corner combinations: selection: private-dp checks every one "
+                          f"before it charges anything, at most {MAX_CORNERS}; give fewer choices")
+    return [dict(zip(space, combo)) for combo in itertools.product(*values)]
+
+
 def plan_cell(study: StudyConfig, dataset: str, model: str, epsilon: float, seed: int) -> CellPlan:
     """Solve the cell's per-trial epsilon: the largest whose trials (training plus the score release) give an
     end-to-end epsilon at most the cell's (:func:`raydp.privacy.accounting.selection.calibrate_trial_parameter`,
-    bisection on 1 / epsilon, since the repeat-and-select epsilon grows with the trial's). Refused when the search
-    space's corners plan different curves: every draw must be bounded by one curve."""
+    bisection on 1 / epsilon, since the repeat-and-select epsilon grows with the trial's). Every corner combination
+    of the search space (:func:`corner_draws`) must be a valid trial with one privacy plan (the same plan key and, at
+    the solved epsilon, the same curve): the theorem needs one curve that bounds every draw."""
     settings = study.selection_settings
-    space = study.search_space[study.strategies[0]]
-    corners = [{k: d.corners()[i if i < len(d.corners()) else -1] for k, d in space.items()} for i in (0, 1)]
+    corners = corner_draws(study.search_space[study.strategies[0]])
     n_train = len(load_texts(dataset, "train"))
     score = score_rdp(settings.score_noise)
 
-    def training(trial_eps: float, values: dict) -> tuple[np.ndarray, float]:
+    def planned(trial_eps: float, values: dict):
         config = trial_config(study, _trial_spec(study, model, trial_eps, seed, values), dataset)
+        strategy = build_strategy(config)
         units = training_units(config, dataset, n_train)
-        plan = plan_private_run(config, units.public_count, build_strategy(config))
-        return planned_rdp_curve(plan, config.delta), config.delta
+        return config, strategy, units, plan_private_run(config, units.public_count, strategy)
 
-    curves = [training(epsilon, corner)[0] for corner in corners]
-    if not np.allclose(curves[0], curves[1], rtol=1e-9, atol=0.0):
+    keys = set()
+    checker = random.Random(0)  # public: a few interior draws beside the corners, for the check only
+    interior = [draw_settings(study.search_space[study.strategies[0]], checker) for _ in range(INTERIOR_CHECKS)]
+    for values in corners + interior:  # every corner is a valid config (a trial that fails after the charge strands the study)
+        config, strategy, _, _ = planned(epsilon, values)
+        keys.add(plan_key(config, strategy))
+    if len(keys) > 1:
         raise ConfigError(f"search_space.{study.strategies[0]}: its corners plan different privacy curves; "
                           "selection: private-dp needs one plan for every draw (search clips, learning rates and "
                           "schedules, not what changes sigma, q or the steps)")
-    distribution = distribution_of(settings)
-    delta = training(epsilon, corners[0])[1]
+    config, _, units, _ = planned(epsilon, corners[0])
+    distribution, delta = distribution_of(settings), config.delta
 
     def trial_rdp_of(inverse_eps: float) -> np.ndarray:
-        return training(1.0 / inverse_eps, corners[0])[0] + score
+        _, _, _, plan = planned(1.0 / inverse_eps, corners[0])
+        return planned_rdp_curve(plan, delta) + score
 
     try:
         inverse = calibrate_trial_parameter(epsilon, delta, distribution, trial_rdp_of, low=1.0 / epsilon,
@@ -200,11 +237,16 @@ def plan_cell(study: StudyConfig, dataset: str, model: str, epsilon: float, seed
         raise ConfigError(f"cell {cell_key(model, epsilon, seed)}: end-to-end epsilon {epsilon:g} is unreachable "
                           f"with this score noise and number of trials ({exc})") from None
     trial_eps = 1.0 / inverse
-    training_curve, _ = training(trial_eps, corners[0])
+    curves = [planned_rdp_curve(planned(trial_eps, values)[3], delta) for values in corners]
+    training_curve = np.max(curves, axis=0)
+    if not all(np.allclose(c, training_curve, rtol=1e-9, atol=0.0) for c in curves):
+        raise ConfigError(f"search_space.{study.strategies[0]}: its corners plan different privacy curves at "
+                          f"epsilon {trial_eps:.4g}")
     trial_curve = training_curve + score
     end_curve = selection_rdp(trial_curve, DEFAULT_ORDERS, distribution)
     return CellPlan(cell_key(model, epsilon, seed), model, epsilon, seed, study.strategies[0], trial_eps,
-                    training_curve, trial_curve, end_curve, rdp_epsilon(end_curve, DEFAULT_ORDERS, delta), delta)
+                    training_curve, trial_curve, end_curve, rdp_epsilon(end_curve, DEFAULT_ORDERS, delta), delta,
+                    units.name)
 
 
 # ----------------------------------------------------------------------------------------------- secret state
@@ -250,19 +292,19 @@ def draw_or_read_state(study: StudyConfig, study_dir: Path, resume: bool) -> dic
 # ------------------------------------------------------------------------------------------------ the score
 
 def score_release(values: np.ndarray, units: np.ndarray, score_range: tuple[float, float], noise: float,
-                  n_units: int, rng: np.random.Generator) -> float:
-    """The DP score of one trial (lower is better): each record's value-token NLL clipped to [low, high]; each
-    unit (patient) contributes the mean of its records' minus ``low``, in [0, high - low], so adding or removing
-    a unit moves the sum by at most high - low; the sum gets Gaussian noise of std ``noise`` (high - low); the
-    score is ``low`` plus the noisy sum over ``n_units``, the split's unit count, treated as public like the
-    training split's (ERRATA E11). Post-processing after the noise."""
+                  rng: np.random.Generator) -> float:
+    """The DP score of one trial (lower is better): each record's value-token NLL clipped to [low, high] (a
+    non-finite one counts as ``high``); each unit (patient) contributes the mean of its records' minus ``low``, in
+    [0, high - low], so adding or removing a unit moves the sum by at most high - low; the released score is that
+    sum plus Gaussian noise of std ``noise`` (high - low). It is not divided by the split's unit count: the count
+    moves with the unit added or removed, which the Gaussian's sensitivity does not cover (review of issue 32)."""
     low, high = score_range
-    clipped = np.clip(np.asarray(values, dtype=np.float64), low, high) - low
+    values = np.nan_to_num(np.asarray(values, dtype=np.float64), nan=high, posinf=high, neginf=low)
+    clipped = np.clip(values, low, high) - low
     _, inverse = np.unique(np.asarray(units), return_inverse=True)
     sums = np.bincount(inverse.reshape(-1), weights=clipped)
     counts = np.bincount(inverse.reshape(-1))
-    total = float((sums / counts).sum())
-    return low + (total + float(rng.normal(0.0, noise * (high - low)))) / max(int(n_units), 1)
+    return float((sums / counts).sum()) + float(rng.normal(0.0, noise * (high - low)))
 
 
 def trial_score(run_dir: Path, config, dataset: str, settings: PrivateSelectionSettings) -> float:
@@ -273,8 +315,7 @@ def trial_score(run_dir: Path, config, dataset: str, settings: PrivateSelectionS
     texts = load_texts(dataset, "validation")
     split = task.split(texts, loaded.tokenizer, max_length, spans=load_value_spans(dataset, "validation"))
     values = value_nll_per_sequence(loaded.model, split, loaded.device)
-    units = load_units(dataset, "validation")
-    return score_release(values, units, settings.score_range, settings.score_noise, len(np.unique(units)),
+    return score_release(values, load_units(dataset, "validation"), settings.score_range, settings.score_noise,
                          np.random.default_rng(secrets.randbits(128)))
 
 
@@ -326,8 +367,10 @@ def plan_study(study: StudyConfig, study_dir: Path, progress: bool = True) -> tu
     return dataset, plans
 
 
-def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, resume: bool) -> Path:
-    """Run (or resume) a private-dp study in ``study_dir`` (locked by the caller); returns the directory."""
+def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, resume: bool,
+                          lifetime_nonce: str) -> Path:
+    """Run (or resume) a private-dp study in ``study_dir`` (locked by the caller); returns the directory.
+    ``lifetime_nonce``: this study run's tag for the lifetime budget's charges (kept by the caller in ``work/``)."""
     import ray  # lazy: `raydp study --check` loads no Ray
     from ray import tune  # lazy: as above
 
@@ -340,7 +383,7 @@ def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, r
         say(f"cell {plan.key}: each trial at epsilon {plan.trial_epsilon:.4g} (score noise "
             f"{study.selection_settings.score_noise:g}); the released best: epsilon {plan.end_to_end_epsilon:.4g} "
             f"at delta {plan.delta:g}")
-    _charge(study, dataset, plans, study_dir)
+    _charge(dataset, plans, lifetime_nonce)
     state = draw_or_read_state(study, study_dir, resume)
     (study_dir / "PRIVACY.txt").write_text(PRIVATE_SELECTION_NOTE)
     (study_dir / "study.json").write_text(json.dumps(study.model_dump(mode="json"), indent=2))
@@ -391,7 +434,7 @@ def _stamp_releasable(study_dir: Path) -> None:
     """Give every releasable file and directory the modification time of ``study.json`` (written before any trial):
     the time between the study's start and its release grows with K, and copies would carry the chosen trial's."""
     when = (study_dir / "study.json").stat().st_mtime
-    paths = [study_dir / "study_summary.json", study_dir / "PRIVACY.txt", study_dir / RELEASED]
+    paths = [study_dir / "study_summary.json", study_dir / "PRIVACY.txt", study_dir / RELEASED, study_dir]
     paths += sorted((study_dir / RELEASED).rglob("*"), reverse=True) if (study_dir / RELEASED).is_dir() else []
     for path in paths:
         if path.exists():
@@ -423,24 +466,41 @@ def _output_to(path: Path):
             os.close(handle)
 
 
-def _charge(study: StudyConfig, dataset: str, plans: dict[str, CellPlan], study_dir: Path) -> None:
-    """Charge every cell's end-to-end curve (independent of K) to the dataset's lifetime budget, before any trial.
-    A resume charges the same labels again, which the register counts once."""
+def _charge(dataset: str, plans: dict[str, CellPlan], lifetime_nonce: str) -> None:
+    """Charge every cell's end-to-end curve (independent of K) to the dataset's lifetime budget, before any trial,
+    under labels tagged with this study run's ``lifetime_nonce`` (kept in ``work/``: a resume is charged once, a
+    study run again, or into a removed directory at the same path, is charged again)."""
     manifest = load_manifest(dataset)
     dataset_id, source = manifest_id(manifest), manifest.get("source_sha256")
     if read_budget(dataset_id, source) is None and not manifest.get("lifetime_budget"):
         return
-    unit = "patient" if manifest.get("privacy_unit") == "patient" else "record"
-    labels = {f"study:{study.name}@{Path(study_dir).resolve()}/{key}": plan.end_to_end_curve
-              for key, plan in plans.items()}
-    charge(dataset_id, labels, DEFAULT_ORDERS, privacy_unit=unit, required=bool(manifest.get("lifetime_budget")),
+    units = {plan.privacy_unit for plan in plans.values()}
+    if len(units) != 1:
+        raise ConfigError(f"the study's cells protect different units ({sorted(units)}): charge them apart")
+    charge(dataset_id, {f"study:{lifetime_nonce}/private-dp/{key}": plan.end_to_end_curve
+                        for key, plan in plans.items()},
+           DEFAULT_ORDERS, privacy_unit=units.pop(), required=bool(manifest.get("lifetime_budget")),
            source_sha256=source)
 
 
+def released_summary(run_summary: dict, plan: CellPlan, theorem: str) -> dict:
+    """A selected run's summary as released: no timing (they follow the private batch sizes and K) and no figure
+    of the private eval split (not a DP release: it stays in ``work/`` for the data owner), with the end-to-end
+    guarantee that applies to it."""
+    out = {k: v for k, v in run_summary.items() if k not in TIMING_KEYS and k not in EVAL_KEYS
+           and not k.startswith(EVAL_PREFIXES)}
+    out["privacy"] = {**(run_summary.get("privacy") or {}), "end_to_end": {
+        "epsilon": plan.end_to_end_epsilon, "delta": plan.delta, "theorem": theorem,
+        "note": "this run was selected privately among a secret number of trials: the released result's "
+                "guarantee is this end-to-end epsilon, not the run's own (privacy.epsilon: its training alone)"}}
+    return out
+
+
 def _release(study: StudyConfig, study_dir: Path, plans: dict[str, CellPlan], state: dict) -> list[dict]:
-    """Per cell, copy the best trial's releasable files to ``released/CELL`` and describe it."""
+    """Per cell, copy the best trial's releasable files to ``released/CELL`` and describe it; the private eval
+    split's figures of the released trials go to ``work/owner-report.json`` (private)."""
     settings = study.selection_settings
-    out = []
+    out, owner = [], {}
     for key, trials in state["cells"].items():
         plan = plans[key]
         entry = plan.describe(settings)
@@ -449,34 +509,33 @@ def _release(study: StudyConfig, study_dir: Path, plans: dict[str, CellPlan], st
         target = study_dir / RELEASED / key
         if target.exists():
             shutil.rmtree(target)
+        target.mkdir(parents=True)
         if not trials:  # Poisson's K = 0: the mechanism's empty output
             entry.update(released=False, note="no trial ran (K = 0 is part of the mechanism): nothing is released")
-            out.append(entry)
-            continue
-        best = min(trials, key=lambda t: scores[t["id"]])
-        run_dir = study_dir / "work" / "trials" / best["id"] / "run"
-        target.mkdir(parents=True)
-        shutil.copytree(run_dir / "adapter", target / "adapter", copy_function=shutil.copyfile)
-        for name in RELEASED_FILES:
-            if (run_dir / name).is_file():
-                shutil.copyfile(run_dir / name, target / name)
-        run_summary = json.loads((run_dir / "summary.json").read_text())
-        for key_ in TIMING_KEYS:
-            run_summary.pop(key_, None)
-        run_summary.setdefault("privacy", {})["end_to_end"] = {
-            "epsilon": plan.end_to_end_epsilon, "delta": plan.delta, "theorem": entry["theorem"],
-            "note": "this run was selected privately among a secret number of trials: the released result's "
-                    "guarantee is this end-to-end epsilon, not the run's own (privacy.epsilon)"}
-        (target / "summary.json").write_text(json.dumps(run_summary, indent=2))
-        entry.update(released=True, settings=best["settings"], score=scores[best["id"]],
-                     score_split="private validation (a DP release, charged)",
-                     final_eval_value_nll=run_summary.get("final_eval_value_nll"),
-                     final_public_value_nll=run_summary.get("final_public_value_nll"),
-                     eval_note="final_eval_value_nll is on the private eval split: unprotected, for the data owner "
-                               "(ERRATA E15); nothing was selected on it",
-                     directory=str(target.relative_to(study_dir)))
+        else:
+            best = min(trials, key=lambda t: (not math.isfinite(scores[t["id"]]), scores[t["id"]]))
+            run_dir = study_dir / "work" / "trials" / best["id"] / "run"
+            shutil.copytree(run_dir / "adapter", target / "adapter", copy_function=shutil.copyfile)
+            for name in RELEASED_FILES:
+                if (run_dir / name).is_file():
+                    shutil.copyfile(run_dir / name, target / name)
+            run_summary = json.loads((run_dir / "summary.json").read_text())
+            (target / "summary.json").write_text(json.dumps(released_summary(run_summary, plan, entry["theorem"]),
+                                                            indent=2))
+            entry.update(released=True, settings=best["settings"], score=scores[best["id"]],
+                         score_note="the noisy sum over the private validation split's patients of each patient's "
+                                    "mean clipped value-token NLL minus the range's low end (lower is better; a "
+                                    "charged Gaussian release)",
+                         final_public_value_nll=run_summary.get("final_public_value_nll"),
+                         directory=str(target.relative_to(study_dir)))
+            owner[key] = {k: run_summary.get(k) for k in ("final_eval_value_nll", "best_eval_value_nll",
+                                                          "final_eval_perplexity")}
+        (target / "PRIVACY.txt").write_text(RELEASED_CELL_NOTE)
         (target / "selection.json").write_text(json.dumps(entry, indent=2))
         out.append(entry)
+    _write_private(study_dir / OWNER_REPORT, {
+        "note": "the released trials' figures on the private eval split: not a DP release, for the data owner "
+                "(ERRATA E15); nothing was selected on them", "cells": owner})
     return out
 
 
@@ -484,6 +543,8 @@ def format_selection(study_dir: Path) -> str:
     """The released cells as a table for the terminal (``raydp study`` / ``raydp report``), with what composing
     E[K] (rounded up) trials would have cost beside the end-to-end epsilon."""
     summary = json.loads((Path(study_dir) / "study_summary.json").read_text())
+    owner_path = Path(study_dir) / OWNER_REPORT
+    owner = json.loads(owner_path.read_text())["cells"] if owner_path.is_file() else {}
     lines = [f"study {summary['study']}: private selection (selection: private-dp); each cell released its best "
              "trial only",
              f"{'cell':<26} {'trial eps':>9} {'end-to-end':>10} {'composed':>8} {'basic':>6} {'DP score':>9} "
@@ -498,12 +559,12 @@ def format_selection(study_dir: Path) -> str:
             lines.append(f"{head} {'-':>9} {'-':>9}  nothing released (K = 0)")
             continue
         settings = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in e["settings"].items())
-        nll = e.get("final_eval_value_nll")
+        nll = (owner.get(cell) or {}).get("final_eval_value_nll")
         lines.append(f"{head} {e['score']:>9.3f} {(f'{nll:.3f}' if nll is not None else '-'):>9}  {settings}")
     if summary["released"]:
         first = summary["released"][0]
         lines.append(f"composed / basic: RDP and basic composition of {first['for_comparison']['trials']} trials "
                      "(E[K] rounded up), what releasing every trial would cost; the DP score (private validation "
-                     "split) chose each trial; eval NLL: the private eval split's value-token NLL, unprotected, for "
-                     f"the data owner (ERRATA E15); {first['theorem']}")
+                     "split) chose each trial; eval NLL: the private eval split's value-token NLL (work/owner-report.json), "
+                     f"not a DP release, for the data owner (ERRATA E15); {first['theorem']}")
     return "\n".join(lines)
