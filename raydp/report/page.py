@@ -42,7 +42,6 @@ from raydp.evaluation.base import Column
 from raydp.evaluation.registry import ATTACKS
 from raydp.report import figures
 from raydp.study.arms import arms
-from raydp.study.trial import Trial
 from raydp.study.report import (
     VERDICT_ALPHA,
     _final_column,
@@ -56,6 +55,7 @@ from raydp.study.report import (
     verdicts,
 )
 from raydp.study.results import CONTROLLERS, METRIC_COLUMNS, NONPRIVATE_ARMS
+from raydp.study.trial import Trial
 
 MAX_DIALS = 24
 EVALUATION_FILE = "evaluation.json"
