@@ -434,7 +434,7 @@ def cmd_study(args) -> int:
             _, trials = prepare_study(study, Path(tmp), progress=False)
         print(f"study {study.name}: {len(trials)} trials, all configs valid and every budget reachable")
         for t in trials[:20]:
-            print(f"  {t['name']}")
+            print(f"  {t.name}")
         if len(trials) > 20:
             print(f"  ... and {len(trials) - 20} more")
         return 0

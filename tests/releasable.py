@@ -112,7 +112,7 @@ POLICY_MANIFEST = {
 RESULTS = {
     **{k: PUBLIC for k in (
         "trial", "status", "model", "strategy", "epsilon_target", "seed", "t_rl", "b_sac", "k", "frozen_policy",
-        "variant", "run_dir", "config", "initial_public_perplexity", "final_public_perplexity",
+        "variant", "grid", "run_dir", "config", "initial_public_perplexity", "final_public_perplexity",
         "best_public_perplexity", "planned_steps", "enforcing_accountant", "privacy_mode", "privacy_label",
         "privacy_labels", "guarantee", "privacy_unit", "rdp_curve_source", "selection_split", "steps_to_target",
         "selection_metric", "initial_public_value_nll", "final_public_value_nll", "best_public_value_nll",
@@ -329,7 +329,7 @@ WANDB_SUMMARY_PATTERNS = {**WANDB_HISTORY_PATTERNS, r"_wandb/": UNPROTECTED, r"u
 #: the run's config: the trial's spec (public settings) and the run's plan
 WANDB_CONFIG = {k: PUBLIC for k in (
     "model", "epsilon", "seed", "strategy", "t_rl", "b_sac", "k", "name", "grid", "settings", "tuned", "search",
-    "stage", "member", "frozen_from", "optuna_id", "epochs", "batch_size", "delta", "accountant", "_wandb")}
+    "stage", "member", "frozen_from", "frozen", "optuna_id", "epochs", "batch_size", "delta", "accountant", "_wandb")}
 WANDB_TABLE_COLUMNS = {**{k: v for k, v in WANDB_HISTORY.items() if not k.startswith(("tables/", "_"))}}
 WANDB_ARTIFACT = {"summary.json": DP, "privacy_ledger.parquet": DP, "config.json": PUBLIC, "PRIVACY.txt": PUBLIC,
                   **{k: v for k, v in WHOLE_FILES.items() if k.startswith("adapter/")}}

@@ -66,11 +66,11 @@ def test_a_study_base_rldp_block_becomes_its_strategy_settings():
                                         "settings_grid": {"rldp": {"action_decoding": ["paper", "relative"]}}})
     assert old == new and old.base == {"max_steps": 8}
     trials = trial_grid(old)
-    rldp = [t for t in trials if t["strategy"] == "rldp"]
+    rldp = [t for t in trials if t.strategy == "rldp"]
     settings = [trial_config(old, t).strategy_settings() for t in rldp]
     assert [(s.t_warm, s.n_max, s.t_rl, s.action_decoding) for s in settings] == [(3, 8, 4, "paper"),
                                                                                 (3, 8, 4, "relative")]
-    static = next(t for t in trials if t["strategy"] == "static")
+    static = next(t for t in trials if t.strategy == "static")
     assert trial_config(old, static).settings == {}  # the block is RLDP's: a baseline trial never sees it
 
 

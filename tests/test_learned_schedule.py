@@ -216,7 +216,7 @@ def _write(tmp_path, **changes):
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"search": "grid"}, "search_space is searched by Optuna: set search: optuna"),
+    ({"search": "grid"}, "search_space is searched by Optuna (search: optuna) or drawn independently"),
     ({"seeds": [0, 1]}, "give one seed"),
     ({"search_space": {"static": {"clip": {"low": 0.1, "high": 1}}}}, "search_space.static: not a strategy"),
     ({"search_space": {"clip-schedule": {"colour": {"low": 0.1, "high": 1}}}}, "search_space.clip-schedule.colour"),
@@ -391,12 +391,12 @@ def test_tuned_from_runs_each_cell_with_its_searched_best(tmp_path):
 
     study = _tuned_study(tmp_path, _finished_search(tmp_path / "search"))
     trials = trial_grid(study)
-    tuned = [t for t in trials if t["strategy"] == "clip-schedule"]
-    assert len(tuned) == 2 and all(t["tuned"] == {"clip": 0.42, "lr": 0.0011, "lr_decay": "cosine"} for t in tuned)
+    tuned = [t for t in trials if t.strategy == "clip-schedule"]
+    assert len(tuned) == 2 and all(t.tuned == {"clip": 0.42, "lr": 0.0011, "lr_decay": "cosine"} for t in tuned)
     config = trial_config(study, tuned[0])
     assert config.settings["clip"] == 0.42 and config.lr == 0.0011 and config.lr_decay == "cosine"
     assert not config.common_random_numbers  # the search's public-only choices are not carried over
-    nonprivate = trial_config(study, next(t for t in trials if t["strategy"] == "nonprivate"))
+    nonprivate = trial_config(study, next(t for t in trials if t.strategy == "nonprivate"))
     assert nonprivate.lr == 5e-4  # a strategy the search did not tune keeps the study's own settings
 
 

@@ -155,12 +155,13 @@ def test_a_pbt_study_is_not_resumed(tmp_path):
 def test_members_expand_with_seeded_settings_in_their_ranges(tmp_path):
     study = load_study(write_study(tmp_path, strategies=["static", "pbt"], pbt={"members": 4, "seed": 3}))
     trials = trial_grid(study)
-    members = [t for t in trials if t.get("stage") == "pbt"]
-    assert [t["strategy"] for t in trials if t.get("stage") != "pbt"] == ["static"]  # a baseline, run as a grid
-    assert [m["member"] for m in members] == [0, 1, 2, 3]
+    members = [t for t in trials if t.stage == "pbt"]
+    assert [t.strategy for t in trials if t.stage != "pbt"] == ["static"]  # a baseline, run as a grid
+    assert [m.member for m in members] == [0, 1, 2, 3]
+    assert len({m.name for m in members}) == 4 and members[0].name.endswith("_member0")
     for m in members:
-        assert 0.1 <= m["settings"]["clip"] <= 2.0 and 0.8 <= m["settings"]["sigma_scale"] <= 1.5
-    assert len({m["settings"]["clip"] for m in members}) == 4
+        assert 0.1 <= m.settings["clip"] <= 2.0 and 0.8 <= m.settings["sigma_scale"] <= 1.5
+    assert len({m.settings["clip"] for m in members}) == 4
     assert trial_grid(study) == trials  # seeded: the same population every time
     shipped = load_study(REPO / "trials" / "pbt.yaml")
     assert shipped.search == "pbt" and len(trial_grid(shipped)) == shipped.pbt.members == 4

@@ -25,6 +25,7 @@ from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, rdp_epsilon
 from raydp.privacy.accounting.selection import SelectionDistribution, selection_epsilon
 from raydp.settings import validate_config
 from raydp.study.config import StudyConfig, load_study
+from raydp.study.trial import Trial
 
 from releasable import unclassified_private_selection
 
@@ -138,9 +139,8 @@ def test_cell_plan_meets_its_end_to_end_epsilon_and_is_tight(tiny_dataset):
     assert plan.trial_epsilon < 4.0
 
     def curve_at(eps):  # the run's own plan at that epsilon (what the trial calibrates when it starts)
-        config = trial_config(study, {"model": "embedded-tiny", "epsilon": eps, "seed": 0,
-                                      "strategy": "static-pairwise", "search": {"clip": 0.1, "lr": 1e-3}},
-                              tiny_dataset)
+        config = trial_config(study, Trial(model="embedded-tiny", epsilon=eps, seed=0, strategy="static-pairwise",
+                                           search={"clip": 0.1, "lr": 1e-3}), tiny_dataset)
         units = training_units(config, tiny_dataset, len(load_texts(tiny_dataset, "train")))
         return planned_rdp_curve(plan_private_run(config, units.public_count, build_strategy(config)), config.delta)
 

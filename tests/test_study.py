@@ -95,24 +95,23 @@ def test_shipped_study_files_validate_and_expand():
             continue
         trials = trial_grid(study)
         assert trials or study.search_space, path.name  # a search's trials are Optuna's (search_cells)
-        assert {t["strategy"] for t in trials} <= set(study.strategies) | {"pbt"}, path.name
+        assert {t.strategy for t in trials} <= set(study.strategies) | {"pbt"}, path.name
     quick = load_study(REPO / "trials" / "quickstart.yaml")
-    assert "rldp" in {t["strategy"] for t in trial_grid(quick)}
+    assert "rldp" in {t.strategy for t in trial_grid(quick)}
     frontier = load_study(REPO / "trials" / "frontier.yaml")
     assert frontier.epsilons == [0.5, 2.0, 8.0] and "nonprivate" in frontier.strategies  # the DP gap (issue 27)
 
 
 def test_settings_grid_expands_into_named_trials_with_their_settings(tmp_path):
     from raydp.study.config import trial_config
-    from raydp.study.runner import trial_name
 
     study = load_study(write_study(tmp_path, strategies=["static", "static-pairwise", "rldp"], settings_grid={
         "static-pairwise": {"clip": [0.01, 0.1]}, "rldp": {"action_decoding": ["paper", "relative"]}}))
     trials = trial_grid(study)
-    assert [(t["strategy"], t.get("grid")) for t in trials] == [
+    assert [(t.strategy, t.grid) for t in trials] == [
         ("static", None), ("static-pairwise", {"clip": 0.01}), ("static-pairwise", {"clip": 0.1}),
         ("rldp", {"action_decoding": "paper"}), ("rldp", {"action_decoding": "relative"})]
-    names = [trial_name(t) for t in trials]
+    names = [t.name for t in trials]
     assert len(set(names)) == 5 and names[1].endswith("_clip0.01")
     assert trial_config(study, trials[1]).settings == {"clip": 0.01}
     assert trial_config(study, trials[3]).strategy_settings().action_decoding == "paper"
@@ -326,9 +325,9 @@ def test_rldp_trials_can_share_one_policy(tiny_study, tmp_path, monkeypatch):
     rldp = {**TINY_STUDY["strategy_settings"]["rldp"], "policy": "pre", "policy_dir": "policies"}
     study = load_study(write_study(tmp_path, name="reuse", strategies=["rldp"], strategy_settings={"rldp": rldp}))
     dataset, (trial,) = prepare_study(study, tmp_path / "reuse")
-    assert trial["policy_path"] == str((tmp_path / "policies" / "pre").resolve())
+    assert trial.policy_path == str((tmp_path / "policies" / "pre").resolve())
     monkeypatch.chdir(tmp_path / "reuse")  # as in a Tune trial
-    assert trial_config(study, trial, dataset, trial["policy_path"]).strategy_settings().policy == trial["policy_path"]
+    assert trial_config(study, trial, dataset, trial.policy_path).strategy_settings().policy == trial.policy_path
 
 
 def _trial_footprint(study_dir: Path) -> tuple[dict, dict, list]:
@@ -546,8 +545,9 @@ def test_a_killed_trial_resumes_with_exactly_the_planned_ledger(tiny_study, tmp_
 
 def test_a_failed_evaluation_is_a_column_not_a_failed_trial(tmp_path):
     from raydp.study.results import _trial_row
+    from raydp.study.trial import Trial
 
-    trial = {"name": "static_embedded_eps2_seed0", "model": "embedded", "strategy": "static", "seed": 0}
+    trial = Trial(model="embedded", strategy="static", epsilon=2.0, seed=0)
     row = _trial_row(trial, tmp_path, "TERMINATED", {"evaluation_error": "ConfigError: no adapter"})
     assert row["status"] == "TERMINATED" and row["evaluation_error"] == "ConfigError: no adapter"
     assert "evaluation_error" not in _trial_row(trial, tmp_path, "TERMINATED", {})
@@ -674,10 +674,10 @@ def test_a_trial_config_holds_its_own_spec_whatever_the_study_size():
     from ray.tune.search.variant_generator import generate_variants
 
     from raydp.study.runner import _param_space
+    from raydp.study.trial import Trial
 
     def first_config_size(n_trials):
-        trials = [{"name": f"static_m_eps2_seed{i}", "model": "m", "epsilon": 2.0, "seed": i, "strategy": "static"}
-                  for i in range(n_trials)]
+        trials = [Trial(model="m", epsilon=2.0, seed=i, strategy="static") for i in range(n_trials)]
         _, config = next(generate_variants(_param_space(None, trials, {"study": {"name": "x"}})))
         return len(json.dumps(config))
 
@@ -730,12 +730,13 @@ def test_wandb_sends_attack_results_only_on_opt_in_labelled_unprotected(tmp_path
     from raydp.config import TrainConfig
     from raydp.study.config import load_study
     from raydp.study.runner import _Reporter
+    from raydp.study.trial import Trial
 
     monkeypatch.delenv("WANDB_SILENT", raising=False)  # raydp silences wandb itself (a study's log stays clean)
     study = load_study(write_study(tmp_path, wandb={"mode": "offline", "attacks": opt_in}))
     for _ in range(2):  # a retried trial: the same wandb run, resumed
-        reporter = _Reporter(study, {"name": "static_x_eps2_seed0"}, TrainConfig(strategy="static", epsilon=2.0),
-                             tmp_path)
+        reporter = _Reporter(study, Trial(model="x", epsilon=2.0, seed=0, strategy="static"),
+                             TrainConfig(strategy="static", epsilon=2.0), tmp_path)
         reporter.evaluation(8, {"perplexity": 3.5, "value_nll": 40.0})
         reporter.close({"mia_auc": 0.52, "evaluation_error": "text is never sent"})
     files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -760,9 +761,11 @@ def test_wandb_gets_nothing_from_a_nonprivate_trial_and_a_wandb_failure_fails_no
     from raydp.config import TrainConfig
     from raydp.study.config import load_study
     from raydp.study.runner import _Reporter
+    from raydp.study.trial import Trial
 
     study = load_study(write_study(tmp_path, wandb={"mode": "offline"}))
-    reporter = _Reporter(study, {"name": "nonprivate_x_seed0"}, TrainConfig(strategy="nonprivate"), tmp_path)
+    reporter = _Reporter(study, Trial(model="x", seed=0, strategy="nonprivate"), TrainConfig(strategy="nonprivate"),
+                         tmp_path)
     reporter.evaluation(8, {"perplexity": 3.5})
     reporter.finish({"privacy": None, "steps": 993}, tmp_path)
     reporter.close({"mia_auc": 0.5})
@@ -772,8 +775,8 @@ def test_wandb_gets_nothing_from_a_nonprivate_trial_and_a_wandb_failure_fails_no
         raise ConnectionError("wandb is down")
 
     monkeypatch.setattr(wandb, "init", broken)  # wandb itself failing, as a network error would
-    reporter = _Reporter(study, {"name": "static_x_eps2_seed0"}, TrainConfig(strategy="static", epsilon=2.0),
-                         tmp_path)
+    reporter = _Reporter(study, Trial(model="x", epsilon=2.0, seed=0, strategy="static"),
+                         TrainConfig(strategy="static", epsilon=2.0), tmp_path)
     reporter.evaluation(8, {"perplexity": 3.5})
     reporter.finish({"privacy": {}}, tmp_path)
     reporter.close({})

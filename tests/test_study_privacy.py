@@ -24,6 +24,7 @@ from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, rdp_vector
 from raydp.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 from raydp.study.config import StudyConfig
 from raydp.study.results import collect_results, curve_on_orders, ledger_rdp_curve
+from raydp.study.trial import Trial
 
 SHA = "d" * 64  # the dataset manifest's (private) content hash
 ID = keyed_id(SHA)  # what released files name it by
@@ -78,13 +79,16 @@ def study_dir_with_dataset(tmp_path):
     return d
 
 
-def spec(name, eps, strategy="static", seed=0):
-    return {"name": name, "model": "embedded-tiny", "epsilon": eps, "seed": seed, "strategy": strategy}
+def spec(name, eps, strategy="static", seed=0, study=None, **fields):
+    """A trial as the study plans it (:meth:`Trial.plan`: frozen where the study's controller settings say so)."""
+    values = {"name": name, "model": "embedded-tiny", "epsilon": eps, "seed": seed, "strategy": strategy, **fields}
+    return Trial.plan(study, **values) if study is not None else Trial(**values)
 
 
 def result(trial, error=None, checkpoint=None):
-    return SimpleNamespace(metrics={}, config={"trial_specs": {trial["name"]: trial}, "trial_name": trial["name"]},
-                           error=error, path=f"/tune/{trial['name']}", checkpoint=checkpoint)
+    """Tune's result of a trial, its config in the older form (every spec, ``trial_specs``, as plain dicts)."""
+    return SimpleNamespace(metrics={}, config={"trial_specs": {trial.name: trial.to_dict()}, "trial_name": trial.name},
+                           error=error, path=f"/tune/{trial.name}", checkpoint=checkpoint)
 
 
 def independent_rdp(ledgers):
@@ -101,8 +105,8 @@ def test_trials_at_different_target_epsilons_compose_into_one_figure(tmp_path):
     study, d = make_study(), study_dir_with_dataset(tmp_path)
     low, high = make_ledger(0.05, 4.0, 40, 0.5), make_ledger(0.05, 1.5, 40, 2.0)
     t_low, t_high = spec("static_eps0.5", 0.5), spec("static_eps2", 2.0)
-    write_run(d, t_low["name"], ledger=low, eps_target=0.5)
-    write_run(d, t_high["name"], ledger=high, eps_target=2.0)
+    write_run(d, t_low.name, ledger=low, eps_target=0.5)
+    write_run(d, t_high.name, ledger=high, eps_target=2.0)
     table = collect_results(study, d, [t_low, t_high], [result(t_low), result(t_high)])
     tuning = table.attrs["tuning_aware_epsilon"]
     assert list(tuning) == [ID]  # one figure per dataset, not per target epsilon
@@ -122,10 +126,9 @@ def test_filtered_run_composes_with_its_budget_curve(tmp_path):
     study, d = make_study(), study_dir_with_dataset(tmp_path)
     realized, other = make_ledger(0.05, 1.5, 30, 2.0), make_ledger(0.05, 3.0, 30, 0.5)
     budget = 60 * rdp_vector(0.05, 1.5)  # the filter's budget curve on DEFAULT_ORDERS, above the realized sum
-    t_filt, t_other = spec("rldp_filtered", 2.0, strategy="rldp"), spec("static_other", 0.5)
-    t_filt.update(t_rl=4, b_sac=4, k=2)
-    write_run(d, t_filt["name"], ledger=realized, filt={"orders": ORDERS, "budget_rdp": budget.tolist()})
-    write_run(d, t_other["name"], ledger=other, eps_target=0.5)
+    t_filt, t_other = spec("rldp_filtered", 2.0, strategy="rldp", t_rl=4, b_sac=4, k=2), spec("static_other", 0.5)
+    write_run(d, t_filt.name, ledger=realized, filt={"orders": ORDERS, "budget_rdp": budget.tolist()})
+    write_run(d, t_other.name, ledger=other, eps_target=0.5)
     table = collect_results(study, d, [t_filt, t_other], [result(t_filt), result(t_other)])
     fig = table.attrs["tuning_aware_epsilon"][ID]
     sources = {c["name"]: c["curve"] for c in fig["composed"]}
@@ -170,7 +173,7 @@ def test_errored_trials_compose_from_their_checkpoint_or_are_listed_as_unknown_s
     done, partial = make_ledger(0.05, 1.5, 40, 2.0), make_ledger(0.05, 1.5, 12, 2.0)
     checkpoint = tune_checkpoint(tmp_path, partial)
     t_done, t_ckpt, t_lost = spec("static_done", 2.0), spec("static_ckpt", 0.5), spec("static_lost", 0.5, seed=1)
-    write_run(d, t_done["name"], ledger=done)
+    write_run(d, t_done.name, ledger=done)
     table = collect_results(study, d, [t_done, t_ckpt, t_lost],
                             [result(t_done), result(t_ckpt, error=RuntimeError("x"), checkpoint=checkpoint),
                              result(t_lost, error=RuntimeError("y"))])
@@ -196,7 +199,7 @@ def test_an_errored_adaptive_trial_composes_with_its_filter_budget(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     torch.save({"trainer": {"gradient": {"ledger": partial.to_arrow()}}}, ckpt / "state.pt")
-    t = {**spec("rldp_err", 2.0, strategy="rldp"), "t_rl": 4, "b_sac": 4, "k": 2}
+    t = spec("rldp_err", 2.0, strategy="rldp", t_rl=4, b_sac=4, k=2)
     checkpoint = SimpleNamespace(as_directory=lambda: _as_directory(ckpt))
     table = collect_results(study, d, [t], [result(t, error=RuntimeError("x"), checkpoint=checkpoint)])
     fig = table.attrs["tuning_aware_epsilon"][ID]
@@ -210,8 +213,8 @@ def test_labels_reach_results_and_the_figure(tmp_path):
     study, d = make_study(), study_dir_with_dataset(tmp_path)
     void = "epsilon is void: sampling and noise were seeded from a recorded seed (E12)"
     t_void, t_plain = spec("static_void", 2.0), spec("static_plain", 0.5)
-    write_run(d, t_void["name"], ledger=make_ledger(0.05, 1.5, 10, 2.0), labels=[void, "second label"])
-    write_run(d, t_plain["name"], ledger=make_ledger(0.05, 3.0, 10, 0.5), eps_target=0.5)
+    write_run(d, t_void.name, ledger=make_ledger(0.05, 1.5, 10, 2.0), labels=[void, "second label"])
+    write_run(d, t_plain.name, ledger=make_ledger(0.05, 3.0, 10, 0.5), eps_target=0.5)
     collect_results(study, d, [t_void, t_plain], [result(t_void), result(t_plain)])
     table = pd.read_parquet(d / "results.parquet")
     assert table["privacy_labels"].iloc[0] == f"{void}; second label" and pd.isna(table["privacy_labels"].iloc[1])
@@ -240,11 +243,11 @@ def test_a_saved_policys_training_runs_on_the_same_data_compose(tmp_path, monkey
     study = make_study(strategies=["rldp"], base={"delta": DELTA},
                        strategy_settings={"rldp": {"policy": "prior", "policy_dir": str(policies)}})
     d = study_dir_with_dataset(tmp_path)
-    trial = {**spec("rldp_a", 0.5, strategy="rldp"), "t_rl": 4, "b_sac": 4, "k": 2}
-    trial_b = {**spec("rldp_b", 2.0, strategy="rldp"), "t_rl": 4, "b_sac": 4, "k": 2}
+    trial = spec("rldp_a", 0.5, strategy="rldp", t_rl=4, b_sac=4, k=2)
+    trial_b = spec("rldp_b", 2.0, strategy="rldp", t_rl=4, b_sac=4, k=2)
     own_a, own_b = make_ledger(0.05, 3.0, 20, 0.5), make_ledger(0.05, 1.5, 20, 2.0)
-    write_run(d, trial["name"], ledger=own_a, eps_target=0.5)
-    write_run(d, trial_b["name"], ledger=own_b)
+    write_run(d, trial.name, ledger=own_a, eps_target=0.5)
+    write_run(d, trial_b.name, ledger=own_b)
     fig = collect_results(study, d, [trial, trial_b], [result(trial), result(trial_b)]
                           ).attrs["tuning_aware_epsilon"][ID]
     kinds = [c["kind"] for c in fig["composed"]]
@@ -266,9 +269,9 @@ def test_selection_uses_the_public_split_by_default_and_labels_the_private_one(t
         study, d = make_study(epsilons=[2.0], strategies=["static", "rldp"], selection=selection), \
             study_dir_with_dataset(tmp_path / selection)
         base = spec("static", 2.0)
-        rldp = {**spec("rldp", 2.0, strategy="rldp"), "t_rl": 4, "b_sac": 4, "k": 2}
-        write_run(d, base["name"], ledger=make_ledger(0.05, 1.5, 10, 2.0), evals=evals_base, final=(1.5, 1.6))
-        write_run(d, rldp["name"], ledger=make_ledger(0.05, 1.5, 10, 2.0), evals=evals_rldp, final=(1.3, 1.5))
+        rldp = spec("rldp", 2.0, strategy="rldp", t_rl=4, b_sac=4, k=2)
+        write_run(d, base.name, ledger=make_ledger(0.05, 1.5, 10, 2.0), evals=evals_base, final=(1.5, 1.6))
+        write_run(d, rldp.name, ledger=make_ledger(0.05, 1.5, 10, 2.0), evals=evals_rldp, final=(1.3, 1.5))
         table = collect_results(study, d, [base, rldp], [result(base), result(rldp)])
         results[selection] = table
         saved = pd.read_parquet(d / "results.parquet")
@@ -287,7 +290,7 @@ def test_selection_uses_the_public_split_by_default_and_labels_the_private_one(t
 def test_old_summaries_without_public_figures_fall_back_with_a_label(tmp_path):
     study, d = make_study(epsilons=[2.0]), study_dir_with_dataset(tmp_path)
     t = spec("static_old", 2.0)
-    write_run(d, t["name"], ledger=make_ledger(0.05, 1.5, 10, 2.0), public=False, sha=None)
+    write_run(d, t.name, ledger=make_ledger(0.05, 1.5, 10, 2.0), public=False, sha=None)
     table = collect_results(study, d, [t], [result(t)])
     assert table.attrs["selection"]["split"] == "private"
     assert "unprotected (E15)" in table.attrs["selection"]["note"]
@@ -300,8 +303,8 @@ def test_report_prints_the_figure_labels_and_selection(tmp_path, capsys):
 
     study, d = make_study(), study_dir_with_dataset(tmp_path)
     t1, t2 = spec("static_a", 0.5), spec("static_b", 2.0)
-    write_run(d, t1["name"], ledger=make_ledger(0.05, 3.0, 10, 0.5), eps_target=0.5, labels=["VOID (E12)"])
-    write_run(d, t2["name"], ledger=make_ledger(0.05, 1.5, 10, 2.0))
+    write_run(d, t1.name, ledger=make_ledger(0.05, 3.0, 10, 0.5), eps_target=0.5, labels=["VOID (E12)"])
+    write_run(d, t2.name, ledger=make_ledger(0.05, 1.5, 10, 2.0))
     table = collect_results(study, d, [t1, t2], [result(t1), result(t2, error=RuntimeError("x"))])
     (d / "study_summary.json").write_text(json.dumps({"study": "hand", **table.attrs}, default=str))
     assert main(["report", str(d)]) == 0
@@ -321,7 +324,7 @@ def test_a_stopped_studys_trials_are_finished_interrupted_or_not_run_and_interru
     checkpoint = tune_checkpoint(tmp_path, partial)
     t_done, t_mid = spec("static_done", 2.0), spec("static_mid", 0.5)
     t_pending, t_pending2 = spec("static_pending", 0.5, seed=1), spec("static_pending2", 2.0, seed=1)
-    write_run(d, t_done["name"], ledger=done, unit="patient")
+    write_run(d, t_done.name, ledger=done, unit="patient")
     mid = result(t_mid, checkpoint=checkpoint)
     mid.metrics = {"step": 12, "checkpoint": True}  # reported, never finished
     never = [SimpleNamespace(metrics={"trial_id": f"x_{i:05d}"}, config={}, error=None, path=f"/tune/p{i}",
@@ -345,8 +348,10 @@ def test_a_study_that_freezes_its_policy_marks_its_rldp_trials_frozen(tmp_path):
     study = make_study(strategies=["rldp", "static"], base={"delta": DELTA},
                        strategy_settings={"rldp": {"frozen": True, "policy": "public-embedded"}})
     d = study_dir_with_dataset(tmp_path)
-    t_rl, t_static = spec("rldp_frozen", 2.0, strategy="rldp"), spec("static_beside", 2.0)
+    t_rl, t_static = spec("rldp_frozen", 2.0, "rldp", study=study), spec("static_beside", 2.0, study=study)
+    assert t_rl.frozen and not t_static.frozen and t_rl.arm.label() == "rldp (frozen policy)"
     table = collect_results(study, d, [t_rl, t_static], [])
     assert table.set_index("trial")["frozen_policy"].to_dict() == {"rldp_frozen": True, "static_beside": False}
-    table = collect_results(make_study(strategies=["rldp"]), d, [t_rl], [])
+    unfrozen = make_study(strategies=["rldp"])
+    table = collect_results(unfrozen, d, [spec("rldp_frozen", 2.0, "rldp", study=unfrozen)], [])
     assert not table["frozen_policy"].any()

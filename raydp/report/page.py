@@ -55,6 +55,7 @@ from raydp.study.report import (
     verdicts,
 )
 from raydp.study.results import CONTROLLERS, METRIC_COLUMNS, NONPRIVATE_ARMS
+from raydp.study.trial import Trial
 
 MAX_DIALS = 24
 EVALUATION_FILE = "evaluation.json"
@@ -271,12 +272,17 @@ def _single_run(root: Path) -> Report:
     strategy = privacy.get("strategy") if isinstance(privacy.get("strategy"), dict) else {}
     eps = privacy.get("epsilon_by_accountant") or {}
     rldp = s.get("strategy") in CONTROLLERS
+    try:  # the run as a trial: its identity columns are a study row's (Trial.row)
+        trial = Trial(name=root.name, model=s.get("model"), strategy=s.get("strategy"), seed=config.get("seed"),
+                      epsilon=privacy.get("epsilon_target"),
+                      **{k: (strategy.get(k) if rldp else None) for k in ("t_rl", "b_sac", "k")},
+                      frozen=bool(strategy.get("frozen")) if rldp else False)
+    except ConfigError as exc:
+        raise ConfigError(f"{root}: summary.json/config.json do not describe a run ({exc})") from None
+    identity = trial.row()
     row = {
-        "trial": root.name, "status": "STOPPED EARLY" if s.get("stopped_early") else "FINISHED",
-        "model": s.get("model"), "strategy": s.get("strategy"), "epsilon_target": privacy.get("epsilon_target"),
-        "seed": config.get("seed"),
-        **{k: (strategy.get(k) if rldp else None) for k in ("t_rl", "b_sac", "k")},
-        "frozen_policy": bool(strategy.get("frozen")) if rldp else False,
+        "trial": identity.pop("trial"), "status": "STOPPED EARLY" if s.get("stopped_early") else "FINISHED",
+        **identity,
         **{f"{w}_{split}_perplexity": s.get(f"{w}_{split}_perplexity")
            for w in ("initial", "final", "best") for split in ("eval", "public")},
         **{f"{w}_{split}_value_nll": s[f"{w}_{split}_value_nll"]

@@ -30,6 +30,7 @@ from raydp.errors import ConfigError
 from raydp.evaluation.results import EvalConfig
 from raydp.strategies.registry import (SPECS, STRATEGY_CHOICES, capability_names, get_spec, strategy_class,
                                        with_capability)
+from raydp.study.trial import Trial
 
 
 def _known_strategy(name: str) -> str:
@@ -507,39 +508,40 @@ def load_study(path: str | Path) -> StudyConfig:
         raise ConfigError(f"{path}: {exc}") from None
 
 
-def optuna_trial(study: StudyConfig, t_rl: int, b_sac: int, k: int, trial_id: str) -> dict:
+def optuna_trial(study: StudyConfig, t_rl: int, b_sac: int, k: int, trial_id: str) -> Trial:
     """An Optuna-sampled RLDP trial on the study's single (model, epsilon, seed) cell."""
-    return {"model": study.models[0], "epsilon": study.epsilons[0], "seed": study.seeds[0],
-            "strategy": study.controller_strategy,
-            "t_rl": int(t_rl), "b_sac": int(b_sac), "k": int(k), "optuna_id": trial_id}
+    return Trial.plan(study, model=study.models[0], epsilon=study.epsilons[0], seed=study.seeds[0],
+                      strategy=study.controller_strategy, t_rl=int(t_rl), b_sac=int(b_sac), k=int(k),
+                      optuna_id=trial_id)
 
 
-def trial_grid(study: StudyConfig) -> list[dict]:
-    """The grid's trials: one dict of varied fields per trial (rldp expanded over the SAC grid); with
-    ``transfer``, the source-model RLDP trials (``stage: source``) come first and every RLDP trial gets a
-    frozen twin that reuses its source trial's policy."""
+def trial_grid(study: StudyConfig) -> list[Trial]:
+    """The grid's trials (rldp expanded over the SAC grid); with ``transfer``, the source-model RLDP trials
+    (``stage: source``) come first and every RLDP trial gets a frozen twin that reuses its source trial's
+    policy."""
     trials = _grid(study, study.models)
     if study.search_space:  # the searched strategies' trials are Optuna's (search_cells); the rest stay a grid
-        return [t for t in trials if t["strategy"] not in study.search_space]
+        return [t for t in trials if t.strategy not in study.search_space]
     controller = study.controller_strategy
     if study.search == "optuna":  # the SAC cells are Optuna's to choose; the baselines stay a grid
-        return [t for t in trials if t["strategy"] != controller]
+        return [t for t in trials if t.strategy != controller]
     if study.search == "pbt":  # the population's members (stage "pbt", run by PBT); the baselines stay a grid
         population = study.population_strategy
-        return [m for t in trials for m in (pbt_members(study, t) if t["strategy"] == population else [t])]
+        return [m for t in trials for m in (pbt_members(study, t) if t.strategy == population else [t])]
     if study.transfer is None:
         return trials
-    sources = [{**t, "stage": "source"} for t in _grid(study, [study.transfer.source_model])
-               if t["strategy"] == controller]
+    sources = [t.derive(stage="source") for t in _grid(study, [study.transfer.source_model])
+               if t.strategy == controller]
     frozen = []
     for t in trials:
-        if t["strategy"] == controller:
-            source = next(s for s in sources if all(s[k] == t[k] for k in ("epsilon", "seed", "t_rl", "b_sac", "k")))
-            frozen.append({**t, "frozen_from": source_key(source)})
+        if t.strategy == controller:
+            source = next(s for s in sources if (s.epsilon, s.seed, s.t_rl, s.b_sac, s.k) == (t.epsilon, t.seed,
+                                                                                                t.t_rl, t.b_sac, t.k))
+            frozen.append(t.derive(frozen_from=source.source_key, frozen=True))
     return sources + trials + frozen
 
 
-def pbt_members(study: StudyConfig, trial: dict) -> list[dict]:
+def pbt_members(study: StudyConfig, trial: Trial) -> list[Trial]:
     """The PBT population of a ``pbt`` grid cell: ``members`` trials (``stage: pbt``, ``member: i``), each
     with its initial settings drawn from the mutation ranges (seeded by ``pbt.seed``: public choices)."""
     rng = np.random.default_rng(study.pbt.seed)
@@ -547,7 +549,7 @@ def pbt_members(study: StudyConfig, trial: dict) -> list[dict]:
     members = []
     for i in range(study.pbt.members):
         settings = {name: float(f"{draw_in_range(getattr(ranges, name), rng):.6g}") for name in ("clip", "sigma_scale")}
-        members.append({**trial, "stage": "pbt", "member": i, "settings": settings})
+        members.append(trial.derive(stage="pbt", member=i, settings=settings))
     return members
 
 
@@ -618,81 +620,73 @@ def tuned_values(study: StudyConfig) -> dict[tuple[str, str, float], dict]:
     return best
 
 
-def search_cells(study: StudyConfig) -> list[dict]:
+def search_cells(study: StudyConfig) -> list[Trial]:
     """One Optuna search per (searched strategy, model, epsilon) at the study's seed: the cell's fixed fields."""
-    return [{"model": model, "epsilon": eps, "seed": study.seeds[0], "strategy": strategy}
+    return [Trial.plan(study, model=model, epsilon=eps, seed=study.seeds[0], strategy=strategy)
             for strategy in study.search_space for model in study.models for eps in study.epsilons]
 
 
-def search_trial(cell: dict, values: dict, trial_id: str) -> dict:
+def search_trial(cell: Trial, values: dict, trial_id: str) -> Trial:
     """An Optuna-sampled trial of a search cell: the cell and the sampled ``values`` (``search``)."""
-    return {**cell, "search": {k: (v.item() if hasattr(v, "item") else v) for k, v in values.items()},
-            "optuna_id": trial_id}
+    return cell.derive(search=dict(values), optuna_id=trial_id)
 
 
-def source_key(trial: dict) -> str:
-    return f"{trial['model']}|{trial['epsilon']}|{trial['seed']}|{trial['t_rl']}|{trial['b_sac']}|{trial['k']}"
-
-
-def _grid(study: StudyConfig, models: list[str]) -> list[dict]:
+def _grid(study: StudyConfig, models: list[str]) -> list[Trial]:
     tuned = tuned_values(study)
     trials = []
     for model, eps, seed, strategy in itertools.product(models, study.epsilons, study.seeds, study.strategies):
         spec = get_spec(strategy)
         if not spec.private:
-            if (model, seed) in {(t["model"], t["seed"]) for t in trials if t["strategy"] == strategy}:
+            if (model, seed) in {(t.model, t.seed) for t in trials if t.strategy == strategy}:
                 continue  # no epsilon: one non-private trial per model and seed
-            trials.append({"model": model, "epsilon": None, "seed": seed, "strategy": strategy})
+            trials.append(Trial.plan(study, model=model, epsilon=None, seed=seed, strategy=strategy))
             continue
         sac = itertools.product(study.sac_grid.t_rl, study.sac_grid.b_sac, study.sac_grid.k) if spec.controller \
             else [(None, None, None)]
         grid = study.settings_grid.get(strategy) or {}
         variants = [dict(zip(grid, values)) for values in itertools.product(*grid.values())] if grid else [None]
         for (t_rl, b_sac, k), variant in itertools.product(sac, variants):
-            trial = {"model": model, "epsilon": eps, "seed": seed, "strategy": strategy,
-                     "t_rl": t_rl, "b_sac": b_sac, "k": k}
-            if variant is not None:
-                trial["grid"] = variant  # this trial's settings from settings_grid
-            if (strategy, model, float(eps)) in tuned:
-                trial["tuned"] = tuned[(strategy, model, float(eps))]  # tuned_from's best values
-            trials.append(trial)
+            trials.append(Trial.plan(study, model=model, epsilon=eps, seed=seed, strategy=strategy, t_rl=t_rl,
+                                     b_sac=b_sac, k=k,
+                                     grid=variant,  # this trial's settings from settings_grid
+                                     tuned=tuned.get((strategy, model, float(eps)))))  # tuned_from's best values
     return trials
 
 
-def trial_config(study: StudyConfig, trial: dict, dataset_dir: str | None = None,
+def trial_config(study: StudyConfig, trial: Trial, dataset_dir: str | None = None,
                  policy_path: str | None = None) -> TrainConfig:
     """The full, validated TrainConfig of one trial (``policy_path``: the saved policy a frozen
     transfer trial reuses)."""
     values = {k: v for k, v in study.base.items()}
-    values.update({"model": trial["model"], "strategy": trial["strategy"], "seed": trial["seed"],
+    values.update({"model": trial.model, "strategy": trial.strategy, "seed": trial.seed,
                    "cpus": study.resources.cpus_per_trial})
-    if trial.get("epsilon") is not None:
-        values["epsilon"] = trial["epsilon"]
+    if trial.epsilon is not None:
+        values["epsilon"] = trial.epsilon
     if dataset_dir is not None:
         values["data"] = {**values.get("data", {}), "source": dataset_dir}
-    if study.strategy_settings.get(trial["strategy"]):
-        values["settings"] = dict(study.strategy_settings[trial["strategy"]])
-    if trial.get("settings"):  # a PBT member's current (clip, sigma_scale)
-        values["settings"] = {**values.get("settings", {}), **trial["settings"]}
-    spec = get_spec(trial["strategy"])
-    for key in ("grid", "tuned", "search"):  # settings_grid; tuned_from's best; an Optuna-sampled trial's values
-        if trial.get(key):  # run fields, then the strategy's settings
-            run = {k: v for k, v in trial[key].items() if k in SEARCHABLE_RUN_FIELDS}
+    if study.strategy_settings.get(trial.strategy):
+        values["settings"] = dict(study.strategy_settings[trial.strategy])
+    if trial.settings:  # a PBT member's current (clip, sigma_scale)
+        values["settings"] = {**values.get("settings", {}), **trial.settings}
+    spec = get_spec(trial.strategy)
+    for chosen in (trial.grid, trial.tuned, trial.search):  # settings_grid; tuned_from's best; Optuna's values
+        if chosen:  # run fields, then the strategy's settings
+            run = {k: v for k, v in chosen.items() if k in SEARCHABLE_RUN_FIELDS}
             values.update(run)
-            settings = {k: v for k, v in trial[key].items() if k not in run}
+            settings = {k: v for k, v in chosen.items() if k not in run}
             if settings:
                 values["settings"] = {**values.get("settings", {}), **settings}
     if spec.controller:  # the trial's SAC cell and the policy it starts from
         settings = dict(values.get("settings") or {})
-        settings.update({k: trial[k] for k in ("t_rl", "b_sac", "k") if trial.get(k) is not None})
-        if trial.get("frozen_from"):
+        settings.update({k: v for k, v in (("t_rl", trial.t_rl), ("b_sac", trial.b_sac), ("k", trial.k)) if v is not None})
+        if trial.frozen_from:
             settings.update({"policy": policy_path or "(source policy, saved in stage 1)", "frozen": True})
         elif policy_path:  # the study's settings.policy, resolved to an absolute path by the driver
             settings["policy"] = policy_path
         values["settings"] = settings
-    where = ", ".join(f"{k}={v}" for k, v in trial.items()
-                      if v is not None and k not in ("frozen_from", "optuna_id", "settings", "stage", "grid", "policy_path",
-                                                     "search", "tuned"))
+    where = ", ".join(f"{k}={v}" for k, v in trial.to_dict().items()
+                      if v is not None and k not in ("frozen_from", "frozen", "optuna_id", "settings", "stage", "grid",
+                                                     "policy_path", "search", "tuned", "name"))
     try:
         return validate_config(TrainConfig, values)
     except ConfigError as exc:

@@ -85,7 +85,7 @@ class Population:
                 "starts": list(self.starts), "exploits": list(self.exploits), "n_exploits": len(self.exploits)}
 
 
-def population_filter(study, members: list[dict], dataset: str) -> tuple[PopulationFilter, int]:
+def population_filter(study, members: list, dataset: str) -> tuple[PopulationFilter, int]:
     """(population filter, the members' planned steps). B_pop = M * B, B the Renyi filter budget of the
     members' plan (every member has the same plan: PBT's settings change the dials, not the plan; checked
     here), built exactly as each member's guard builds it (:meth:`raydp.privacy.filter.FilterGuard.for_plan`)."""

@@ -60,6 +60,7 @@ from raydp.runner.privacy_setup import build_strategy, plan_key, plan_private_ru
 from raydp.runner.run import run_training
 from raydp.runner.task import Task
 from raydp.study.config import PrivateSelectionSettings, SearchDimension, StudyConfig, trial_config
+from raydp.study.trial import Trial
 
 #: the mechanism's secret state (K and the drawn settings of every cell): private, never in a releasable file
 SECRET_STATE = Path("work") / "private-selection.json"
@@ -180,8 +181,9 @@ def _cells(study: StudyConfig) -> list[tuple[str, float, int]]:
     return [(model, float(eps), int(seed)) for model in study.models for eps in study.epsilons for seed in study.seeds]
 
 
-def _trial_spec(study: StudyConfig, model: str, epsilon: float, seed: int, values: dict) -> dict:
-    return {"model": model, "epsilon": epsilon, "seed": seed, "strategy": study.strategies[0], "search": values}
+def _trial_spec(study: StudyConfig, model: str, epsilon: float, seed: int, values: dict) -> Trial:
+    """One trial of a cell with its drawn ``values`` (run fields and the strategy's settings, as a search's)."""
+    return Trial(model=model, epsilon=epsilon, seed=seed, strategy=study.strategies[0], search=values)
 
 
 def corner_draws(space: dict[str, SearchDimension]) -> list[dict]:

@@ -7,6 +7,9 @@ trial, status              the trial's name (strategy_model_eps_seed[_SAC cell])
                            TERMINATED, ERROR, INTERRUPTED (the study was stopped; --resume) or NOT_RUN
 model, strategy, epsilon_target, seed, t_rl, b_sac, k    the varied settings (SAC cell: rldp only)
 frozen_policy              an RLDP trial driven by a frozen policy: a transfer study's stage 2, or rldp.frozen
+variant, grid, search, tuned   the trial's settings_grid / Optuna / tuned_from values as ``clip=0.03`` (variant)
+                           and each as JSON (grid: since issue 30; older rows get it back from variant)
+                           (these columns and the ones above: :meth:`raydp.study.trial.Trial.row`)
 config                     the trial's full TrainConfig as JSON
 initial/final/best_eval_perplexity     perplexity on the PRIVATE held-out eval split at step 0, at the
                            end, and the best: not a DP release, no accountant covers it (ERRATA E15)
@@ -94,16 +97,10 @@ from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve, rdp_e
 from raydp.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
 from raydp.runner.local_setup import ledger_local_plan
 from raydp.strategies.base import PAPER_MODE_LABEL
-from raydp.strategies.registry import STRATEGY_CHOICES, is_private, with_capability
-
-#: the learned controllers a study compares with the baselines (never a baseline themselves, issue 29): the
-#: registry's ``challenger`` capability
-CHALLENGERS = tuple(with_capability(STRATEGY_CHOICES, "challenger"))
-#: the strategies whose dials a live policy sets (RLDP): their SAC cells are arms of their own
-CONTROLLERS = tuple(with_capability(STRATEGY_CHOICES, "controller"))
-#: the non-private reference arm(s)
-NONPRIVATE_ARMS = tuple(name for name in STRATEGY_CHOICES if not is_private(name))
-BASELINE_EXCLUDED = (*CHALLENGERS, *NONPRIVATE_ARMS)
+from raydp.strategies.registry import is_private
+# the strategy groups a study compares (defined beside the arm label; imported from here by the report and page)
+from raydp.study.arms import BASELINE_EXCLUDED, CHALLENGERS, CONTROLLERS, NONPRIVATE_ARMS  # noqa: F401
+from raydp.study.trial import Trial, tune_trial
 
 #: the metrics a study selects and reports on (lower is better), by split: (results.parquet final column,
 #: eval_metrics.parquet column). ``value_nll``, the value-token NLL in nats per record (raydp.evaluation.perplexity),
@@ -172,13 +169,6 @@ def selection_value(private: float | None, public: float | None, selection: str)
     return (None if private is None else float(private)), "private"
 
 
-def variant_label(trial: dict) -> str | None:
-    """A settings_grid trial's settings (or a search trial's sampled values, or a tuned_from trial's chosen ones)
-    as ``clip=0.03`` (None for a trial outside any settings grid or search)."""
-    grid = {**(trial.get("grid") or {}), **(trial.get("tuned") or {}), **(trial.get("search") or {})}
-    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in grid.items()) or None
-
-
 def _isnan(x) -> bool:
     return isinstance(x, float) and math.isnan(x)
 
@@ -188,17 +178,10 @@ def _read_summary(run_dir: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _trial_row(trial: dict, run_dir: Path, status: str, result: dict, s: dict | None = None,
-               frozen: bool = False) -> dict:
-    """``frozen``: the study freezes every RLDP trial's policy (``strategy_settings.rldp.frozen``)."""
-    row = {"trial": trial["name"], "status": status, "model": trial["model"], "strategy": trial["strategy"],
-           "epsilon_target": trial.get("epsilon"), "seed": trial["seed"], "t_rl": trial.get("t_rl"),
-           "b_sac": trial.get("b_sac"), "k": trial.get("k"),
-           "frozen_policy": bool(trial.get("frozen_from")) or (frozen and trial["strategy"] in CONTROLLERS),
-           "variant": variant_label(trial),
-           "search": json.dumps(trial["search"], sort_keys=True) if trial.get("search") else None,
-           "tuned": json.dumps(trial["tuned"], sort_keys=True) if trial.get("tuned") else None,
-           "run_dir": str(run_dir),
+def _trial_row(trial: Trial, run_dir: Path, status: str, result: dict, s: dict | None = None) -> dict:
+    """One results row: the trial's identity (:meth:`raydp.study.trial.Trial.row`), then what its run produced."""
+    identity = trial.row()
+    row = {"trial": identity.pop("trial"), "status": status, **identity, "run_dir": str(run_dir),
            "trial_seconds": result.get("trial_seconds")}
     if result.get("evaluation_error"):  # the study's `evaluate:` failed after training (the trial stands)
         row["evaluation_error"] = result["evaluation_error"]
@@ -489,20 +472,18 @@ def dataset_identity(dataset_dir: str | Path | None) -> str | None:
     return manifest_id(json.loads(path.read_text())) or f"unhashed:{Path(dataset_dir).resolve()}"
 
 
-def _paper_rldp(study, trial: dict | None = None) -> bool:
-    """Whether a controller trial ran in paper mode (the study's base, or the trial's settings_grid variant)."""
-    controller = study.controller_strategy
-    rldp = {**(study.strategy_settings.get(controller) or {}), **((trial or {}).get("grid") or {})} if controller else {}
-    return resolve_values(rldp).raw_statistics
+def _paper_rldp(study, trial: Trial) -> bool:
+    """Whether a controller trial ran in paper mode (the study's settings, or the trial's settings_grid variant)."""
+    return resolve_values(trial.controller_settings(study)).raw_statistics
 
 
-def _trial_policy(study, trial: dict) -> tuple[str | None, Path | None, str | None]:
+def _trial_policy(study, trial: Trial) -> tuple[str | None, Path | None, str | None]:
     """(name, resolved path, problem) of the saved policy an RLDP trial starts from (its ``policy`` setting),
     if any. A frozen transfer trial's policy is its stage-1 trial's, which the study composes itself."""
-    if trial.get("strategy") not in CONTROLLERS:
+    if trial.strategy not in CONTROLLERS:
         return None, None, None
-    rldp = study.strategy_settings.get(trial["strategy"]) or {}
-    name = trial.get("policy_path") or rldp.get("policy")  # resolved by the driver (frozen: the source trial's)
+    rldp = trial.controller_settings(study)
+    name = trial.policy_path or rldp.get("policy")  # resolved by the driver (frozen: the source trial's)
     if not name:
         return None, None, None
     try:
@@ -511,7 +492,7 @@ def _trial_policy(study, trial: dict) -> tuple[str | None, Path | None, str | No
         return name, None, str(exc)
 
 
-def _policy_runs(study, trial: dict, study_dir: Path, sha: str | None,
+def _policy_runs(study, trial: Trial, study_dir: Path, sha: str | None,
                  seen: set) -> tuple[list[dict], list[str], list[str]]:
     """(runs to compose, labels for the trial, warnings) for the saved policy a trial starts from: the
     training runs in its manifest's provenance that name the trial's dataset (ERRATA E14), each once per
@@ -520,7 +501,7 @@ def _policy_runs(study, trial: dict, study_dir: Path, sha: str | None,
     if name is None:
         return [], [], []
     if path is None:
-        return [], [], [f"trial {trial['name']} started from policy {name}, which cannot be read ({problem}): "
+        return [], [], [f"trial {trial.name} started from policy {name}, which cannot be read ({problem}): "
                         "the spend of the runs that trained it is unknown"]
     manifest = load_manifest(path)
     labels = [PAPER_POLICY_LABEL] if unprotected(policy_privacy_mode(manifest)) else []
@@ -553,10 +534,11 @@ def _policy_runs(study, trial: dict, study_dir: Path, sha: str | None,
 
 
 def study_privacy(study, study_dir: Path, table: pd.DataFrame, unfinished: dict[str, dict],
-                  dataset_sha: str | None, specs: dict[str, dict] | None = None) -> dict:
+                  dataset_sha: str | None, specs: dict[str, Trial] | None = None) -> dict:
     """The tuning-aware figure of every dataset the study's runs touched (see the module docstring):
     ``{dataset_id: compose_dataset(...)}``. ``unfinished``: trial name -> its checkpoint's spend
-    (:func:`_checkpoint_spend`); ``specs``: trial name -> trial spec (its saved policy)."""
+    (:func:`_checkpoint_spend`); ``specs``: trial name -> its :class:`~raydp.study.trial.Trial` (its saved policy;
+    a row without one is read back from the table, :meth:`~raydp.study.trial.Trial.from_row`)."""
     delta = trial_delta(study)
     study_dir = Path(study_dir).resolve()
     specs = specs or {}
@@ -572,10 +554,10 @@ def study_privacy(study, study_dir: Path, table: pd.DataFrame, unfinished: dict[
             b["nonprivate"].append(row["trial"])
             continue
         labels = trial_labels(summary)
-        if summary is None and row["strategy"] in CONTROLLERS and _paper_rldp(study, specs.get(row["trial"])):
+        trial = specs.get(row["trial"]) or Trial.from_row(row)
+        if summary is None and _paper_rldp(study, trial):
             labels = [PAPER_MODE_LABEL]
-        spec = {**specs.get(row["trial"], {}), "name": row["trial"], "strategy": row["strategy"]}
-        policy_runs, policy_labels, warnings = _policy_runs(study, spec, study_dir, sha, b["seen"])
+        policy_runs, policy_labels, warnings = _policy_runs(study, trial, study_dir, sha, b["seen"])
         b["warnings"].extend(warnings)
         labels = list(dict.fromkeys(labels + policy_labels))
         kind = {"ERROR": "errored_trial", "INTERRUPTED": "interrupted_trial"}.get(row["status"], "trial")
@@ -629,7 +611,7 @@ def _reported(metrics: dict) -> bool:
     return "step" in metrics or bool(metrics.get("done"))
 
 
-def collect_results(study, study_dir: Path, trials: list[dict], grid, dataset_dir: str | Path | None = None
+def collect_results(study, study_dir: Path, trials: list[Trial], grid, dataset_dir: str | Path | None = None
                     ) -> pd.DataFrame:
     """Write ``results.parquet`` and return the table; ``table.attrs`` carries the tuning-aware epsilon
     of each dataset (``tuning_aware_epsilon``: {dataset_id: figure}, ERRATA E7/E14) and the
@@ -641,32 +623,32 @@ def collect_results(study, study_dir: Path, trials: list[dict], grid, dataset_di
     for result in grid:
         metrics = result.metrics or {}
         config = result.config or {}
-        trial = config.get("trial") or (config.get("trial_specs") or {}).get(config.get("trial_name"))  # (older)
+        trial = tune_trial(config)  # a grid trial's own spec
         if trial is None:  # an Optuna-sampled trial
             if not _reported(metrics) and result.error is None and getattr(result, "checkpoint", None) is None:
                 continue  # never started (a stopped study's pending trial): its own spec stays NOT_RUN
+            failed = Path(str(result.path)).name  # it failed before its final report: named by its Tune directory
             if metrics.get("trial_spec"):
-                trial = json.loads(metrics["trial_spec"])
+                trial = Trial.from_dict(json.loads(metrics["trial_spec"]))
             elif config.get("search_cell"):  # a search_space trial that failed before its final report
-                trial = {**config["search_cell"], "search": dict(config.get("search") or {}),
-                         "name": f"{config['search_cell']['strategy']}_optuna-{Path(str(result.path)).name}"}
-            else:  # it failed before its final report
-                trial = {"model": study.models[0], "epsilon": study.epsilons[0], "seed": study.seeds[0],
-                         "strategy": study.controller_strategy, **{k: config.get(k) for k in ("t_rl", "b_sac", "k")},
-                         "name": f"{study.controller_strategy}_optuna-{Path(str(result.path)).name}"}
+                cell = Trial.from_dict(config["search_cell"])
+                trial = cell.derive(search=dict(config.get("search") or {}), name=f"{cell.strategy}_optuna-{failed}")
+            else:  # an Optuna-sampled SAC cell that failed before its final report
+                trial = Trial.plan(study, model=study.models[0], epsilon=study.epsilons[0], seed=study.seeds[0],
+                                   strategy=study.controller_strategy,
+                                   **{k: config.get(k) for k in ("t_rl", "b_sac", "k")},
+                                   name=f"{study.controller_strategy}_optuna-{failed}")
             trials.append(trial)
-        status = trial_status(result, metrics, study_dir / "trials" / trial["name"])
-        statuses[trial["name"]] = (status, metrics)
+        status = trial_status(result, metrics, study_dir / "trials" / trial.name)
+        statuses[trial.name] = (status, metrics)
         if status in ("ERROR", "INTERRUPTED"):  # it spent budget: its last checkpoint says how much
             spend = _checkpoint_spend(result)
             if spend is not None:
-                unfinished[trial["name"]] = spend
+                unfinished[trial.name] = spend
     rows = []
-    controller = study.controller_strategy
-    frozen = bool(controller and (study.strategy_settings.get(controller) or {}).get("frozen"))  # a grid cannot set it
     for trial in trials:
-        status, metrics = statuses.get(trial["name"], ("NOT_RUN", {}))
-        rows.append(_trial_row(trial, study_dir / "trials" / trial["name"], status, metrics, frozen=frozen))
+        status, metrics = statuses.get(trial.name, ("NOT_RUN", {}))
+        rows.append(_trial_row(trial, study_dir / "trials" / trial.name, status, metrics))
     table = pd.DataFrame(rows)
     split, note = selection_split(table, selection)
     metric = study_metric(table)
@@ -681,7 +663,7 @@ def collect_results(study, study_dir: Path, trials: list[dict], grid, dataset_di
     if study.private_data:
         sha = dataset_identity(dataset_dir if dataset_dir is not None else Path(study_dir) / "dataset")
         attrs["tuning_aware_epsilon"] = study_privacy(study, study_dir, table, unfinished, sha,
-                                                      {t["name"]: t for t in trials})
+                                                      {t.name: t for t in trials})
     else:
         attrs["tuning_aware_epsilon"] = "not applicable: the study declares its data public"
     table.attrs = attrs

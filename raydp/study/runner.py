@@ -35,6 +35,7 @@ import tempfile
 import time
 import uuid
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -57,36 +58,18 @@ from raydp.runner.local_setup import is_local, plan_local_run
 from raydp.runner.privacy_setup import LifetimeCharge, build_strategy, plan_key, plan_private_run, training_units
 from raydp.runner.privacy_setup import charge_lifetime as charge_lifetime_budget  # prepare_study's flag has the name
 from raydp.runner.run import run_training
-from raydp.strategies.registry import get_spec
 from raydp.study.config import (TUNING_FORMAT, TUNING_RECORD, StudyConfig, draw_in_range, load_study, optuna_trial,
-                                search_cells, search_trial, source_key, trial_config, trial_grid, upgrade_study_values)
+                                search_cells, search_trial, trial_config, trial_grid, upgrade_study_values)
 from raydp.study.population import (PopulationAdmit, join_population, population_filter, population_summary,
                                     start_population, write_population)
 from raydp.study.private_selection import SECRET_STATE, run_private_selection
 from raydp.study.results import collect_results, selection_value, trial_labels
-
-
-def trial_name(trial: dict) -> str:
-    parts = [trial["strategy"], trial["model"].replace("/", "_")]
-    if trial.get("epsilon") is not None:
-        parts.append(f"eps{trial['epsilon']:g}")
-    parts.append(f"seed{trial['seed']}")
-    if get_spec(trial["strategy"]).controller:
-        parts.append(f"trl{trial['t_rl']}-b{trial['b_sac']}-k{trial['k']}")
-    if trial.get("grid"):  # settings_grid: e.g. clip0.03
-        parts.append("-".join(f"{k.replace('_', '')}{v}" for k, v in trial["grid"].items()))
-    if trial.get("frozen_from"):
-        parts.append("frozen")
-    if trial.get("optuna_id"):
-        parts.append(f"optuna-{trial['optuna_id']}")
-    if trial.get("member") is not None:  # a PBT population's member
-        parts.append(f"member{trial['member']}")
-    return "_".join(parts)
+from raydp.study.trial import Trial, tune_trial
 
 
 def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
                   build_models: bool = False, charge_lifetime: bool = False,
-                  lifetime_nonce: str | None = None) -> tuple[str, list[dict]]:
+                  lifetime_nonce: str | None = None) -> tuple[str, list[Trial]]:
     """Build the dataset, validate every trial and calibrate every plan; returns (dataset_dir, trials).
     ``build_models``: also build the embedded models the study uses, once, here (not in every trial). Where
     the dataset has a lifetime budget (:mod:`raydp.privacy.lifetime`), every DP trial's plan is checked against
@@ -94,13 +77,13 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
     private ``work/``: a resumed study is not charged twice, a study run again is charged again) and each trial's
     name."""
     lifetime_nonce = lifetime_nonce or uuid.uuid4().hex
-    names = [trial_name(t) for t in trial_grid(study)]
+    names = [t.name for t in trial_grid(study)]
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate:  # two trials in one run directory (e.g. a settings_grid value listed twice)
         raise ConfigError(f"two trials would both be named {duplicate}: remove the repeated value")
     # a search_space's corners (every dimension at its low, then its high end) are validated and calibrated too
     corners = [search_trial(cell, {k: d.corners()[i if i < len(d.corners()) else -1]
-                                   for k, d in study.search_space[cell["strategy"]].items()}, f"corner{i}")
+                                   for k, d in study.search_space[cell.strategy].items()}, f"corner{i}")
                for cell in search_cells(study) for i in (0, 1)]
     probe = trial_config(study, (trial_grid(study) + corners)[0])  # validates base + the first trial before building
     dataset = str(resolve_dataset(probe.data, study_dir / "dataset", progress=progress))
@@ -114,12 +97,12 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
     trials, plans, trial_plans, unit_names = [], {}, {}, {}
     for trial in trial_grid(study) + corners:
         config = trial_config(study, trial, dataset)
-        if config.is_controlled and config.strategy_settings().policy and not trial.get("frozen_from"):
+        if config.is_controlled and config.strategy_settings().policy and not trial.frozen_from:
             try:  # a paper-mode policy may not drive a strict trial (ERRATA E14): fail before Ray starts
                 # resolved here, where the user's relative paths mean what they wrote; the trial gets it absolute
-                trial = {**trial, "policy_path": str(check_policy_privacy(config))}
+                trial = replace(trial, policy_path=str(check_policy_privacy(config)))
             except ConfigError as exc:
-                raise ConfigError(f"trial {trial_name(trial)}: {exc}") from None
+                raise ConfigError(f"trial {trial.name}: {exc}") from None
         if config.is_private:
             strategy = build_strategy(config)
             key = plan_key(config, strategy)
@@ -133,11 +116,11 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
                     else:
                         plans[key] = plan_private_run(config, units.public_count, strategy)
                 except ConfigError as exc:
-                    raise ConfigError(f"trial {trial_name(trial)}: {exc}") from None
-        if not trial.get("search"):  # a corner is only checked: Optuna's trials are named when they run
-            trials.append({**trial, "name": trial_name(trial)})
+                    raise ConfigError(f"trial {trial.name}: {exc}") from None
+        if not trial.search:  # a corner is only checked: Optuna's trials are named when they run
+            trials.append(trial)
             if config.is_private:
-                trial_plans[f"study:{lifetime_nonce}/{trials[-1]['name']}"] = LifetimeCharge.of(
+                trial_plans[f"study:{lifetime_nonce}/{trial.name}"] = LifetimeCharge.of(
                     plans[key], config, strategy, unit_names[key])
     _charge_lifetime(study, dataset, trial_plans, commit=charge_lifetime)
     if build_models:
@@ -221,9 +204,9 @@ def check_resumed_study(study: StudyConfig, study_dir: Path) -> None:
                           "file it ran with, or run the changed study into another --results-dir")
 
 
-def build_study_models(trials: list[dict], progress: bool) -> None:
+def build_study_models(trials: list[Trial], progress: bool) -> None:
     """Build the embedded models the study's trials use, once, here (not in every trial)."""
-    for model in dict.fromkeys(t["model"] for t in trials):
+    for model in dict.fromkeys(t.model for t in trials):
         if is_embedded_name(model):
             ensure_embedded_model(model, progress=progress)
 
@@ -287,8 +270,8 @@ class _Reporter:
     duplicated) when Tune retries or restores it. wandb never fails a trial: an error turns the reporter off with
     a warning. Tune gets evaluations with their checkpoint (:func:`run_trial`), never from here."""
 
-    def __init__(self, study: StudyConfig, trial: dict, config, study_dir: Path, target: dict | None = None):
-        self.run, self.settings, self.config, self.trial = None, study.wandb, config, trial["name"]
+    def __init__(self, study: StudyConfig, trial: Trial, config, study_dir: Path, target: dict | None = None):
+        self.run, self.settings, self.config, self.trial = None, study.wandb, config, trial.name
         target = target or wandb_target(study, study_dir)
         if target["mode"] == "disabled" or not config.is_private:
             return
@@ -297,12 +280,12 @@ class _Reporter:
     def _start(self, study, trial, config, study_dir, target) -> None:
         import wandb  # lazy: only a trial that logs to wandb loads it
 
-        safe = {k: v for k, v in trial.items() if k not in ("policy_path",)}  # settings only, no data
+        safe = {k: v for k, v in trial.to_dict().items() if k not in ("policy_path",)}  # settings only, no data
         os.environ.setdefault("WANDB_SILENT", "true")  # no "syncing is offline" lines per trial in a study's log
-        run_id = hashlib.sha256(f"{target['id_base']}|{trial['name']}".encode()).hexdigest()[:24]
+        run_id = hashlib.sha256(f"{target['id_base']}|{trial.name}".encode()).hexdigest()[:24]
         self.run = wandb.init(
             project=target["project"], entity=target["entity"], mode=target["mode"], id=run_id, resume="allow",
-            group=study.name, name=trial["name"], dir=str(study_dir), reinit="create_new",
+            group=study.name, name=trial.name, dir=str(study_dir), reinit="create_new",
             # nothing about the machine (not even its host name), its git checkout, code or packages; no system metrics (memory and CPU
             # over time follow the private batch sizes); no console capture; quiet: no banner in a study's log
             settings=wandb.Settings(x_disable_stats=True, quiet=True, console="off", disable_git=True,
@@ -495,24 +478,22 @@ def run_trial(params: dict) -> None:
     study = StudyConfig(**params["study"])
     if not params.get("log_checkpoints", True):  # the driver writes to a log, not a terminal (run_study)
         logging.getLogger(CHECKPOINT_LOGGER).setLevel(logging.WARNING)
-    if "trial" in params:  # a grid trial: its own spec only (the config's size does not grow with the study)
-        trial = params["trial"]
-    elif "trial_name" in params:  # a study started before that (resumed): every spec in every config
-        trial = params["trial_specs"][params["trial_name"]]
-    elif "search_cell" in params:  # an Optuna-sampled search_space trial
-        trial = search_trial(params["search_cell"], params["search"], tune.get_context().get_trial_id())
-        trial["name"] = trial_name(trial)
-    else:  # an Optuna-sampled SAC cell
+    # a grid trial: its own spec only (the config's size does not grow with the study); in a study started before
+    # that (resumed), every spec in every config
+    trial = tune_trial(params)
+    if trial is None and "search_cell" in params:  # an Optuna-sampled search_space trial
+        trial = search_trial(Trial.from_dict(params["search_cell"]), params["search"],
+                             tune.get_context().get_trial_id())
+    elif trial is None:  # an Optuna-sampled SAC cell
         trial = optuna_trial(study, params["t_rl"], params["b_sac"], params["k"], tune.get_context().get_trial_id())
-        trial["name"] = trial_name(trial)
-    config = trial_config(study, trial, node_local_dataset(params), trial.get("policy_path"))
+    config = trial_config(study, trial, node_local_dataset(params), trial.policy_path)
     torch.set_num_threads(config.cpus or 1)
     # with the study's storage, the trial writes on its own node and its run directory travels back to the study
     # as its final checkpoint (fetch_trial_outputs); without it, into the study directory (one machine, or NFS)
     root = Path(tempfile.gettempdir()) / "raydp-trials" / study.name if params.get("storage") \
         else Path(params["study_dir"])
-    out = root / "trials" / trial["name"]
-    workdir = root / "work" / trial["name"]
+    out = root / "trials" / trial.name
+    workdir = root / "work" / trial.name
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "pid").write_text(str(os.getpid()))
     resume, policy_snapshot = _restore_point(workdir)
@@ -535,11 +516,11 @@ def run_trial(params: dict) -> None:
         if config.is_controlled:
             if params.get("connection"):
                 # exploration seeded from the trial's name (public), not the process id
-                client = client_from_connection({**params["connection"], "seed": run_seed(trial["name"])},
-                                                f"{trial['name']}-{os.getpid()}")
+                client = client_from_connection({**params["connection"], "seed": run_seed(trial.name)},
+                                                f"{trial.name}-{os.getpid()}")
             else:
                 session = start_policy(config, restore=policy_snapshot)
-                client = session.client(trial["name"])
+                client = session.client(trial.name)
         summary = run_training(config, out, overwrite=True, progress=False, client=client,
                                charge_lifetime=False,  # the study charged every trial before any started
                                on_evaluation=reporter.evaluation, on_checkpoint=checkpoint, resume=resume,
@@ -561,7 +542,7 @@ def run_trial(params: dict) -> None:
             except Exception as exc:  # noqa: BLE001 - reported in the trial's results, not raised
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 attacks = {"evaluation_error": f"{type(exc).__name__}: {first}"}
-                logging.getLogger(__name__).warning("trial %s: evaluation failed: %s", trial["name"], first)
+                logging.getLogger(__name__).warning("trial %s: evaluation failed: %s", trial.name, first)
             attacks["eval_seconds"] = time.perf_counter() - started_eval
     finally:
         reporter.close(attacks)  # never raises
@@ -579,19 +560,19 @@ def run_trial(params: dict) -> None:
                  "epsilon": (summary["privacy"] or {}).get("epsilon"),
                  "privacy_label": privacy_label_of(summary),
                  "trial_seconds": time.perf_counter() - started - attacks.get("eval_seconds", 0.0),
-                 "trial_name": trial["name"],
+                 "trial_name": trial.name,
                  "entered_at": entered_at, "run_wall_seconds": summary["wall_seconds"],
-                 "trial_spec": json.dumps(trial), **attacks, "done": True,
+                 "trial_spec": json.dumps(trial.to_dict()), **attacks, "done": True,
                  "node_id": _node_id()},  # which Ray node ran it (a cluster's placement, public)
                 **({"checkpoint": Checkpoint.from_directory(out)} if params.get("storage") else {}))
 
 
-def _param_space(study: StudyConfig, trials: list[dict], common: dict) -> dict:
+def _param_space(study: StudyConfig, trials: list[Trial], common: dict) -> dict:
     """Tune grid-searches the trials' specs: each trial's config holds its own spec only, so configs (and every
     ``result.json`` row, which repeats its config) stay the same size however many trials the study has."""
     from ray import tune  # lazy: `raydp study --check` loads no Ray
 
-    return {**common, "trial": tune.grid_search(list(trials))}
+    return {**common, "trial": tune.grid_search([t.to_dict() for t in trials])}
 
 
 def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progress: bool = True,
@@ -673,7 +654,7 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     if study.policy == "shared" and study.controller_strategy is not None:
         from raydp.control.service import PolicySession  # lazy: imports Ray, which `raydp study --check` does not load
 
-        first_rldp = trial_config(study, next(t for t in trials if t["strategy"] == study.controller_strategy), dataset)
+        first_rldp = trial_config(study, next(t for t in trials if t.strategy == study.controller_strategy), dataset)
         session = PolicySession(policy_layout_for(first_rldp), sac_settings(first_rldp), namespace=RAY_NAMESPACE)
         common["connection"] = session.connection()
     bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
@@ -681,15 +662,14 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     if study.storage is not None:  # every node reads the dataset from the study's storage (study_storage_dataset)
         common.update(storage=study.storage, dataset_remote=upload_dataset(study, dataset))
     started, fit_started = time.perf_counter(), time.time()
-    stages = [[t for t in trials if t.get("stage") == "source"],
-              [t for t in trials if t.get("stage") not in ("source", "pbt")]]  # PBT members: _fit_pbt
-    sources = {source_key(t): str(study_dir / "trials" / t["name"] / "policy") for t in stages[0]}
+    # a frozen transfer trial starts from its stage-1 trial's policy
+    sources = {t.source_key: str(study_dir / "trials" / t.name / "policy") for t in trials if t.stage == "source"}
+    trials = [replace(t, policy_path=sources[t.frozen_from]) if t.frozen_from else t for t in trials]
+    stages = [[t for t in trials if t.stage == "source"],
+              [t for t in trials if t.stage not in ("source", "pbt")]]  # PBT members: _fit_pbt
     grids, stopped = [], 0
     try:
         for i, stage in enumerate(s for s in stages if s):
-            for t in stage:
-                if t.get("frozen_from"):
-                    t["policy_path"] = sources[t["frozen_from"]]
             name = study.name if i == len([s for s in stages if s]) - 1 else f"{study.name}-source"
             grids.append(_fit(trainable, _param_space(study, stage, common), storage, name, study, progress, resume))
             stopped = unfinished_in(grids[-1])
@@ -704,7 +684,7 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
         elif not stopped and study.search == "optuna":
             grids.append(_fit_optuna(trainable, study, common, storage, progress, resume))
         if not stopped and study.search == "pbt":
-            grids.append(_fit_pbt(study, [t for t in trials if t.get("stage") == "pbt"], common, storage, progress))
+            grids.append(_fit_pbt(study, [t for t in trials if t.stage == "pbt"], common, storage, progress))
         shared_counters = session.counters() if session is not None else None
         if saved_policy is not None:
             _save_study_policy(session, saved_policy, study, dataset, [r for g in grids for r in g],
@@ -782,7 +762,7 @@ def _save_study_policy(session, path: Path, study: StudyConfig, dataset: str, re
               "transitions_sampled_in_updates": counters.get("module_steps_trained"),
               "private_budget_spent": "none (public data)" if manifest.get("public") else
               "see the provenance: every run composes for the people in its dataset (ERRATA E14)"}
-    first = trial_config(study, next(t for t in trial_grid(study) if t["strategy"] == study.controller_strategy), dataset)
+    first = trial_config(study, next(t for t in trial_grid(study) if t.strategy == study.controller_strategy), dataset)
     record["sac_updates"] = None if counters.get("train_calls") is None else \
         counters["train_calls"] * first.strategy_settings().k
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -873,8 +853,8 @@ def _search_concurrency(study: StudyConfig) -> int | None:
 
 def _trial_dirname(trial) -> str:
     """A grid trial's directory under Tune's experiment: its id and raydp's trial name (not its whole spec)."""
-    spec = (trial.config or {}).get("trial") or {}
-    return f"{trial.trial_id}_{spec.get('name', 'trial')}"[:140]
+    spec = tune_trial(trial.config or {})
+    return f"{trial.trial_id}_{spec.name if spec is not None else 'trial'}"[:140]
 
 
 def _fit(trainable, param_space: dict, storage: TuneStorage, name: str, study: StudyConfig, progress: bool,
@@ -959,9 +939,9 @@ def fetch_trial_outputs(results, trials_dir: Path) -> None:
         checkpoint.to_directory(str(trials_dir / name))
 
 
-def search_run_name(study: StudyConfig, cell: dict) -> str:
+def search_run_name(study: StudyConfig, cell: Trial) -> str:
     """The Tune experiment (and Optuna study) of one search cell."""
-    return f"{study.name}-search-{cell['strategy']}-{cell['model'].replace('/', '_')}-eps{cell['epsilon']:g}"
+    return f"{study.name}-search-{cell.strategy}-{cell.model.replace('/', '_')}-eps{cell.epsilon:g}"
 
 
 def _search_space(space: dict) -> dict:
@@ -977,7 +957,7 @@ def _search_space(space: dict) -> dict:
     return out
 
 
-def _fit_search(trainable, study: StudyConfig, cell: dict, common: dict, storage: TuneStorage, progress: bool,
+def _fit_search(trainable, study: StudyConfig, cell: Trial, common: dict, storage: TuneStorage, progress: bool,
                 resume: bool):
     """One search cell (strategy, model, epsilon): ``optuna.num_samples`` trials sampled by Optuna (TPE or
     CMA-ES, seeded) over the strategy's ``search_space``, minimising ``selection_score`` (the PUBLIC validation
@@ -1005,7 +985,8 @@ def _fit_search(trainable, study: StudyConfig, cell: dict, common: dict, storage
                             storage=optuna.storages.RDBStorage(f"sqlite:///{os.path.join(local, 'optuna.sqlite3')}"))
     tuner = tune.Tuner(
         trainable,
-        param_space={**common, "search_cell": cell, "search": _search_space(study.search_space[cell["strategy"]])},
+        param_space={**common, "search_cell": cell.to_dict(),
+                     "search": _search_space(study.search_space[cell.strategy])},
         tune_config=tune.TuneConfig(search_alg=searcher, num_samples=study.optuna.num_samples,
                                     max_concurrent_trials=_search_concurrency(study)),
         run_config=_run_config(name, storage, study, progress),
@@ -1014,11 +995,11 @@ def _fit_search(trainable, study: StudyConfig, cell: dict, common: dict, storage
 
 
 # -- Population Based Training (search: pbt) ----------------------------------------------------------
-def _population_hook(params: dict, trial: dict):
+def _population_hook(params: dict, trial: Trial):
     """A PBT member's ``population_admit`` (its population filter, by the actor's name), else None."""
     if not params.get("population"):
         return None
-    return PopulationAdmit(params["population"], params["population_namespace"], trial["name"])
+    return PopulationAdmit(params["population"], params["population_namespace"], trial.name)
 
 
 def run_pbt_member(params: dict) -> None:
@@ -1041,10 +1022,10 @@ def run_pbt_member(params: dict) -> None:
     settings = {"clip": float(current["clip"]), "sigma_scale": float(current["sigma_scale"])}
     name = join_population(params["population"], params["population_namespace"], tune.get_context().get_trial_id(),
                            int(current["member"]), checkpoint.path if checkpoint is not None else None, step, settings)
-    spec = {**params["pbt_members"][name], "settings": settings}
+    spec = replace(Trial.from_dict(params["pbt_members"][name]), settings=settings)  # the same member, new settings
     for partial in (Path(params["study_dir"]) / "trials").glob(f".{name}.partial-*"):
         shutil.rmtree(partial, ignore_errors=True)
-    run_trial({**params, "trial": spec})
+    run_trial({**params, "trial": spec.to_dict()})
 
 
 class _ClampToRanges:
@@ -1119,15 +1100,15 @@ class _MemberResult:
     config after an exploit is the donor's), so :func:`raydp.study.results.collect_results` counts every
     member exactly once."""
 
-    def __init__(self, result, name: str, specs: dict[str, dict]):
+    def __init__(self, result, name: str, specs: dict[str, Trial]):
         self.metrics = result.metrics
         self.error = result.error
         self.checkpoint = result.checkpoint
         self.path = result.path
-        self.config = {**(result.config or {}), "trial": specs[name]}
+        self.config = {**(result.config or {}), "trial": specs[name].to_dict()}
 
 
-def _fit_pbt(study: StudyConfig, members: list[dict], common: dict, storage: TuneStorage, progress: bool):
+def _fit_pbt(study: StudyConfig, members: list[Trial], common: dict, storage: TuneStorage, progress: bool):
     """The PBT population on Ray Tune's ``PopulationBasedTraining`` (see :mod:`raydp.study.population`).
 
     Before ``Tuner.fit`` the population actor is created with B_pop = M * B. Each member is one Tune trial
@@ -1144,7 +1125,7 @@ def _fit_pbt(study: StudyConfig, members: list[dict], common: dict, storage: Tun
     if not members:
         return []
     settings, ranges = study.pbt, study.pbt.hyperparam_mutations
-    specs = {m["name"]: m for m in members}
+    specs = {m.name: m for m in members}
     population, planned_steps = population_filter(study, members, common["dataset"])
     eval_every = trial_config(study, members[0], common["dataset"]).eval_every
     bounds = {"clip": ranges.clip, "sigma_scale": ranges.sigma_scale}
@@ -1165,8 +1146,8 @@ def _fit_pbt(study: StudyConfig, members: list[dict], common: dict, storage: Tun
         tuner = tune.Tuner(
             trainable,
             param_space={**common, "population": actor_name, "population_namespace": RAY_NAMESPACE,
-                         "pbt_members": specs,
-                         "pbt": tune.grid_search([{"member": m["member"], **m["settings"]} for m in members])},
+                         "pbt_members": {name: m.to_dict() for name, m in specs.items()},
+                         "pbt": tune.grid_search([{"member": m.member, **m.settings} for m in members])},
             tune_config=tune.TuneConfig(scheduler=scheduler, reuse_actors=False),
             run_config=_run_config(name, storage, study, progress, keep=None),
         )
@@ -1187,7 +1168,7 @@ def _fit_pbt(study: StudyConfig, members: list[dict], common: dict, storage: Tun
         if owner is None:  # no report: find the trial by its directory; else it never started (its own config)
             owner = next((m for t, m in state["trials"].items() if t in str(result.path)), None)
         if owner is None:
-            owner = members[int((result.config or {})["pbt"]["member"])]["name"]
+            owner = members[int((result.config or {})["pbt"]["member"])].name
         results.append(_MemberResult(result, owner, specs))
     return results
 
