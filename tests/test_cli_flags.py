@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 import typing
 
 import pytest
@@ -41,7 +42,7 @@ def _leaves(model, path=()):
     """Every leaf field of ``model`` (nested models walked), as paths: an independent reading of the models."""
     for name, info in model.model_fields.items():
         annotation = info.annotation
-        if typing.get_origin(annotation) in (typing.Union, __import__("types").UnionType):
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):
             annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             yield from _leaves(annotation, (*path, name))
