@@ -20,30 +20,48 @@ from pathlib import Path
 
 from raydp import __version__
 from raydp.errors import ConfigError, RaydpError
-from raydp.strategies.registry import STRATEGY_CHOICES
 
 
-def _add_data_source_args(parser: argparse.ArgumentParser, defaults: bool) -> None:
-    d = (lambda value: value) if defaults else (lambda value: None)
-    parser.add_argument("--source", dest="source", default=d("synthetic"),
-                        help="'synthetic' (embedded generator), a diabetic_data.csv path, or (train) a built dataset dir")
-    parser.add_argument("--ids-mapping", default=None, help="IDs_mapping.csv of the real dataset")
-    parser.add_argument("--text-column", default=None,
-                        help="--source is a table of free text (.csv, .parquet, .jsonl): its column of texts")
-    parser.add_argument("--unit-column", default=None,
-                        help="with --text-column: the column naming each text's privacy unit (a patient, a user)")
-    parser.add_argument("--n-records", type=int, default=None, help="synthetic size (default 10000)")
-    parser.add_argument("--sample-fraction", type=float, default=None,
-                        help="a CSV: keep each patient with this probability, decided by its own id (default: all)")
-    parser.add_argument("--split", dest="fractions", action="append", metavar="SPLIT=FRACTION",
-                        help="fraction of patients in attack (default 0.2), eval (0.2) or validation (0.05); train "
-                             "takes the rest (repeatable)")
-    parser.add_argument("--data-seed", type=int, default=d(0), help="seed of generator and splits")
-    parser.add_argument("--n-canary", type=int, default=d(10), help="number of secret canaries in train")
-    parser.add_argument("--canary-seed", type=int, default=d(42))
-    parser.add_argument("--n-audit", type=int, default=None,
-                        help="audit canaries for `raydp eval`'s epsilon audit, each in train by a fair coin "
-                        "(default 0: none; e.g. 100)")
+class RaydpParser(argparse.ArgumentParser):
+    """raydp's parsers: an error is one line (no usage block); a subcommand's flags generated from the config models
+    (:mod:`raydp.cli_flags`, given as ``flags``: a function that adds them) are added only when that subcommand is
+    parsed or its help shown, so ``raydp --help`` reads no model (and imports no pydantic)."""
+
+    def __init__(self, *args, flags=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._pending_flags = flags
+
+    def _add_generated_flags(self) -> None:
+        add, self._pending_flags = self._pending_flags, None
+        if add is not None:
+            add(self)
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._add_generated_flags()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self._add_generated_flags()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._add_generated_flags()
+        return super().format_help()
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_train_flags(parser: argparse.ArgumentParser) -> None:
+    from raydp.cli_flags import add_flags, train_flags  # lazy: `raydp --help` loads no pydantic
+
+    add_flags(parser, train_flags())
+
+
+def _add_data_flags(parser: argparse.ArgumentParser) -> None:
+    from raydp.cli_flags import add_flags, data_flags  # lazy: `raydp --help` loads no pydantic
+
+    add_flags(parser, data_flags())
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -61,7 +79,7 @@ def configure_logging(level: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="raydp", description=__doc__.splitlines()[0])
+    parser = RaydpParser(prog="raydp", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"raydp {__version__}")
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
                         help="messages of raydp, Ray, transformers and wandb at this level and above (default: warning)")
@@ -69,10 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = commands.add_parser("data", help="build and inspect datasets")
     data_cmds = data.add_subparsers(dest="data_command", required=True)
-    build = data_cmds.add_parser("build", help="build splits, canaries and manifest as Parquet")
+    build = data_cmds.add_parser("build", help="build splits, canaries and manifest as Parquet",
+                                 flags=_add_data_flags)  # DataConfig's fields (raydp.cli_flags)
     build.add_argument("--output", "-o", required=True, help="dataset directory to create")
-    build.add_argument("--overwrite", action="store_true")
-    _add_data_source_args(build, defaults=True)
+    build.add_argument("--overwrite", action="store_true", help="replace an existing dataset directory")
     show = data_cmds.add_parser("show", help="print a dataset's manifest, sizes and a sample narrative")
     show.add_argument("dataset", help="dataset directory")
     budget = data_cmds.add_parser("budget", help="set (once) or show a private dataset's lifetime privacy budget")
@@ -82,63 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--privacy-unit", choices=("patient", "record"), default="patient",
                         help="what the budget protects (default: patient); runs of another unit are refused")
 
-    train = commands.add_parser("train", help="run one fine-tuning, writing everything under --output")
+    train = commands.add_parser("train", help="run one fine-tuning, writing everything under --output",
+                                flags=_add_train_flags)  # TrainConfig's fields and strategy settings (raydp.cli_flags)
     train.add_argument("--output", "-o", required=True, help="run directory to create")
     train.add_argument("--config", help="YAML file with TrainConfig fields (flags override it)")
     train.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     train.add_argument("--quiet", action="store_true", help="no progress bars")
-    train.add_argument("--model", help="'embedded' (default), 'embedded-deep', a Hugging Face name or a local dir")
-    train.add_argument("--strategy", choices=STRATEGY_CHOICES, metavar="NAME",
-                       help="nonprivate (default) or a DP strategy: " + ", ".join(STRATEGY_CHOICES[1:]))
-    train.add_argument("--set", dest="settings", action="append", metavar="KEY=VALUE",
+    train.add_argument("--set", dest="set_settings", action="append", metavar="KEY=VALUE",
                        help="a setting of the strategy (repeatable; VALUE is read as YAML), e.g. --set clip=0.5")
-    train.add_argument("--epsilon", type=float, help="target epsilon of a DP strategy")
-    train.add_argument("--delta", type=float, help="target delta (default 1e-5; must be < 1/N_train)")
-    train.add_argument("--accountant", choices=["pld", "prv", "rdp"],
-                       help="upper-bound accountant that calibrates sigma_0 and enforces the budget (default pld)")
-    train.add_argument("--clip", type=float, help="clip radius of a static strategy")
-    train.add_argument("--epochs", type=float)
-    train.add_argument("--max-steps", type=int)
-    train.add_argument("--batch-size", type=int)
-    train.add_argument("--lr", type=float)
-    train.add_argument("--warmup-steps", type=int)
-    train.add_argument("--eval-every", type=int)
-    train.add_argument("--eval-max-records", type=int)
-    train.add_argument("--max-length", type=int)
-    train.add_argument("--seed", type=int, help="seed of initialisation and dropout (DP sampling and noise use "
-                       "OS entropy)")
-    train.add_argument("--privacy-unit", choices=["auto", "patient", "record"],
-                       help="what DP protects: patient (default on data with patient ids) or record")
-    train.add_argument("--unsafe-fixed-randomness", action="store_true", default=None,
-                       help="UNSAFE, for debugging: DP sampling and noise from --seed (replayable; epsilon void)")
-    train.add_argument("--task", choices=["lm", "classification"],
-                       help="lm (default): language modelling, perplexity; classification: a label field of the "
-                            "narratives, accuracy")
-    train.add_argument("--label", choices=["change", "diabetesMed", "readmitted"],
-                       help="label field of --task classification (default change)")
-    train.add_argument("--device", help="auto (default), cpu, cuda, cuda:1, ...")
-    train.add_argument("--cpus", type=int, help="CPU threads of the run (default: all)")
-    _add_data_source_args(train, defaults=False)
-    rl = train.add_argument_group("RLDP controller (--strategy rldp)")
-    rl.add_argument("--privacy-mode", choices=["strict", "paper"],
-                    help="strict (default): the controller sees only DP releases; paper: raw statistics, labelled")
-    rl.add_argument("--t-warm", type=int, help="steps before the controller acts (default 50)")
-    rl.add_argument("--t-rl", type=int, help="steps between decisions, T_RL (default 112)")
-    rl.add_argument("--b-sac", type=int, help="transitions per SAC update, B_SAC (default 4)")
-    rl.add_argument("--k", type=int, help="SAC updates per decision, K (default 2)")
-    rl.add_argument("--r-max", type=float, help="reward lower bound R_max (default 5)")
-    rl.add_argument("--policy-arch", choices=["shared", "paper"],
-                    help="shared (default, transfers across model sizes) or paper (Eq. 22-27, fixed n)")
-    rl.add_argument("--policy", help="start from a saved policy (name under --policy-dir, or a path)")
-    rl.add_argument("--frozen", action="store_true", default=None, help="act with --policy without training it")
-    rl.add_argument("--save-policy", help="save the trained policy as POLICY_DIR/NAME")
-    rl.add_argument("--policy-dir", help="directory of named policies (default: policies)")
-    rl.add_argument("--overwrite-policy", action="store_true", help="replace an existing --save-policy")
-    rl.add_argument("--controller", metavar="URL",
-                    help="'broker' (default: a policy service started for the run) or rllink://HOST:PORT, a policy "
-                         "server over RLlib's RLlink (raydp policy-server; secret in RAYDP_RLLINK_SECRET or Ray's "
-                         "auth token; HOST: IPv4 loopback only, default 127.0.0.1; a remote server through an SSH "
-                         "tunnel, e.g. ssh -L 5555:127.0.0.1:5555 server)")
+    train.add_argument("--overwrite-policy", action="store_true", help="replace an existing --save-policy (rldp)")
 
     study = commands.add_parser("study", help="run a study file on Ray Tune (e.g. trials/quickstart.yaml)")
     study.add_argument("path", help="study file (YAML)")
@@ -198,80 +168,51 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def train_config_from_args(args: argparse.Namespace):
+    """The run's TrainConfig: the ``--config`` YAML's values, each flag given on the command line overriding its
+    field (:mod:`raydp.cli_flags`: one flag per field); a strategy's settings (``--set`` and the settings flags) go
+    under ``settings`` of the config's strategy, after an old config's settings block has moved there."""
+    from raydp.cli_flags import (  # lazy: `raydp --help` loads no pydantic
+        apply_flags, flag_value, naming_flags, train_flags)
     from raydp.config import (  # lazy: `raydp --help` loads no pandas
         TrainConfig, load_yaml_mapping, upgrade_train_values, validate_config)
 
     values = load_yaml_mapping(args.config) if args.config else {}
-    for key in ("model", "strategy", "epsilon", "delta", "accountant", "clip", "epochs", "max_steps", "batch_size",
-                "lr", "warmup_steps", "eval_every", "eval_max_records", "max_length", "seed", "device", "cpus",
-                "privacy_unit", "unsafe_fixed_randomness", "controller"):
-        if getattr(args, key) is not None:
-            values[key] = getattr(args, key)
-    if args.settings:
-        import yaml  # lazy: only --set reads YAML here (keeps `import raydp.cli` light)
+    setting_flags = [flag for flag in train_flags() if flag.path[0] == "settings"]
+    values = apply_flags([flag for flag in train_flags() if flag.path[0] != "settings"], args, values)
+    if args.set_settings or any(flag_value(flag, args) is not None for flag in setting_flags):
+        try:
+            values = upgrade_train_values(values)  # an old settings block moves under settings first
+        except ValueError as exc:
+            raise ConfigError(f"invalid config: {exc}") from None
+        settings = values.get("settings") or {}
+        if not isinstance(settings, dict):
+            raise ConfigError("invalid config: settings: give the strategy's settings as a mapping")
+        settings = dict(settings)
+        for item in args.set_settings or ():
+            import yaml  # lazy: only --set reads YAML here (keeps `import raydp.cli` light)
 
-        settings = dict(values.get("settings") or {})
-        for item in args.settings:
             key, sep, raw = item.partition("=")
             if not sep or not key:
                 raise ConfigError(f"--set takes KEY=VALUE, got {item!r}")
             settings[key.strip()] = yaml.safe_load(raw)
-        values["settings"] = settings
-    data = dict(values.get("data") or {})
-    for flag, key in (("source", "source"), ("ids_mapping", "ids_mapping"), ("n_records", "n_records"),
-                      ("data_seed", "seed"), ("n_canary", "n_canary"), ("canary_seed", "canary_seed"),
-                      ("n_audit", "n_audit"), ("sample_fraction", "sample_fraction"),
-                      ("text_column", "text_column"), ("unit_column", "unit_column")):
-        if getattr(args, flag) is not None:
-            data[key] = getattr(args, flag)
-    if args.fractions:
-        data["fractions"] = {**(data.get("fractions") or {}), **_fractions(args.fractions)}
-    if data:
-        values["data"] = data
-    task = dict(values.get("task") or {})
-    for flag, key in (("task", "kind"), ("label", "label")):
-        if getattr(args, flag) is not None:
-            task[key] = getattr(args, flag)
-    if task:
-        values["task"] = task
-    rldp = {key: getattr(args, flag) for flag, key in (
-        ("privacy_mode", "privacy_mode"), ("t_warm", "t_warm"), ("t_rl", "t_rl"), ("b_sac", "b_sac"), ("k", "k"),
-        ("r_max", "r_max"), ("policy_arch", "architecture"), ("policy", "policy"), ("frozen", "frozen"),
-        ("save_policy", "save_policy"), ("policy_dir", "policy_dir")) if getattr(args, flag) is not None}
-    if rldp:  # the controller's settings, under settings like every strategy's
-        values = upgrade_train_values({**values, "strategy": values.get("strategy", args.strategy)})
-        values["settings"] = {**(values.get("settings") or {}), **rldp}
-    return validate_config(TrainConfig, values)
-
-
-def _fractions(items: list[str]) -> dict[str, float]:
-    """``--split eval=0.1`` items as a dict (the fractions themselves are checked by DataConfig)."""
-    out = {}
-    for item in items:
-        name, sep, raw = item.partition("=")
-        try:
-            out[name.strip()] = float(raw)
-        except ValueError:
-            sep = ""
-        if not sep or not name.strip():
-            raise ConfigError(f"--split takes SPLIT=FRACTION, got {item!r}")
-    return out
+        values = apply_flags(setting_flags, args, {**values, "settings": settings})
+    try:
+        return validate_config(TrainConfig, values)
+    except ConfigError as exc:
+        raise naming_flags(exc, train_flags(), args) from None
 
 
 def cmd_data_build(args) -> int:
     from raydp.data import build_from_config, describe_dataset, load_manifest, manifest_id  # lazy: no pandas in --help
     from raydp.privacy.lifetime import adopt  # lazy: `raydp --help` loads no pandas
 
+    from raydp.cli_flags import apply_flags, data_flags, naming_flags  # lazy: `raydp --help` loads no pydantic
     from raydp.config import DataConfig, validate_config  # lazy: `raydp --help` loads no pandas
 
-    if args.n_records is not None and args.n_records <= 0:
-        raise ConfigError("--n-records must be positive")
-    data = validate_config(DataConfig, {k: v for k, v in {
-        "source": args.source, "n_records": args.n_records, "seed": args.data_seed, "n_canary": args.n_canary,
-        "canary_seed": args.canary_seed, "n_audit": args.n_audit, "ids_mapping": args.ids_mapping,
-        "sample_fraction": args.sample_fraction, "text_column": args.text_column, "unit_column": args.unit_column,
-        "fractions": _fractions(args.fractions) if args.fractions else None}.items()
-        if v is not None}, where="data.")
+    try:
+        data = validate_config(DataConfig, apply_flags(data_flags(), args, {}), where="data.")
+    except ConfigError as exc:
+        raise naming_flags(exc, data_flags(), args, where="data.") from None
     build_from_config(data, args.output, overwrite=args.overwrite)
     manifest = load_manifest(args.output)
     adopt(manifest_id(manifest), manifest.get("source_sha256"))  # a rebuilt source keeps its lifetime budget

@@ -41,13 +41,15 @@ class DataConfig(StrictModel):
         "never moves another); default: every row"))
     fractions: dict[str, float] | None = Field(None, description=(
         "split fractions of patients: attack (default 0.2), eval (0.2), validation (0.05: the private validation "
-        "split); train takes the rest. Each patient's split depends on its own id and the seed only"))
+        "split); train takes the rest. Each patient's split depends on its own id and the seed only"),
+        json_schema_extra={"flag": "--split", "metavar": "SPLIT=FRACTION"})
     generator: Literal["structured", "independent"] = Field("structured", description=(
         "synthetic records: structured (latent condition and severity per patient, dependent fields; the default) "
         "or independent (every field drawn on its own: the benchmark before structured records)"))
-    seed: int = Field(0, ge=0, description="seed of the synthetic generator and of the splits")
-    n_canary: int = Field(10, ge=0)
-    canary_seed: int = Field(42, ge=0)
+    seed: int = Field(0, ge=0, description="seed of the synthetic generator and of the splits",
+                      json_schema_extra={"flag": "--data-seed"})
+    n_canary: int = Field(10, ge=0, description="secret canaries planted in train (the extraction attacks' targets)")
+    canary_seed: int = Field(42, ge=0, description="seed of the canaries' secrets")
     n_audit: int = Field(0, ge=0, description=(
         "audit canaries for the empirical epsilon audit (raydp eval), each in train by a fair coin; they are "
         "synthetic records added to the training set, so they are off unless asked for (e.g. 100)"))
@@ -83,10 +85,16 @@ class DataConfig(StrictModel):
 
 
 class LoraConfigModel(StrictModel):
-    r: int = Field(8, gt=0)
-    alpha: int = Field(16, gt=0)
-    dropout: float = Field(0.05, ge=0.0, lt=1.0)
-    target_modules: tuple[str, ...] | None = None
+    """The LoRA adapters that are trained (the model's own weights stay frozen)."""
+
+    r: int = Field(8, gt=0, description="LoRA rank", json_schema_extra={"flag": "--lora-r"})
+    alpha: int = Field(16, gt=0, description="LoRA scaling: an adapter's update is scaled by alpha / r",
+                       json_schema_extra={"flag": "--lora-alpha"})
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="dropout on the adapters' input",
+                           json_schema_extra={"flag": "--lora-dropout"})
+    target_modules: tuple[str, ...] | None = Field(
+        None, description="names of the modules that get adapters (default: by the model's architecture)",
+        json_schema_extra={"flag": "--lora-target-modules"})
 
 
 class TaskConfig(StrictModel):
@@ -94,7 +102,8 @@ class TaskConfig(StrictModel):
 
     kind: Literal["lm", "classification"] = Field(
         "lm", description="lm: language modelling, judged by perplexity; classification: a label field of the "
-                          "narratives as a prompt classifier, judged by accuracy (EW-FT, DualTune)")
+                          "narratives as a prompt classifier, judged by accuracy (EW-FT, DualTune)",
+        json_schema_extra={"flag": "--task"})
     label: Literal["change", "diabetesMed", "readmitted"] = Field(
         "change", description="the label field of a classification task (readmitted is independent of every "
                               "other field in synthetic records: use it with the real CSV)")
@@ -137,8 +146,12 @@ class TrainConfig(StrictModel):
     task: TaskConfig = TaskConfig()
     lora: LoraConfigModel = LoraConfigModel()
     strategy: str = Field("nonprivate", description="nonprivate, or a registered DP strategy "
-                          "(raydp.strategies.registry)")
-    settings: dict = Field(default_factory=dict, description="the strategy's own settings (its settings model)")
+                          "(raydp.strategies.registry)",
+                          json_schema_extra={"choices": STRATEGY_CHOICES, "metavar": "NAME"})
+    #: no generated flag: `raydp train --set KEY=VALUE` (hand-written), and a flag per field of each strategy
+    #: settings model the registry loads without its strategy (raydp.cli_flags)
+    settings: dict = Field(default_factory=dict, description="the strategy's own settings (its settings model)",
+                           json_schema_extra={"flag": False})
     epsilon: float | None = Field(None, gt=0, description="target epsilon (required for DP strategies)")
     delta: float = Field(1e-5, gt=0, lt=1, description="target delta; must be < 1/N_train")
     accountant: Literal["pld", "prv", "rdp"] = Field("pld", description="upper-bound accountant that calibrates and enforces")
@@ -159,10 +172,11 @@ class TrainConfig(StrictModel):
     public_validation: str | None = Field(None, description=(
         "a CSV of PUBLIC records in the diabetic_data.csv schema to validate and select on, instead of the synthetic "
         "public population (which says nothing about a real dataset's task)"))
-    epochs: float = Field(3.0, gt=0)
+    epochs: float = Field(3.0, gt=0, description="passes over the train split (may be fractional)")
     max_steps: int | None = Field(None, gt=0, description="cap on the number of steps")
-    batch_size: int = Field(16, gt=0)
-    lr: float = Field(5e-4, gt=0)
+    batch_size: int = Field(16, gt=0, description="records per step (a DP strategy's expected batch: Poisson "
+                            "sampling at rate batch_size / N)")
+    lr: float = Field(5e-4, gt=0, description="peak learning rate of AdamW (reached after the warm-up)")
     warmup_steps: int = Field(20, ge=0, description="linear learning-rate warm-up (a few % of a default run)")
     lr_decay: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="after the warm-up: constant (the paper's), or a linear or cosine decay to lr_end x lr "
@@ -177,12 +191,13 @@ class TrainConfig(StrictModel):
     eval_max_records: int | None = Field(2000, gt=0, description="evaluate on at most this many eval records")
     max_length: int | None = Field(None, gt=1, description="token cap per sequence (default: model's, at most 512; "
                                    "a classification prompt is exactly this long, default 384, left-filled)")
-    device: str = "auto"
+    device: str = Field("auto", description="auto, cpu, cuda, cuda:1, ...")
     cpus: int | None = Field(None, gt=0, description="CPU threads of the run (default: all of this machine's)")
     controller: str = Field("broker", description="where an RLDP run's policy is: 'broker' (a policy service "
                             "started for the run) or 'rllink://HOST:PORT', a policy server reached over RLlib's "
                             "RLlink protocol (raydp.control.rllink; HOST is IPv4 loopback only, localhost meaning "
-                            "127.0.0.1, and defaults to 127.0.0.1: reach a remote server through an SSH tunnel)")
+                            "127.0.0.1, and defaults to 127.0.0.1: reach a remote server through an SSH tunnel)",
+                            json_schema_extra={"metavar": "URL"})
 
     @model_validator(mode="before")
     @classmethod

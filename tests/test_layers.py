@@ -22,6 +22,7 @@ LAYERS = [
     ["integrations", "study"],           # transformers.Trainer; Tune studies
     ["report"],                          # the HTML report (reads studies' results)
     ["migrate"],                         # rewriting old files
+    ["cli_flags"],                       # the commands' flags, generated from the config models
     ["cli"],                             # the commands
     ["__main__"],
 ]

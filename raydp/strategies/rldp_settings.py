@@ -52,14 +52,15 @@ class RLDPSettings(StrictModel):
     public_probe_records: int = Field(PUBLIC_PROBE_RECORDS, gt=0,
                                       description="public records that set the bins and loss bound")
     architecture: Literal["shared", "paper"] = Field(
-        "shared", description="shared: size-agnostic (transfers across models); paper: Eq. 22-27 for fixed n")
+        "shared", description="shared: size-agnostic (transfers across models); paper: Eq. 22-27 for fixed n",
+        json_schema_extra={"flag": "--policy-arch"})
     n_max: int = Field(64, gt=0, description="adapter slots of a shared policy")
     hidden: int = Field(128, gt=0, description="hidden width of the actor and critics")
     gamma: float = Field(0.99, ge=0, lt=1, description="SAC discount")
     tau: float = Field(0.01, gt=0, le=1, description="SAC target-network update rate")
     actor_lr: float = Field(2e-4, gt=0, description="SAC actor learning rate")
     critic_lr: float = Field(1e-4, gt=0, description="SAC critic learning rate")
-    alpha: float = Field(0.04, gt=0, description="fixed entropy temperature")
+    alpha: float = Field(0.04, gt=0, description="SAC's fixed entropy temperature")
     replay_capacity: int = Field(10_000, gt=0, description="transitions the replay buffer holds")
     policy: str | None = Field(None, description="start from a saved policy (name under policy_dir, or a path)")
     frozen: bool = Field(False, description="act with the saved policy without training it")
