@@ -58,6 +58,12 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, train_flags())
 
 
+def _add_eval_flags(parser) -> None:
+    from raydp.cli_flags import add_flags, eval_flags  # lazy: `raydp --help` loads no pydantic
+
+    add_flags(parser, eval_flags())
+
+
 def _add_data_flags(parser: argparse.ArgumentParser) -> None:
     from raydp.cli_flags import add_flags, data_flags  # lazy: `raydp --help` loads no pydantic
 
@@ -124,20 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "no HTML then")
     report.add_argument("--html", metavar="FILE", help="where the HTML report goes (default DIR/report.html)")
 
-    evaluate = commands.add_parser("eval", help="attack a finished run and audit its epsilon (writes evaluation.json)")
+    evaluate = commands.add_parser("eval", help="attack a finished run and audit its epsilon (writes evaluation.json)",
+                                   flags=_add_eval_flags)  # EvalConfig's fields (raydp.cli_flags)
     evaluate.add_argument("run_dir", metavar="DIR", help="a run directory, or a study directory (every trial)")
     evaluate.add_argument("--config", help="YAML file with EvalConfig fields (flags override it)")
-    evaluate.add_argument("--generations", type=int, metavar="T", help="canary-extraction samples (default 4000; 0 skips)")
-    evaluate.add_argument("--extraction-prompt", choices=["paper", "narrative"],
-                          help="paper (default): Appendix A.1's instruction; narrative: profile + ' secret_id='")
-    evaluate.add_argument("--candidates", dest="exposure_candidates", type=int, metavar="K",
-                          help="random secrets per canary for exposure (default 10000; 0 skips)")
-    evaluate.add_argument("--membership-records", type=int, metavar="N", help="members and non-members each (default 500)")
-    evaluate.add_argument("--confidence", type=float, help="confidence of the audit's lower bounds (default 0.95)")
-    evaluate.add_argument("--no-audit", dest="audit", action="store_false", default=None,
-                          help="skip the epsilon audit (it needs audit canaries: `raydp data build --n-audit`)")
-    evaluate.add_argument("--device", help="auto (default), cpu, cuda, ...")
-    evaluate.add_argument("--seed", type=int, help="seed of the attacks' sampling")
     evaluate.add_argument("--quiet", action="store_true", help="no progress lines (the results still print)")
 
     from raydp.runner import policy_server  # lazy: `import raydp.cli` loads no torch (raydp.runner's package does)
@@ -424,15 +420,15 @@ def cmd_report(args) -> int:
 
 
 def eval_config_from_args(args):
-    from raydp.evaluation.results import EvalConfig  # lazy: `raydp --help` loads no pandas
-    from raydp.settings import load_yaml_mapping, validate_config  # lazy: `raydp --help` loads no pydantic
+    from raydp.cli_flags import apply_flags, eval_flags, naming_flags  # lazy: `raydp --help` loads no pydantic
+    from raydp.evaluation.settings import EvalConfig  # lazy: as above
+    from raydp.settings import load_yaml_mapping, validate_config  # lazy: as above
 
-    values = load_yaml_mapping(args.config, "eval config") if args.config else {}
-    for key in ("generations", "extraction_prompt", "exposure_candidates", "membership_records", "confidence",
-                "audit", "device", "seed"):
-        if getattr(args, key) is not None:
-            values[key] = getattr(args, key)
-    return validate_config(EvalConfig, values)
+    values = apply_flags(eval_flags(), args, load_yaml_mapping(args.config, "eval config") if args.config else {})
+    try:
+        return validate_config(EvalConfig, values)
+    except ConfigError as exc:
+        raise naming_flags(exc, eval_flags(), args) from None
 
 
 def cmd_eval(args) -> int:

@@ -182,6 +182,14 @@ def data_flags() -> tuple[Flag, ...]:
     return check_unique(model_flags(DataConfig))
 
 
+@functools.cache
+def eval_flags() -> tuple[Flag, ...]:
+    """The flags of ``raydp eval``: EvalConfig's fields."""
+    from raydp.evaluation.settings import EvalConfig  # lazy: `raydp --help` loads no pydantic
+
+    return check_unique(model_flags(EvalConfig))
+
+
 def add_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...], groups: bool = True) -> None:
     """Add ``flags`` to ``parser`` (each nested model's in an argument group), every default None."""
     made: dict[str, argparse._ArgumentGroup] = {}

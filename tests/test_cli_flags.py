@@ -266,3 +266,41 @@ def test_generation_refuses_a_clash_an_unknown_type_and_a_missing_description():
         seed: int = Field(0, description="a seed", json_schema_extra={"flag": "--my-seed"})
 
     assert [(f.option, f.path, f.dest) for f in model_flags(Renamed)] == [("--my-seed", ("seed",), "my_seed")]
+
+
+#: `raydp eval`'s flags before they were generated (raydp/cli.py at 1871f40): tests and docs use them
+OLD_EVAL_FLAGS = ("--config", "--generations", "--extraction-prompt", "--candidates", "--membership-records",
+                  "--confidence", "--no-audit", "--device", "--seed", "--quiet")
+
+
+def test_eval_flags_are_evalconfigs_fields_and_the_older_names_parse():
+    from raydp.cli import eval_config_from_args
+    from raydp.cli_flags import eval_flags
+    from raydp.evaluation.settings import EvalConfig
+
+    assert {f.path for f in eval_flags()} == {path for path, _ in _leaves(EvalConfig)}
+    parser = build_parser()
+    argv = ["eval", "DIR", "--generations", "7", "--extraction-prompt", "narrative", "--candidates", "11",
+            "--membership-records", "5", "--confidence", "0.9", "--no-audit", "--device", "cpu", "--seed", "3",
+            "--prompt-fraction", "0.25"]
+    settings = eval_config_from_args(parser.parse_args(argv))
+    assert settings == EvalConfig(generations=7, extraction_prompt="narrative", exposure_candidates=11,
+                                  membership_records=5, confidence=0.9, audit=False, device="cpu", seed=3,
+                                  prompt_fraction=0.25)
+    options = {o for a in parser._subparsers._group_actions[0].choices["eval"]._actions for o in a.option_strings}
+    assert set(OLD_EVAL_FLAGS) <= options
+    assert eval_config_from_args(parser.parse_args(["eval", "DIR"])) == EvalConfig()  # unset: the defaults
+
+
+def test_eval_flag_refused_by_the_model_names_the_flag(capsys):
+    assert main(["eval", "DIR", "--confidence", "1.5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "(--confidence)" in err
+
+
+def test_eval_help_imports_no_torch():
+    code = ("import sys, contextlib, io\nfrom raydp.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n    try:\n        main(['eval', '--help'])\n"
+            "    except SystemExit:\n        pass\nprint('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "False"

@@ -8,6 +8,14 @@ primitive), ``attacks`` (the attacks' metrics), ``audit`` (lower bounds on epsil
 finished run end to end).
 """
 
-from raydp.evaluation.perplexity import PerplexityResult, evaluate_perplexity
-
 __all__ = ["PerplexityResult", "evaluate_perplexity"]
+
+
+def __getattr__(name: str):
+    """The package's names load on first use (PEP 562), so that ``raydp.evaluation.settings`` (the CLI's flags)
+    imports no torch."""
+    if name in __all__:
+        from raydp.evaluation import perplexity
+
+        return getattr(perplexity, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
