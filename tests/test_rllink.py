@@ -18,7 +18,8 @@ import torch
 from ray.rllib.env.external import RLlink, get_rllink_message, send_rllink_message
 
 from raydp.config import TrainConfig, validate_config
-from raydp.control.address import RLlinkAddress, parse_controller
+from raydp.control.address import RLlinkAddress
+from raydp.control.transports import parse_controller
 from raydp.control.policies import policy_layout_for, sac_settings, trained_on
 from raydp.control.rllink import (
     MAGIC,

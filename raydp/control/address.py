@@ -59,14 +59,6 @@ def is_loopback(host: str) -> bool:
     return loopback_host(host) is not None
 
 
-def parse_controller(value: str):
-    """The address of the transport ``value`` names (None for the broker; :mod:`raydp.control.transports`);
-    ValueError (one line) for a bad value."""
-    from raydp.control.transports import transport_for  # lazy: that registry imports this module
-
-    return transport_for(value).parse(value)
-
-
 def parse_rllink(value: str) -> RLlinkAddress:
     """The policy server's address in ``rllink://HOST:PORT``; ValueError (one line) for a bad URL."""
     if not isinstance(value, str) or not value.startswith(f"{SCHEME}://"):

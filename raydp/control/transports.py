@@ -76,3 +76,8 @@ def transport_of_connection(connection: dict) -> TransportSpec:
             return spec
     raise ValueError(f"unknown policy connection kind {kind!r} (expected one of "
                      f"{', '.join(s.kind for s in TRANSPORTS)})")
+
+
+def parse_controller(value: str):
+    """The address of the transport ``value`` names (None for the broker); ValueError (one line) for a bad value."""
+    return transport_for(value).parse(value)

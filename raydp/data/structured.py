@@ -49,6 +49,7 @@ from scipy.special import logsumexp
 from scipy.stats import norm
 
 from raydp.data import schema
+from raydp.data.streams import _ID_BASES
 
 CONDITIONS = ("circulatory", "respiratory", "digestive", "diabetes", "injury", "musculoskeletal",
               "genitourinary", "neoplasms", "other")
@@ -434,8 +435,6 @@ def population_report(n: int = 20_000, seed: int = 0) -> dict:
     use); and the largest pairwise mutual informations. Marginals and pairwise MI are exact sums over the latents
     for the fields whose parents are latent only; the other fields' marginal entropies (medications, discharge,
     admission source, payer, readmitted, change, diabetesMed: small supports) are plug-in estimates from the sample."""
-    from raydp.data.synthetic import _ID_BASES
-
     model = population("private")
     rng = np.random.default_rng(np.random.SeedSequence([seed, _ID_BASES["private"][0]]))
     frame = generate(n, rng, "private", *_ID_BASES["private"][1:])

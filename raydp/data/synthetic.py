@@ -28,31 +28,13 @@ from tqdm.auto import tqdm
 
 from raydp.errors import DataError
 from raydp.data import schema
+from raydp.data.streams import _ID_BASES  # the populations' seed-stream tags and id ranges
 from raydp.data.structured import generate
 
 # The public population is a proxy, not a copy, of the private one: every categorical marginal is
 # raised to this power and renormalised (flatter). A model pre-trained on it knows the narratives'
 # vocabulary but not the private frequencies, so private fine-tuning has something to learn.
 PUBLIC_TILT = 0.5
-
-# Seed-stream tags: SeedSequence([seed, tag]) keeps the populations statistically independent.
-PRIVATE_STREAM = 0x50524956  # "PRIV"
-PUBLIC_STREAM = 0x5055424C  # "PUBL"
-AUDIT_STREAM = 0x41554454  # "AUDT"
-PRETRAINING_STREAM = 0x50524554  # "PRET"
-# Id ranges: private ids start near the real file's smallest ids and grow by < 200 per record, so
-# they stay below the public base for any n < 4.5e7; public ids start at 9e9 (the real file's
-# largest is 4.4e8).
-_ID_BASES = {
-    "private": (PRIVATE_STREAM, 12_522, 135),
-    "public": (PUBLIC_STREAM, 9_000_000_000, 8_000_000_000),
-    # audit canaries (raydp.data.splits): private marginals, ids from 7e9/6e9 (one patient each there)
-    "audit": (AUDIT_STREAM, 7_000_000_000, 6_000_000_000),
-    # the records that carry the secret canaries (raydp.data.splits): private parameters, ids from 5.5e9/5e9
-    "canary": (0x43414E52, 5_500_000_000, 5_000_000_000),  # "CANR"
-    # the generic pre-training corpus of the structured generator (raydp.data.structured); ids from 11e9/10e9
-    "pretraining": (PRETRAINING_STREAM, 11_000_000_000, 10_000_000_000),
-}
 
 # Marginal counts of the real table (approximate, rounded), value -> weight.
 _RACE = {"Caucasian": 76099, "AfricanAmerican": 19210, "?": 2273, "Hispanic": 2037,
