@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -163,6 +164,10 @@ def test_a_search_space_that_changes_the_plan_is_refused(tiny_dataset):
                          base={"data": {"n_records": 600}, "epochs": 3})
         with pytest.raises(ConfigError, match="corners plan different privacy curves"):
             ps.plan_cell(study, tiny_dataset, "embedded-tiny", 4.0, 0)
+    # a strategy with a phase before DP-SGD (DualTune's phase 1, redacted or public) is refused (review 2, finding A)
+    study = study_of(strategies=["dualtune"], search_space={"dualtune": {"clip": {"low": 0.1, "high": 1.0}}})
+    with pytest.raises(ConfigError, match="warm_start"):
+        ps.plan_cell(study, tiny_dataset, "embedded-tiny", 4.0, 0)
     # a choice that is not a valid run is refused before anything is charged, not when its trial fails
     study = study_of(search_space={"static-pairwise": {"lr": {"choices": [1e-3, 1e-3, -1.0]}}})
     with pytest.raises(ConfigError, match="lr"):
@@ -240,35 +245,49 @@ def test_a_study_releases_one_trial_whatever_k(tmp_path, monkeypatch, capfd):
                                                                three]
     assert {p.stat().st_mtime for p in stamped} == {start}
     entry = json.loads((three / "study_summary.json").read_text())["released"][0]
-    state = json.loads((three / ps.SECRET_STATE).read_text())["cells"]["embedded-tiny_eps4_seed0"]
-    scores = {t["id"]: json.loads((three / "work" / "trials" / t["id"] / "score.json").read_text())["score"]
-              for t in state}
+    kept = json.loads((three / ps.SECRET_STATE).read_text())
+    state, scores = kept["cells"]["embedded-tiny_eps4_seed0"], kept["scores"]
+    assert kept["released"] and set(scores) == {t["id"] for t in state}
+    assert stat.S_IMODE(os.stat(three / "work").st_mode) == 0o700  # its entries count the trials
     best = min(state, key=lambda t: scores[t["id"]])
     assert entry["settings"] == best["settings"] and entry["score"] == scores[best["id"]]  # the lowest DP score
     assert "final_eval_value_nll" not in json.dumps(entry)  # the private eval split's figures stay in work/
+    with pytest.raises(ConfigError, match="already holds a private selection"):  # refused before any charge
+        run_study_again = __import__("raydp.study.runner", fromlist=["run_study"]).run_study
+        run_study_again(tmp_path / "ps-three.yaml", tmp_path / "runs", progress=False)
     owner = json.loads((three / ps.OWNER_REPORT).read_text())["cells"]["embedded-tiny_eps4_seed0"]
     assert math.isfinite(owner["final_eval_value_nll"])
     summary = json.loads((three / "released/embedded-tiny_eps4_seed0/summary.json").read_text())
-    assert not set(ps.TIMING_KEYS) & set(summary)
+    assert set(summary) <= set(ps.RELEASED_SUMMARY_KEYS)  # an allowlist: no timing, no eval_*, no phase_one
+    assert not {"wall_seconds", "train_loop_seconds", "final_eval_value_nll"} & set(summary)
     assert summary["privacy"]["end_to_end"]["epsilon"] == entry["end_to_end_epsilon"] <= 4.0
     assert summary["privacy"]["epsilon"] <= entry["trial_epsilon"] * (1 + 1e-6)
 
 
 @pytest.mark.slow
 def test_resume_reads_k_back_and_reruns_only_unfinished_trials(tmp_path, monkeypatch):
-    study_dir = _run(tmp_path, monkeypatch, 2, "ps-resume")
-    state = json.loads((study_dir / ps.SECRET_STATE).read_text())
-    trials = state["cells"]["embedded-tiny_eps4_seed0"]
-    done = study_dir / "work" / "trials" / trials[0]["id"] / "score.json"
-    kept = (study_dir / "work" / "trials" / trials[1]["id"] / "score.json").read_text()
-    done.unlink()  # as if stopped while the first trial ran
-    monkeypatch.setattr(ps, "draw_count", lambda distribution: pytest.fail("K was redrawn"))
     from raydp.study.runner import run_study
 
+    study_dir = _run(tmp_path, monkeypatch, 2, "ps-resume")
+    path = study_dir / ps.SECRET_STATE
+    state = json.loads(path.read_text())
+    first, second = state["cells"]["embedded-tiny_eps4_seed0"]
+    stopped = {**state, "released": False, "scores": {second["id"]: state["scores"][second["id"]]}}
+    path.write_text(json.dumps(stopped))  # as if stopped while the first trial ran
+    monkeypatch.setattr(ps, "draw_count", lambda distribution: pytest.fail("K was redrawn"))
     run_study(tmp_path / "ps-resume.yaml", tmp_path / "runs", progress=False, resume=True)
-    assert json.loads((study_dir / ps.SECRET_STATE).read_text()) == state
-    assert done.is_file()
-    assert (study_dir / "work" / "trials" / trials[1]["id"] / "score.json").read_text() == kept  # not rerun
+    after = json.loads(path.read_text())
+    assert after["cells"] == state["cells"] and after["charge_tag"] == state["charge_tag"] and after["released"]
+    assert after["scores"][second["id"]] == state["scores"][second["id"]]  # not run again
+    assert after["scores"][first["id"]] != state["scores"][first["id"]]  # run again, fresh noise
+    # a released selection whose trial outputs were removed is not run again (review 2, finding C)
+    shutil.rmtree(study_dir / "work" / "trials")
+    with pytest.raises(ConfigError, match="a selection is run once"):
+        run_study(tmp_path / "ps-resume.yaml", tmp_path / "runs", progress=False, resume=True)
+    # nor is one whose scores were kept but whose state says it never released (the trials are not redone)
+    path.write_text(json.dumps({**after, "released": False}))
+    with pytest.raises(ConfigError, match="kept outputs are gone"):
+        run_study(tmp_path / "ps-resume.yaml", tmp_path / "runs", progress=False, resume=True)
 
 
 def test_check_and_report_commands(tmp_path, tiny_dataset, capsys):
@@ -301,10 +320,9 @@ def test_lifetime_budget_is_charged_the_end_to_end_curve(tmp_path, monkeypatch):
     path, too_much = tmp_path / "ps-budget.yaml", tmp_path / "ps-too-much.yaml"
     path.write_text(yaml.safe_dump(values))
     too_much.write_text(yaml.safe_dump({**values, "name": "ps-too-much", "epsilons": [12.0]}))
-    monkeypatch.setattr(ps, "draw_count", lambda distribution: pytest.fail("K drawn before the charge"))
     with pytest.raises(ConfigError, match="lifetime"):
         run_study(too_much, tmp_path / "runs", progress=False)
-    assert not (tmp_path / "runs" / "ps-too-much").exists()
+    assert not (tmp_path / "runs" / "ps-too-much").exists()  # the draw went with the refused charge
     assert spent_epsilon(read_budget(dataset_id, manifest.get("source_sha256"))) == 0.0
 
     study = load_study(path)

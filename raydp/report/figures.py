@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import matplotlib
@@ -49,13 +49,14 @@ PALETTE = ["#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#1
            "#393b79", "#637939", "#8c6d31", "#843c39"]
 
 
-def strategy_colours(strategies: Sequence[str]) -> dict[str, str]:
-    """One colour per strategy, stable across the page's figures."""
+def strategy_colours(strategies: Sequence[str], strategy_of: Mapping[str, str] | None = None) -> dict[str, str]:
+    """One colour per strategy or arm, stable across the page's figures; ``strategy_of`` maps an arm's label to
+    its strategy (a controller's arms and the non-private arm keep their strategy's fixed colour)."""
     colours, i = {}, 0
     for name in strategies:
         if name in colours:
             continue
-        base = name.split(" ")[0]
+        base = (strategy_of or {}).get(name, name)
         if base in FIXED_COLOURS:
             colours[name] = FIXED_COLOURS[base]
         else:

@@ -327,15 +327,17 @@ def _groups(results: pd.DataFrame):
         yield model, eps, results[mask]
 
 
-def _controller_arm(arm: str) -> bool:
-    """Whether ``arm`` is a controller's SAC cell trained in its trials (not a frozen policy's)."""
-    return str(arm).split(" ")[0] in CONTROLLERS and "frozen" not in str(arm)
+def _controller_cells(rows: pd.DataFrame) -> pd.Series:
+    """Per row: whether it is a controller's SAC cell trained in its trials (not a frozen policy's), read from the
+    row's strategy and ``frozen_policy`` columns (:class:`raydp.study.arms.Arm`'s fields), not from its label."""
+    frozen = rows["frozen_policy"].fillna(False).astype(bool) if "frozen_policy" in rows else False
+    return rows["strategy"].isin(CONTROLLERS) & ~frozen
 
 
 def _best_rldp_cell(group: pd.DataFrame, column: str) -> tuple[str | None, int]:
     """The RLDP arm (SAC cell, not frozen) with the lowest mean final selection perplexity, and the
     number of RLDP cells (the same choice as Table 2: :func:`raydp.study.report.table2`)."""
-    rldp = group[group["arm"].map(_controller_arm).astype(bool)]
+    rldp = group[_controller_cells(group)]
     if rldp.empty:
         return None, 0
     means = rldp.groupby("arm")[column].mean()
@@ -408,23 +410,23 @@ def utility(r: Report, colours: dict[str, str]) -> str:
                               + (f" of {n_cells}" if n_cells > 1 else ""))
         for arm in dict.fromkeys(group["arm"]):
             rows = group[group["arm"] == arm]
-            is_rldp = _controller_arm(arm)
-            controller = arm.split(" ")[0]
+            is_rldp = bool(_controller_cells(rows).all())
+            strategy = str(rows["strategy"].iloc[0])
             if is_rldp and arm != best:
-                s = _series(r, rows, f"{controller} other SAC cells (thin, mean over seeds)", colours[controller],
+                s = _series(r, rows, f"{strategy} other SAC cells (thin, mean over seeds)", colours[strategy],
                             band=False)
                 if s is not None:
                     s.thin = True
                     panel.series.append(s)
                 continue
-            label = f"{controller} (best cell {arm.partition(' ')[2]})" if is_rldp and n_cells > 1 else arm
-            s = _series(r, rows, label, colours.get(arm, colours.get(arm.split(" ")[0], "#333333")))
+            label = f"{strategy} (best cell {arm.partition(' ')[2]})" if is_rldp and n_cells > 1 else arm
+            s = _series(r, rows, label, colours.get(arm, colours.get(strategy, "#333333")))
             if s is not None:
                 panel.series.append(s)
         if not _missing(eps):
             for arm in dict.fromkeys(nonprivate[nonprivate["model"] == model]["arm"]):
-                s = _series(r, nonprivate[(nonprivate["model"] == model) & (nonprivate["arm"] == arm)],
-                            "non-private (reference)", colours[arm.split(" ")[0]], band=False)
+                rows = nonprivate[(nonprivate["model"] == model) & (nonprivate["arm"] == arm)]
+                s = _series(r, rows, "non-private (reference)", colours[str(rows["strategy"].iloc[0])], band=False)
                 if s is not None:
                     s.dashed = True
                     panel.series.append(s)
@@ -475,9 +477,9 @@ def dials(r: Report) -> str:
             continue
         best, _ = _best_rldp_cell(group, r.column)
         for arm in dict.fromkeys(group["arm"]):
-            if _controller_arm(arm) and arm != best:
-                continue  # RLDP: its best SAC cell only
             rows = group[group["arm"] == arm]
+            if bool(_controller_cells(rows).all()) and arm != best:
+                continue  # RLDP: its best SAC cell only
             rows = rows.sort_values("seed", kind="stable") if "seed" in rows else rows
             row = next((row for _, row in rows.iterrows() if r.ledger(row) is not None), None)
             if row is not None:
@@ -989,7 +991,8 @@ def render(r: Report) -> str:
 
     strategies = list(dict.fromkeys([*CONTROLLERS, *NONPRIVATE_ARMS, *r.results["arm"].astype(str),
                                      *r.results["strategy"].astype(str)]))
-    colours = figures.strategy_colours(strategies)
+    colours = figures.strategy_colours(strategies, dict(zip(r.results["arm"].astype(str),
+                                                            r.results["strategy"].astype(str))))
     title = f"raydp {'study' if r.kind == 'study' else 'run'} report: {r.name}"
     parts = [overview(r), utility(r, colours), dials(r), tables(r), privacy(r), attacks(r), audit(r)]
     nav = "".join(f'<a href="#{sid}">{_e(label)}</a>' for sid, label in SECTIONS)

@@ -56,7 +56,10 @@ from raydp.privacy.accounting.selection import (POISSON, SelectionDistribution, 
                                                 selection_rdp)
 from raydp.privacy.ledger import PrivacyLedger
 from raydp.privacy.lifetime import charge, read_budget
-from raydp.runner.privacy_setup import build_strategy, plan_key, plan_private_run, planned_rdp_curve, training_units
+from raydp.runner.privacy_setup import (LifetimeCharge, build_strategy, plan_key, plan_private_run, planned_rdp_curve,
+                                        training_units)
+from raydp.strategies.base import Strategy
+from raydp.strategies.registry import strategy_class
 from raydp.runner.run import run_training
 from raydp.runner.task import Task
 from raydp.study.config import PrivateSelectionSettings, SearchDimension, StudyConfig, trial_config
@@ -67,13 +70,8 @@ SECRET_STATE = Path("work") / "private-selection.json"
 SECRET_FORMAT = "raydp-private-selection-v1"
 #: what a private-dp study releases, one directory per cell
 RELEASED = "released"
-#: run-summary keys a released trial drops: timings follow the private batch sizes and, summed, K
-TIMING_KEYS = ("wall_seconds", "train_loop_seconds", "resumed_from_step")
 #: a run directory's files a released trial keeps (adapter/ is copied whole; summary.json is rewritten)
 RELEASED_FILES = ("config.json", "privacy_ledger.parquet")
-#: run-summary keys of the private eval split that a released trial drops (they stay in work/, for the owner)
-EVAL_KEYS = ("eval_records", "eval_note")
-EVAL_PREFIXES = ("initial_eval_", "final_eval_", "best_eval_")
 #: the released trials' private eval figures (for the data owner; private)
 OWNER_REPORT = Path("work") / "owner-report.json"
 RELEASED_CELL_NOTE = """A run selected privately (raydp study, selection: private-dp; issue 32). Everything in this
@@ -97,8 +95,11 @@ Releasable: released/ (per cell: the selected trial's adapter/, summary.json wit
 privacy_ledger.parquet, PRIVACY.txt, and selection.json with its settings, its DP score and the end-to-end
 guarantee), study.json and study_summary.json. The private eval split's figures of the released trials (not a DP
 release, ERRATA E15) are in work/owner-report.json, for the data owner.
-Not in any file here but still telling how many trials ran: the study's run time, and Ray's own logs and dashboard
-(/tmp/ray/session_*/ on this machine, or the cluster's), which name every trial: keep them private too.
+Not in any file here but still telling how many trials ran: the study's run time; the released files' change times
+(ctime: their modification times are the study's start, but the change time is when they were stamped, at its
+end: copy them with cp, rsync or Python's tarfile, not with tar --format=posix, which keeps ctime); and Ray's own
+logs and dashboard (/tmp/ray/session_*/ on this machine, or the cluster's), which name every trial: keep them
+private too.
 """
 
 
@@ -215,11 +216,18 @@ def plan_cell(study: StudyConfig, dataset: str, model: str, epsilon: float, seed
         units = training_units(config, dataset, n_train)
         return config, strategy, units, plan_private_run(config, units.public_count, strategy)
 
+    if getattr(strategy_class(study.strategies[0]), "warm_start", None) is not Strategy.warm_start:
+        raise ConfigError(f"strategy {study.strategies[0]!r} trains a phase before DP-SGD (warm_start): "
+                          "selection: private-dp releases DP-SGD runs only")
     keys = set()
     checker = random.Random(0)  # public: a few interior draws beside the corners, for the check only
     interior = [draw_settings(study.search_space[study.strategies[0]], checker) for _ in range(INTERIOR_CHECKS)]
     for values in corners + interior:  # every corner is a valid config (a trial that fails after the charge strands the study)
-        config, strategy, _, _ = planned(epsilon, values)
+        config, strategy, units, plan = planned(epsilon, values)
+        caveats = LifetimeCharge.of(plan, config, strategy, units.name).caveats
+        if caveats:  # an epsilon with caveats (paper mode, a redacted phase, void randomness) bounds nothing here
+            raise ConfigError(f"search_space.{study.strategies[0]}: a draw's epsilon carries caveats "
+                              f"({'; '.join(caveats)[:120]}): selection: private-dp refuses it")
         keys.add(plan_key(config, strategy))
     if len(keys) > 1:
         raise ConfigError(f"search_space.{study.strategies[0]}: its corners plan different privacy curves; "
@@ -286,9 +294,16 @@ def draw_or_read_state(study: StudyConfig, study_dir: Path, resume: bool) -> dic
         count = draw_count(distribution)
         cells[cell_key(model, eps, seed)] = [{"id": secrets.token_hex(6), "settings": draw_settings(space, rng)}
                                              for _ in range(count)]
-    state = {"format": SECRET_FORMAT, "cells": cells}
+    # the tag of this selection's lifetime charges: drawn with it, so that a selection drawn anew (its state
+    # removed, or the study run again elsewhere) is charged anew, and a resume of this one is charged once
+    state = {"format": SECRET_FORMAT, "charge_tag": secrets.token_hex(16), "cells": cells, "scores": {},
+             "released": False}
     _write_private(path, state)
     return state
+
+
+def _save_state(study_dir: Path, state: dict) -> None:
+    _write_private(Path(study_dir) / SECRET_STATE, state)
 
 
 # ------------------------------------------------------------------------------------------------ the score
@@ -369,10 +384,8 @@ def plan_study(study: StudyConfig, study_dir: Path, progress: bool = True) -> tu
     return dataset, plans
 
 
-def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, resume: bool,
-                          lifetime_nonce: str) -> Path:
-    """Run (or resume) a private-dp study in ``study_dir`` (locked by the caller); returns the directory.
-    ``lifetime_nonce``: this study run's tag for the lifetime budget's charges (kept by the caller in ``work/``)."""
+def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, resume: bool) -> Path:
+    """Run (or resume) a private-dp study in ``study_dir`` (locked by the caller); returns the directory."""
     import ray  # lazy: `raydp study --check` loads no Ray
     from ray import tune  # lazy: as above
 
@@ -380,24 +393,38 @@ def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, r
 
     log = logging.getLogger("raydp.study")
     say = (lambda text: print(f"raydp: {text}", flush=True)) if progress else (lambda text: None)
+    for private in (study_dir / "work", study_dir / "dataset"):  # owner-only: work/'s entries count the trials
+        private.mkdir(parents=True, exist_ok=True)
+        os.chmod(private, 0o700)
     dataset, plans = plan_study(study, study_dir, progress)
     for plan in plans.values():
         say(f"cell {plan.key}: each trial at epsilon {plan.trial_epsilon:.4g} (score noise "
             f"{study.selection_settings.score_noise:g}); the released best: epsilon {plan.end_to_end_epsilon:.4g} "
             f"at delta {plan.delta:g}")
-    _charge(dataset, plans, lifetime_nonce)
-    state = draw_or_read_state(study, study_dir, resume)
+    fresh = not (study_dir / SECRET_STATE).is_file()
+    state = draw_or_read_state(study, study_dir, resume)  # a rerun without --resume is refused before any charge
+    try:
+        _charge(dataset, plans, state["charge_tag"])
+    except BaseException:
+        if fresh:  # nothing ran: the draw is discarded with the refused charge
+            (study_dir / SECRET_STATE).unlink(missing_ok=True)
+        raise
     (study_dir / "PRIVACY.txt").write_text(PRIVATE_SELECTION_NOTE)
     (study_dir / "study.json").write_text(json.dumps(study.model_dump(mode="json"), indent=2))
 
+    if state.get("released"):  # a finished selection is released once: its trials are never run again
+        say("this selection was released already: its released files are rewritten from its kept trials")
     pending = []
     for key, trials in state["cells"].items():
         plan = plans[key]
         for trial in trials:
-            if not (study_dir / "work" / "trials" / trial["id"] / "score.json").is_file():
+            if trial["id"] not in state["scores"]:
                 pending.append({"id": trial["id"], "settings": trial["settings"], "model": plan.model,
                                 "seed": plan.seed, "trial_epsilon": plan.trial_epsilon,
                                 "training_curve": plan.training_curve.tolist()})
+    if pending and state.get("released"):
+        raise ConfigError(f"{study_dir} was released, and some of its trials' kept outputs are gone: a selection is "
+                          "run once (running them again would be a second, uncharged selection)")
     if pending:
         ensure_ray()
         cpus, gpus = study.resources.cpus_per_trial, study.resources.gpus_per_trial
@@ -408,8 +435,8 @@ def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, r
         bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
         trainable = tune.with_resources(run_selection_trial, tune.PlacementGroupFactory([bundle]))
         common = {"study": study.model_dump(mode="json"), "dataset": dataset, "study_dir": str(study_dir)}
-        # a fresh experiment name each time: finished trials are skipped above, an unfinished one starts over
-        # (its partial run released nothing); Tune's state and logs stay in the private work/
+        # a fresh experiment name each time: scored trials are skipped above, an unscored one starts over (its
+        # partial run released nothing); Tune's state and logs stay in the private work/
         tuner = tune.Tuner(trainable, param_space={**common, "trial": tune.grid_search(pending)},
                            tune_config=tune.TuneConfig(trial_dirname_creator=lambda t: t.trial_id),
                            run_config=tune.RunConfig(name=f"selection-{secrets.token_hex(4)}",
@@ -418,12 +445,20 @@ def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, r
                                                      verbose=0))
         with _output_to(study_dir / "work" / "tune.log"):  # Tune prints the number of trials: keep it private
             grid = tuner.fit()
+        for trial in pending:  # every score into the mechanism's state (deleting a trial's files cannot redo it)
+            path = study_dir / "work" / "trials" / trial["id"] / "score.json"
+            if path.is_file():
+                state["scores"][trial["id"]] = json.loads(path.read_text())["score"]
+        _save_state(study_dir, state)
         failed = [r for r in grid if r.error is not None]
-        if failed:
-            log.error("private selection: a trial failed: %s", str(failed[0].error).splitlines()[0][:300])
+        if failed or any(t["id"] not in state["scores"] for t in pending):
+            log.error("private selection: a trial failed: %s",
+                      str(failed[0].error).splitlines()[0][:300] if failed else "no score")
             raise ConfigError("a trial of the private selection failed: nothing is released (finish the study with "
                               "--resume once the cause is fixed; the number of trials is kept)")
     released = _release(study, study_dir, plans, state)
+    state["released"] = True
+    _save_state(study_dir, state)
     summary = {"study": study.name, "selection": "private-dp", "released": released,
                "note": "each cell released its best trial only; the number of trials, the other trials and every "
                        "timing are private (work/)"}
@@ -434,7 +469,8 @@ def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, r
 
 def _stamp_releasable(study_dir: Path) -> None:
     """Give every releasable file and directory the modification time of ``study.json`` (written before any trial):
-    the time between the study's start and its release grows with K, and copies would carry the chosen trial's."""
+    the time between the study's start and its release grows with K, and copies would carry the chosen trial's.
+    (Their change time, ctime, is still the stamping's: PRIVACY.txt says how to copy them without it.)"""
     when = (study_dir / "study.json").stat().st_mtime
     paths = [study_dir / "study_summary.json", study_dir / "PRIVACY.txt", study_dir / RELEASED, study_dir]
     paths += sorted((study_dir / RELEASED).rglob("*"), reverse=True) if (study_dir / RELEASED).is_dir() else []
@@ -468,10 +504,10 @@ def _output_to(path: Path):
             os.close(handle)
 
 
-def _charge(dataset: str, plans: dict[str, CellPlan], lifetime_nonce: str) -> None:
+def _charge(dataset: str, plans: dict[str, CellPlan], charge_tag: str) -> None:
     """Charge every cell's end-to-end curve (independent of K) to the dataset's lifetime budget, before any trial,
-    under labels tagged with this study run's ``lifetime_nonce`` (kept in ``work/``: a resume is charged once, a
-    study run again, or into a removed directory at the same path, is charged again)."""
+    under labels tagged with the selection's ``charge_tag`` (drawn with K and kept with it in ``work/``: a resume is
+    charged once; a selection drawn anew, its state removed or the study run again anywhere, is charged again)."""
     manifest = load_manifest(dataset)
     dataset_id, source = manifest_id(manifest), manifest.get("source_sha256")
     if read_budget(dataset_id, source) is None and not manifest.get("lifetime_budget"):
@@ -479,18 +515,27 @@ def _charge(dataset: str, plans: dict[str, CellPlan], lifetime_nonce: str) -> No
     units = {plan.privacy_unit for plan in plans.values()}
     if len(units) != 1:
         raise ConfigError(f"the study's cells protect different units ({sorted(units)}): charge them apart")
-    charge(dataset_id, {f"study:{lifetime_nonce}/private-dp/{key}": plan.end_to_end_curve
+    charge(dataset_id, {f"study:{charge_tag}/private-dp/{key}": plan.end_to_end_curve
                         for key, plan in plans.items()},
            DEFAULT_ORDERS, privacy_unit=units.pop(), required=bool(manifest.get("lifetime_budget")),
            source_sha256=source)
 
 
+#: the run-summary fields a released trial keeps (an allowlist: the privacy block, what the model and data are, the
+#: steps, the PUBLIC validation's figures); not the private eval split's figures, timings, phase_one or controller
+RELEASED_SUMMARY_KEYS = (
+    "raydp_version", "model", "model_source", "model_type", "device", "n_adapter_pairs", "adapter_pairs", "strategy",
+    "privacy", "dropout", "stopped_early", "data_source", "dataset_id", "data_note", "public_eval_records",
+    "max_length", "steps", "steps_per_epoch", "initial_public_perplexity", "final_public_perplexity",
+    "best_public_perplexity", "initial_public_value_nll", "final_public_value_nll", "best_public_value_nll",
+    "final_public_nll_per_record", "task", "public_validation", "public_validation_note")
+
+
 def released_summary(run_summary: dict, plan: CellPlan, theorem: str) -> dict:
-    """A selected run's summary as released: no timing (they follow the private batch sizes and K) and no figure
-    of the private eval split (not a DP release: it stays in ``work/`` for the data owner), with the end-to-end
-    guarantee that applies to it."""
-    out = {k: v for k, v in run_summary.items() if k not in TIMING_KEYS and k not in EVAL_KEYS
-           and not k.startswith(EVAL_PREFIXES)}
+    """A selected run's summary as released: the allowlisted fields only (no timing: they follow the private batch
+    sizes and K; no figure of the private eval split: not a DP release, it stays in ``work/`` for the data owner),
+    with the end-to-end guarantee that applies to it."""
+    out = {k: run_summary[k] for k in RELEASED_SUMMARY_KEYS if k in run_summary}
     out["privacy"] = {**(run_summary.get("privacy") or {}), "end_to_end": {
         "epsilon": plan.end_to_end_epsilon, "delta": plan.delta, "theorem": theorem,
         "note": "this run was selected privately among a secret number of trials: the released result's "
@@ -506,8 +551,7 @@ def _release(study: StudyConfig, study_dir: Path, plans: dict[str, CellPlan], st
     for key, trials in state["cells"].items():
         plan = plans[key]
         entry = plan.describe(settings)
-        scores = {t["id"]: json.loads((study_dir / "work" / "trials" / t["id"] / "score.json").read_text())["score"]
-                  for t in trials}
+        scores = {t["id"]: state["scores"][t["id"]] for t in trials}
         target = study_dir / RELEASED / key
         if target.exists():
             shutil.rmtree(target)
@@ -517,6 +561,9 @@ def _release(study: StudyConfig, study_dir: Path, plans: dict[str, CellPlan], st
         else:
             best = min(trials, key=lambda t: (not math.isfinite(scores[t["id"]]), scores[t["id"]]))
             run_dir = study_dir / "work" / "trials" / best["id"] / "run"
+            if not (run_dir / "adapter").is_dir():
+                raise ConfigError(f"the selected trial's kept outputs are gone from {study_dir / 'work'}: nothing "
+                                  "is released (a selection is run once)")
             shutil.copytree(run_dir / "adapter", target / "adapter", copy_function=shutil.copyfile)
             for name in RELEASED_FILES:
                 if (run_dir / name).is_file():
@@ -543,14 +590,13 @@ def _release(study: StudyConfig, study_dir: Path, plans: dict[str, CellPlan], st
 
 def format_selection(study_dir: Path) -> str:
     """The released cells as a table for the terminal (``raydp study`` / ``raydp report``), with what composing
-    E[K] (rounded up) trials would have cost beside the end-to-end epsilon."""
+    E[K] (rounded up) trials would have cost beside the end-to-end epsilon. The released trials' private eval
+    figures are not printed (terminal logs travel): they are in ``work/owner-report.json``, for the data owner."""
     summary = json.loads((Path(study_dir) / "study_summary.json").read_text())
-    owner_path = Path(study_dir) / OWNER_REPORT
-    owner = json.loads(owner_path.read_text())["cells"] if owner_path.is_file() else {}
     lines = [f"study {summary['study']}: private selection (selection: private-dp); each cell released its best "
              "trial only",
-             f"{'cell':<26} {'trial eps':>9} {'end-to-end':>10} {'composed':>8} {'basic':>6} {'DP score':>9} "
-             f"{'eval NLL':>9}  settings"]
+             f"{'cell':<26} {'trial eps':>9} {'end-to-end':>10} {'composed':>8} {'basic':>6} {'DP score':>10} "
+             f"{'public NLL':>10}  settings"]
     for e in summary["released"]:
         cell = cell_key(e["model"], e["epsilon"], e["seed"])
         other = e.get("for_comparison") or {}
@@ -558,15 +604,16 @@ def format_selection(study_dir: Path) -> str:
                 f"{other.get('rdp_composition_epsilon', float('nan')):>8.3g} "
                 f"{other.get('basic_composition_epsilon', float('nan')):>6.3g}")
         if not e.get("released"):
-            lines.append(f"{head} {'-':>9} {'-':>9}  nothing released (K = 0)")
+            lines.append(f"{head} {'-':>10} {'-':>10}  nothing released (K = 0)")
             continue
         settings = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in e["settings"].items())
-        nll = (owner.get(cell) or {}).get("final_eval_value_nll")
-        lines.append(f"{head} {e['score']:>9.3f} {(f'{nll:.3f}' if nll is not None else '-'):>9}  {settings}")
+        public = e.get("final_public_value_nll")
+        lines.append(f"{head} {e['score']:>10.1f} {(f'{public:.3f}' if public is not None else '-'):>10}  {settings}")
     if summary["released"]:
         first = summary["released"][0]
         lines.append(f"composed / basic: RDP and basic composition of {first['for_comparison']['trials']} trials "
                      "(E[K] rounded up), what releasing every trial would cost; the DP score (private validation "
-                     "split) chose each trial; eval NLL: the private eval split's value-token NLL (work/owner-report.json), "
-                     f"not a DP release, for the data owner (ERRATA E15); {first['theorem']}")
+                     "split, a noisy sum over its patients) chose each trial; public NLL: the released trial's public "
+                     f"validation value-token NLL; its private eval figures, for the data owner only: "
+                     f"{OWNER_REPORT}; {first['theorem']}")
     return "\n".join(lines)

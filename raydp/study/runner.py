@@ -727,9 +727,7 @@ def _run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, 
     study_dir.mkdir(parents=True, exist_ok=True)
     held.append(lock_study_dir(study_dir))
     try:
-        nonce = study_lifetime_nonce(study_dir, resume)  # a resume is charged once, a new run again
-        write_lifetime_nonce(study_dir, nonce)
-        return run_private_selection(study, study_dir, progress, resume, nonce)
+        return run_private_selection(study, study_dir, progress, resume)  # its charge tag is drawn with K
     except BaseException:
         if created and not (study_dir / SECRET_STATE).exists():
             shutil.rmtree(study_dir, ignore_errors=True)
