@@ -41,8 +41,8 @@ from raydp.strategies.registry import STRATEGY_CHOICES, with_capability
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--config", required=True, help="the runs' YAML config (TrainConfig fields; its `rldp` "
-                        "block sets the layout and SAC settings)")
+    parser.add_argument("--config", required=True, help="the runs' YAML config (TrainConfig fields; the controller "
+                        "strategy's `settings` set the layout and SAC settings)")
     parser.add_argument("--port", type=int, default=5555, help="TCP port (default 5555)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="IPv4 loopback address to bind (default 127.0.0.1; others, IPv6 included, are refused: "
