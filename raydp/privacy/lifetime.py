@@ -117,10 +117,10 @@ def adopt(dataset_id: str, source_sha256: str | None) -> Path | None:
 
 
 @contextmanager
-def _locked(path: Path):
-    """An exclusive lock on the register while it is read and rewritten (runs started side by side)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with open(path.with_suffix(".lock"), "a") as lock:
+def _flock(lock_file: Path):
+    """An exclusive lock held on ``lock_file`` for the block (its directory made owner-only if new)."""
+    lock_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(lock_file, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -128,17 +128,15 @@ def _locked(path: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-@contextmanager
+def _locked(path: Path):
+    """An exclusive lock on the register while it is read and rewritten (runs started side by side)."""
+    return _flock(path.with_suffix(".lock"))
+
+
 def _directory_locked(budgets: Path):
     """An exclusive lock on the whole ``budgets/`` directory (set_budget: finding a source's register and creating
     one must be one step)."""
-    budgets.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with open(budgets / ".budgets.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    return _flock(budgets / ".budgets.lock")
 
 
 def _read(path: Path) -> dict | None:

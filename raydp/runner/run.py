@@ -194,7 +194,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
         if config.is_private:  # dropout draws from the public-seeded global generator (ERRATA E12)
             disable_dropout(loaded.model)
         task = Task.build(config.task.kind, config.task.label, loaded.tokenizer, encoder=loaded.is_encoder)
-        max_length = config.max_length or min(loaded.max_positions, 384 if task.is_classification else 512)
+        max_length = task.length_cap(config.max_length, loaded.max_positions)
         train = task.split(train_texts, loaded.tokenizer, max_length, units=units.ids if units else None,
                            require_all=True)
         evaluation = task.split(load_texts(dataset_dir, "eval"), loaded.tokenizer, max_length,

@@ -63,6 +63,11 @@ class Task:
     def is_classification(self) -> bool:
         return self.kind == "classification"
 
+    def length_cap(self, configured: int | None, max_positions: int) -> int:
+        """Tokens per sequence: the config's ``max_length``, else the model's, at most 384 for a classification
+        prompt and 512 for a narrative."""
+        return configured or min(max_positions, 384 if self.is_classification else 512)
+
     def split(self, texts: list[str], tokenizer, max_length: int, units=None, require_all: bool = False,
               spans=None) -> TokenizedSplit:
         """The tokenised split of ``texts`` (classification: prompts and labels; ``require_all``: every

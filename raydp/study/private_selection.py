@@ -62,7 +62,7 @@ from raydp.strategies.base import Strategy
 from raydp.strategies.registry import strategy_class
 from raydp.runner.run import run_training
 from raydp.runner.task import Task
-from raydp.study.config import PrivateSelectionSettings, SearchDimension, StudyConfig, trial_config
+from raydp.study.config import PrivateSelectionSettings, SearchDimension, StudyConfig, draw_in_range, trial_config
 from raydp.study.trial import Trial
 
 #: the mechanism's secret state (K and the drawn settings of every cell): private, never in a releasable file
@@ -124,12 +124,8 @@ def draw_settings(space: dict[str, SearchDimension], rng: random.Random) -> dict
     """One independent draw from the search space: log-uniform, uniform, or a uniform choice per dimension."""
     values = {}
     for name, dim in space.items():
-        if dim.choices is not None:
-            values[name] = dim.choices[rng.randrange(len(dim.choices))]
-        elif dim.log:
-            values[name] = float(math.exp(rng.uniform(math.log(dim.low), math.log(dim.high))))
-        else:
-            values[name] = float(rng.uniform(dim.low, dim.high))
+        values[name] = dim.choices[rng.randrange(len(dim.choices))] if dim.choices is not None \
+            else draw_in_range(dim, rng)
     return values
 
 
@@ -219,7 +215,7 @@ def plan_cell(study: StudyConfig, dataset: str, model: str, epsilon: float, seed
     if getattr(strategy_class(study.strategies[0]), "warm_start", None) is not Strategy.warm_start:
         raise ConfigError(f"strategy {study.strategies[0]!r} trains a phase before DP-SGD (warm_start): "
                           "selection: private-dp releases DP-SGD runs only")
-    keys = set()
+    keys, first = set(), None
     checker = random.Random(0)  # public: a few interior draws beside the corners, for the check only
     interior = [draw_settings(study.search_space[study.strategies[0]], checker) for _ in range(INTERIOR_CHECKS)]
     for values in corners + interior:  # every corner is a valid config (a trial that fails after the charge strands the study)
@@ -229,11 +225,12 @@ def plan_cell(study: StudyConfig, dataset: str, model: str, epsilon: float, seed
             raise ConfigError(f"search_space.{study.strategies[0]}: a draw's epsilon carries caveats "
                               f"({'; '.join(caveats)[:120]}): selection: private-dp refuses it")
         keys.add(plan_key(config, strategy))
+        first = first or (config, units)
     if len(keys) > 1:
         raise ConfigError(f"search_space.{study.strategies[0]}: its corners plan different privacy curves; "
                           "selection: private-dp needs one plan for every draw (search clips, learning rates and "
                           "schedules, not what changes sigma, q or the steps)")
-    config, _, units, _ = planned(epsilon, corners[0])
+    config, units = first
     distribution, delta = distribution_of(settings), config.delta
 
     def trial_rdp_of(inverse_eps: float) -> np.ndarray:
@@ -328,9 +325,9 @@ def trial_score(run_dir: Path, config, dataset: str, settings: PrivateSelectionS
     """Score the trained run on the private validation split (:func:`score_release`), with OS-entropy noise."""
     loaded = load_trained_model(run_dir, config, config.device)
     task = Task.build(config.task.kind, config.task.label, loaded.tokenizer, encoder=loaded.is_encoder)
-    max_length = config.max_length or min(loaded.max_positions, 512)
-    texts = load_texts(dataset, "validation")
-    split = task.split(texts, loaded.tokenizer, max_length, spans=load_value_spans(dataset, "validation"))
+    split = task.split(load_texts(dataset, "validation"), loaded.tokenizer,
+                       task.length_cap(config.max_length, loaded.max_positions),
+                       spans=load_value_spans(dataset, "validation"))
     values = value_nll_per_sequence(loaded.model, split, loaded.device)
     return score_release(values, load_units(dataset, "validation"), settings.score_range, settings.score_noise,
                          np.random.default_rng(secrets.randbits(128)))
@@ -369,8 +366,7 @@ def run_selection_trial(params: dict) -> None:
 def plan_study(study: StudyConfig, study_dir: Path, progress: bool = True) -> tuple[str, dict[str, CellPlan]]:
     """Build the dataset (into ``study_dir/dataset``) and solve every cell's plan; needs no Ray."""
     probe = trial_config(study, _trial_spec(study, study.models[0], study.epsilons[0], study.seeds[0],
-                                            draw_settings(study.search_space[study.strategies[0]],
-                                                          secrets.SystemRandom())))
+                                            corner_draws(study.search_space[study.strategies[0]])[0]))
     dataset = str(resolve_dataset(probe.data, Path(study_dir) / "dataset", progress=progress))
     if not has_split(dataset, "validation"):
         raise ConfigError(f"dataset {dataset} has no private validation split: set base.data.fractions.validation")
