@@ -62,6 +62,7 @@ def study_of(**changes) -> StudyConfig:
     ({"settings_grid": {"static-pairwise": {"clip": [0.1]}}}, "does not take settings_grid"),
     ({"wandb": {"mode": "offline"}}, "wandb would log every trial"),
     ({"base": {"unsafe_fixed_randomness": True}}, "needs secret randomness"),
+    ({"base": {"task": {"kind": "classification"}}}, "base.task.kind must be lm"),
     ({"base": {"common_random_numbers": True}}, "needs secret randomness"),
     ({"private_selection": {"distribution": "poisson", "shape": 1.0}}, "shape is the eta"),
     ({"private_selection": {"distribution": "geometric", "mean": 1.0}}, "needs mean > 1"),

@@ -417,6 +417,9 @@ class StudyConfig(StrictModel):
         if "validation" in fractions and not fractions["validation"] > 0:
             raise ValueError("selection: private-dp scores the private validation split: base.data.fractions."
                              "validation must be > 0")
+        if (self.base.get("task") or {}).get("kind", "lm") != "lm":
+            raise ValueError("selection: private-dp scores the value-token NLL of a language-modelling task: "
+                             "base.task.kind must be lm")
         for key in ("unsafe_fixed_randomness", "common_random_numbers"):
             if self.base.get(key):
                 raise ValueError(f"selection: private-dp needs secret randomness: base.{key} is refused")
