@@ -273,6 +273,11 @@ def test_other_strategies_under_the_trainer(tmp_path, texts, strategy):
     extra = ({"settings": {"t_warm": 1, "t_rl": 2}, "dataset_id": "rdi1:" + "d" * 32} if strategy == "rldp"
              else {"units": np.arange(N_RECORDS) // 2})
     client = FakePolicy(service="a policy that learns") if strategy == "rldp" else None
+    if strategy == "rldp":  # a bare dataset_id is accepted where its budget register is found (fail closed)
+        from raydp.privacy.lifetime import read_budget, set_budget
+
+        if read_budget(extra["dataset_id"]) is None:
+            set_budget(extra["dataset_id"], epsilon=1000.0, delta=1e-3, privacy_unit="record")
     dp = DPTraining(loaded.model, texts, loaded.tokenizer, **{**PRIVACY, "strategy": strategy}, max_steps=3,
                     controller=client, **extra)
     trainer = Trainer(model=loaded.model, args=training_args(tmp_path, dp.planned_steps), train_dataset=texts,
