@@ -177,6 +177,8 @@ def test_membership_and_exposure_on_a_model_that_memorised_its_members(embedded)
     assert result["loss"]["member_mean_logp"] > result["loss"]["nonmember_mean_logp"]
     assert result["loss"]["member_mean_ppl"] < result["loss"]["nonmember_mean_ppl"]
     # a memorised secret ranks in the top 1/16 of 256 strings of its format (>= 4 of the 8 bits 255
-    # candidates can measure; measured 6.4-8.0 here); secrets the model never saw rank among random ones
+    # candidates can measure; measured 6.4-8.0 here); secrets the model never saw rank among random ones: a uniform
+    # rank's exposure has mean 1.44 bits and sd 1.44 (log2 of a uniform), so the mean of 8 is below 3.0 (3 sd) unless
+    # they do not rank at random (a rounding change of the model moved it from 1.9 to 2.03: 2.0 was under 1 sd)
     assert seen["max_measurable_bits"] == 8.0
-    assert min(seen["per_canary"]) >= 4.0 and unseen["mean"] < 2.0, (seen, unseen)
+    assert min(seen["per_canary"]) >= 4.0 and unseen["mean"] < 3.0, (seen, unseen)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import pyarrow.parquet as pq
 import torch
 from safetensors.torch import load_file
@@ -38,3 +40,75 @@ def test_a_cold_model_cache_trains_the_same_run_as_a_warm_one(tmp_path, monkeypa
     run_training(config, tmp_path / "warm", progress=False)  # loads it
     a, b = (load_file(str(tmp_path / name / "adapter" / "adapter_model.safetensors")) for name in ("cold", "warm"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_fused_activation_is_gpt2s_gelu_new_up_to_rounding():
+    """``fuse_activations`` swaps GPT-2's ``gelu_new`` for one fused kernel: the same function (checked against the
+    formula itself, and the model's logits against the unfused model's), other rounding only."""
+    import copy
+    import math
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from raydp.model.loading import fuse_activations
+
+    x = torch.linspace(-8, 8, 10_001)
+    formula = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=3, n_head=2)).eval()
+    fused = copy.deepcopy(model)
+    assert fuse_activations(fused) == 3 and fuse_activations(fused) == 0
+    assert torch.allclose(fused.transformer.h[0].mlp.act(x), formula, rtol=1e-6, atol=1e-6)
+    ids = torch.randint(0, 97, (4, 20))
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits, fused(input_ids=ids).logits
+    assert not torch.equal(a, b)  # it is another kernel (if equal, this test no longer says what it claims)
+    assert torch.allclose(a, b, rtol=0, atol=1e-5)
+
+
+def test_length_sorted_evaluation_matches_one_sequence_at_a_time(raydp_cache):
+    """Evaluation in length-sorted batches (less padding) gives every figure a loop over single sequences (no padding
+    at all) gives, up to the order of the additions, and each sequence's value NLL at its own position."""
+    import math
+
+    import numpy as np
+
+    from raydp.data.public import public_corpus
+    from raydp.evaluation.perplexity import evaluate_perplexity, value_nll_per_sequence
+    from raydp.model import load_model
+    from raydp.model.batches import TokenizedSplit
+    from raydp.model.loss import token_nll
+
+    loaded = load_model("embedded-tiny", device="cpu", progress=False)
+    texts, spans = public_corpus(40, seed=11, spans=True)
+    texts = [t if i % 3 else t + " and more words" * (i % 5) for i, t in enumerate(texts)]  # lengths that vary
+    split = TokenizedSplit(texts, loaded.tokenizer, 128, spans=spans)
+    assert len({len(s) for s in split.sequences}) > 5
+    loaded.model.eval()
+    singles, tokens = [], 0
+    with torch.no_grad():
+        for i in range(len(split)):
+            batch = split.collate([i], loaded.device)
+            nll, mask = token_nll(loaded.model(input_ids=batch.input_ids).logits, batch.input_ids,
+                                  batch.attention_mask)
+            singles.append((float(nll.sum()), float((nll * batch.value_mask[:, 1:]).sum())))
+            tokens += int(mask.sum())
+    total, value = (np.array(column) for column in zip(*singles))
+    whole = evaluate_perplexity(loaded.model, split, loaded.device, batch_size=6)
+    assert whole.n_tokens == tokens
+    assert whole.nll_per_token == pytest.approx(total.sum() / tokens, rel=1e-5)
+    assert whole.perplexity == pytest.approx(math.exp(total.sum() / tokens), rel=1e-5)
+    assert whole.value_nll_per_record == pytest.approx(value.mean(), rel=1e-5)
+    per = value_nll_per_sequence(loaded.model, split, loaded.device, batch_size=6)
+    assert np.allclose(per, value, rtol=1e-5, atol=1e-4)
+
+
+def test_the_loaded_model_keeps_no_key_value_cache_unless_asked(raydp_cache):
+    from raydp.model import load_model
+
+    loaded = load_model("embedded-tiny", device="cpu", progress=False)
+    ids = torch.tensor([[2, 3, 4, 5]])
+    with torch.no_grad():
+        assert loaded.model(input_ids=ids).past_key_values is None
+        assert loaded.model(input_ids=ids, use_cache=True).past_key_values is not None
+

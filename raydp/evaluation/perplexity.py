@@ -50,6 +50,14 @@ def evaluation_mode(model: torch.nn.Module):
         model.train(was_training)
 
 
+def length_sorted_batches(split: TokenizedSplit, n: int, batch_size: int) -> list[list[int]]:
+    """The first ``n`` sequences of ``split`` in batches of similar length (a stable sort by length): less padding
+    than batches in split order (about 20% less evaluation time on the embedded default's narratives, issue 28).
+    Every figure is a sum over sequences, so only the order of the additions changes."""
+    order = sorted(range(n), key=lambda i: len(split.sequences[i]))
+    return [order[start:start + batch_size] for start in range(0, n, batch_size)]
+
+
 @torch.no_grad()
 def evaluate_perplexity(
     model: torch.nn.Module, split: TokenizedSplit, device: torch.device, batch_size: int = 32,
@@ -59,8 +67,8 @@ def evaluate_perplexity(
     n = len(split) if max_sequences is None else min(len(split), max_sequences)
     total_nll, total_tokens, value_nll = 0.0, 0, 0.0
     with evaluation_mode(model):
-        for start in range(0, n, batch_size):
-            batch = split.collate(list(range(start, min(start + batch_size, n))), device)
+        for indices in length_sorted_batches(split, n, batch_size):
+            batch = split.collate(indices, device)
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
             nll, mask = token_nll(logits, batch.input_ids, batch.attention_mask)
             total_nll += float(nll.sum())
@@ -82,10 +90,9 @@ def value_nll_per_sequence(model: torch.nn.Module, split: TokenizedSplit, device
         raise ValueError("the split has no value spans: the value-token NLL needs them")
     out = np.zeros(len(split), dtype=np.float64)
     with evaluation_mode(model):
-        for start in range(0, len(split), batch_size):
-            indices = list(range(start, min(start + batch_size, len(split))))
+        for indices in length_sorted_batches(split, len(split), batch_size):
             batch = split.collate(indices, device)
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
             nll, _ = token_nll(logits, batch.input_ids, batch.attention_mask)
-            out[start:start + len(indices)] = (nll * batch.value_mask[:, 1:]).sum(dim=1).double().cpu().numpy()
+            out[indices] = (nll * batch.value_mask[:, 1:]).sum(dim=1).double().cpu().numpy()
     return out

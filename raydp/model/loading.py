@@ -139,6 +139,8 @@ def load_model(
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "right"
     model_type = getattr(base.config, "model_type", "unknown")
+    fuse_activations(base)
+    base.config.use_cache = False  # no key/value cache in training and evaluation; generation asks for one
     peft_model = apply_lora(base, model_type, lora or LoraSettings())
     peft_model.to(torch_device)
     pairs = discover_adapter_pairs(peft_model)
@@ -155,6 +157,24 @@ def load_model(
         max_positions=max_positions,
         info={"base_dtype": str(dtype).removeprefix("torch."), "n_pairs": len(pairs)},
     )
+
+
+def fuse_activations(model: torch.nn.Module) -> int:
+    """Replace GPT-2's ``gelu_new`` (``NewGELUActivation``: eight elementwise passes in Python) by transformers'
+    ``GELUTanh`` (``torch.nn.functional.gelu(approximate="tanh")``, one fused kernel) in place; returns how many.
+
+    The same function (Hendrycks & Gimpel 2016, the tanh approximation), other rounding: outputs differ by at most a
+    few float32 ulps (a test bounds it). On one CPU thread it makes the embedded model's forward and backward about
+    10-20% cheaper (issue 28, ``docs/throughput.md``)."""
+    from transformers.activations import GELUTanh, NewGELUActivation
+
+    replaced = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is NewGELUActivation:
+                setattr(module, name, GELUTanh())
+                replaced += 1
+    return replaced
 
 
 def apply_lora(model: torch.nn.Module, model_type: str, settings: LoraSettings) -> PeftModel:
