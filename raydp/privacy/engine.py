@@ -321,7 +321,7 @@ class DPStep:
     # -- 4. the step's releases ------------------------------------------------------------------------
     def declare(self, dials: Dials, charged_stds) -> list[Release]:
         """The gradient release (normalised: sensitivity 1, std sigma_eff) and the declared statistics."""
-        releases = [gradient_release(dials.clip, charged_stds)]
+        releases = [gradient_release(dials.clip, charged_stds, sigma=dials.sigma)]  # exactly sigma: one value a plan
         for declared in self.releases:  # on the same sample (ERRATA E3)
             sensitivity = declared.sensitivity(len(self.pairs))
             releases.append(Release(declared.name, sensitivity, declared.noise.std(dials.sigma, sensitivity)))
