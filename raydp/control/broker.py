@@ -78,13 +78,11 @@ def exploration_generator(sac_seed: int, seed: int) -> torch.Generator:
     return torch.Generator().manual_seed((int(state[0]) << 31) ^ int(state[1]))
 
 
-def explore_sample(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """The policy's Gaussian (:class:`raydp.control.modules.MaskedGaussian`) sampled with ``generator``."""
-    from raydp.control.modules import MaskedGaussian
+def explore_sample(logits: torch.Tensor, generator: torch.Generator, squashed: bool = False) -> torch.Tensor:
+    """The policy's distribution (:func:`raydp.control.modules.action_distribution`) sampled with ``generator``."""
+    from raydp.control.modules import explore_action
 
-    dist = MaskedGaussian.from_logits(logits)
-    noise = torch.randn(dist.loc.shape, generator=generator, dtype=dist.loc.dtype)
-    return dist.loc + dist._dist.scale * noise
+    return explore_action(logits, generator, squashed)
 
 
 class Broker:
@@ -164,7 +162,9 @@ class Broker:
         with torch.no_grad():
             logits = self.module.forward_inference({Columns.OBS: torch.as_tensor(obs[None])})[
                 Columns.ACTION_DIST_INPUTS]
-            action = explore_sample(logits, generator) if generator is not None else greedy_action(logits)
+            squashed = bool(self.module.model_config.get("squashed", False))
+            action = (explore_sample(logits, generator, squashed) if generator is not None
+                      else greedy_action(logits, squashed))
         return action[0].numpy().astype(np.float32)
 
     # -- the trainer's side ----------------------------------------------------------------------

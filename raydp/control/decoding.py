@@ -25,6 +25,14 @@ so a clip far above them only adds noise. The frontier measured what the wider b
 that sat on its bounds put a clip above 1 (10 r_i) on 31-63 of a run's 93 controlled steps, and the best
 hand-set clips (0.01) lie below every public reference (0.016-0.16).
 
+``residual`` (raydp's, issue 29) decodes the clips as a correction of a learned clip schedule
+(:mod:`raydp.strategies.clipschedule`): ``C_i(t) = S_i(t) * exp(rho * a_i)`` with ``a_i`` in [-1, 1] from a
+tanh-squashed actor (:class:`raydp.control.modules.MaskedSquashedGaussian`) and ``rho`` = ``residual_range``. The
+zero action is the schedule, which the actor starts on; the bound holds by construction, so exploration cannot put
+clips on a bound the way an unsquashed Gaussian with log std up to 2 did (45-85% of decided clips). The factor
+applies from the decision until the next one; the schedule moves with every step. The noise action is unused
+(noise_control: false).
+
 Two additions, both documented: ``clip_floor`` (default 1e-3) keeps C_i away from 0 when an action
 is far out in the Gaussian's tail (Eq. 10 alone allows C_i -> 0, which clips every gradient to
 nothing), and step_t is floored at 0 (the ledger may sit a hair above eps_max under another
@@ -73,6 +81,15 @@ def decode_clips_relative(a_clip, reference, clip_floor: float = CLIP_FLOOR,
         raise ValueError(f"relative decoding needs one positive reference scale per clip action, got {r}")
     lo, hi = (math.log(b) for b in bounds)
     return np.maximum(r * np.exp(np.clip(a, lo, hi)), clip_floor)
+
+
+def decode_residual(a_clip, residual_range: float) -> np.ndarray:
+    """Residual decoding's factor per pair, ``exp(residual_range * a_i)`` with ``a_i`` clamped to [-1, 1] (a
+    squashed action is already there; the clamp guards a policy that is not)."""
+    a = np.clip(np.asarray(a_clip, dtype=np.float64), -1.0, 1.0)
+    if not np.all(np.isfinite(a)) or not residual_range > 0:
+        raise ValueError(f"residual decoding needs finite actions and residual_range > 0, got {a}, {residual_range}")
+    return np.exp(residual_range * a)
 
 
 def decode_sigma(a_sigma: float, sigma_t: float, sigma_0: float, epsilon_t: float, epsilon_max: float,

@@ -6,7 +6,8 @@ Three of RLDP's settings have a ``"paper"`` value, each a place where raydp depa
   per-pair norms and losses of RLDP Sec. 2.4, which no accountant covers (ERRATA E3): the run's epsilon covers the
   gradient only and every artifact stating it carries :data:`PAPER_MODE_LABEL`;
 * ``action_decoding``: ``relative`` (default) or ``relative-capped`` decode a clip relative to the pair's public
-  reference norm; ``paper`` is Eq. 10, ``C_i = min(exp(a_i), 1)`` (:mod:`raydp.control.decoding`);
+  reference norm; ``residual`` corrects a learned clip schedule; ``paper`` is Eq. 10, ``C_i = min(exp(a_i), 1)``
+  (:mod:`raydp.control.decoding`);
 * ``architecture``: ``shared`` (default) is size-agnostic; ``paper`` is Eq. 22-27 for a fixed number of pairs.
 
 ``paper_mode: true`` (one setting, ``--paper-mode``) reproduces RLDP as published: each of the three that the
@@ -28,7 +29,8 @@ from dataclasses import dataclass
 PAPER = "paper"
 STRICT = "strict"
 PRIVACY_MODES = (STRICT, PAPER)
-DECODINGS = (PAPER, "relative", "relative-capped")
+RESIDUAL = "residual"
+DECODINGS = (PAPER, "relative", "relative-capped", RESIDUAL)
 ARCHITECTURES = ("shared", PAPER)
 #: the settings ``paper_mode`` sets, each with raydp's default
 PAPER_SETTINGS = {"privacy_mode": STRICT, "action_decoding": "relative", "architecture": "shared"}
@@ -51,10 +53,13 @@ class ControllerModes:
 
     #: the controller observes the exact statistics of the last micro-batch (paper), not DP releases (strict)
     raw_statistics: bool
-    #: clip multiplier bounds relative to each pair's public reference norm; None: Eq. 10, ``min(exp(a_i), 1)``
+    #: clip multiplier bounds relative to each pair's public reference norm; None: Eq. 10, ``min(exp(a_i), 1)``, or
+    #: residual decoding
     clip_bounds: tuple[float, float] | None
     #: the policy controls exactly the model's number of adapter pairs (Eq. 22-27), not a padded shared set
     fixed_pairs: bool
+    #: residual decoding (issue 29): squashed actions in [-1, 1] correct a learned clip schedule
+    residual: bool = False
 
     @property
     def privacy_mode(self) -> str:
@@ -73,7 +78,7 @@ def resolve(privacy_mode: str = STRICT, action_decoding: str = "relative",
     from raydp.control.decoding import MULTIPLIER_BOUNDS  # lazy: numpy; the settings model imports this module
 
     return ControllerModes(raw_statistics=unprotected(privacy_mode), clip_bounds=MULTIPLIER_BOUNDS.get(action_decoding),
-                           fixed_pairs=architecture == PAPER)
+                           fixed_pairs=architecture == PAPER, residual=action_decoding == RESIDUAL)
 
 
 def resolve_values(values: dict | None) -> ControllerModes:

@@ -18,17 +18,30 @@ Eq. 27; Polyak targets, Eq. 26) are RLlib's.
 
 Actions follow Eq. 24 (an unsquashed Gaussian, :class:`MaskedGaussian`): the decoding of Eq. 10-15
 (:mod:`raydp.control.decoding`) applies exp/min and tanh itself. log std is clamped to [-5, 2].
+
+``residual`` decoding (issue 29) needs a bounded action: ``model_config["squashed"]`` makes the actor a
+tanh-squashed Gaussian (:class:`MaskedSquashedGaussian`, RLlib's ``TorchSquashedGaussian`` with the mask: SAC's
+log-probability with the tanh change of variables, Haarnoja et al. 2018, arXiv:1801.01290, App. C, Eq. 21), so the
+entropy bonus cannot push the action past its bound. Its mean layer starts at zero (every action 0: the residual
+controller starts exactly on the learned schedule, a behaviour-cloning initialisation that needs no data) and
+its log std at ``model_config["initial_log_std"]``.
 The actor returns ``[mu | log_std | mask]`` so that the stock SAC learner's
 ``action_dist_cls.from_logits`` sees the mask.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from ray.rllib.algorithms.sac.torch.default_sac_torch_rl_module import DefaultSACTorchRLModule
 from ray.rllib.core.columns import Columns
-from ray.rllib.core.distribution.torch.torch_distribution import TorchDeterministic, TorchDiagGaussian
+from ray.rllib.core.distribution.torch.torch_distribution import (
+    TorchDeterministic,
+    TorchDiagGaussian,
+    TorchSquashedGaussian,
+)
 from ray.rllib.core.models.base import ENCODER_OUT
 
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
@@ -57,9 +70,55 @@ class MaskedGaussian(TorchDiagGaussian):
         return TorchDeterministic(loc=self.loc)
 
 
-def greedy_action(logits: torch.Tensor) -> torch.Tensor:
-    """The deterministic action of a frozen policy: the Gaussian mean."""
-    return logits.chunk(3, dim=-1)[0]
+class MaskedSquashedGaussian(TorchSquashedGaussian):
+    """tanh of a diagonal Gaussian, on [-1, 1] (residual decoding); log-probability (with the tanh Jacobian) summed
+    over the unmasked dimensions. Logits are ``[mu | log_std | mask]`` as for :class:`MaskedGaussian`."""
+
+    def __init__(self, loc, scale, mask=None):
+        super().__init__(loc=loc, scale=scale)
+        self.mask = torch.ones_like(loc) if mask is None else mask
+
+    @classmethod
+    def from_logits(cls, logits, **kwargs) -> "MaskedSquashedGaussian":
+        loc, log_std, mask = logits.chunk(3, dim=-1)
+        return cls(loc=loc, scale=log_std.clamp(LOG_STD_MIN, LOG_STD_MAX).exp(), mask=mask)
+
+    def _squashed_logp(self, unsquashed):
+        # the parent's per-dimension terms (Normal log-density minus log(1 - tanh(u)^2)), masked before the sum
+        jacobian = 2.0 * (math.log(2.0) - unsquashed - nn.functional.softplus(-2.0 * unsquashed))
+        return ((self._dist.log_prob(unsquashed) - jacobian) * self.mask).sum(-1)
+
+    def to_deterministic(self) -> TorchDeterministic:
+        return TorchDeterministic(loc=torch.tanh(self.loc))
+
+
+def action_distribution(squashed: bool):
+    """The actor's distribution class: tanh-squashed (residual decoding) or the paper's unsquashed Gaussian."""
+    return MaskedSquashedGaussian if squashed else MaskedGaussian
+
+
+def greedy_action(logits: torch.Tensor, squashed: bool = False) -> torch.Tensor:
+    """The deterministic action of a frozen policy: the Gaussian mean (its tanh, for a squashed actor)."""
+    mean = logits.chunk(3, dim=-1)[0]
+    return torch.tanh(mean) if squashed else mean
+
+
+def explore_action(logits: torch.Tensor, generator: torch.Generator, squashed: bool = False) -> torch.Tensor:
+    """One draw of the policy's distribution with ``generator`` (a run's public exploration stream)."""
+    dist = action_distribution(squashed).from_logits(logits)
+    noise = torch.randn(dist.loc.shape, generator=generator, dtype=dist.loc.dtype)
+    draw = dist.loc + dist._dist.scale * noise
+    return torch.tanh(draw) if squashed else draw
+
+
+def start_on_the_schedule(mean_layer: nn.Linear, rows, log_std_rows, initial_log_std: float) -> None:
+    """Zero the weights and bias of ``mean_layer``'s mean ``rows`` (every action's mean is 0: residual decoding's
+    zero action is the schedule) and set its ``log_std_rows`` to weight 0, bias ``initial_log_std``."""
+    with torch.no_grad():
+        mean_layer.weight[rows] = 0.0
+        mean_layer.bias[rows] = 0.0
+        mean_layer.weight[log_std_rows] = 0.0
+        mean_layer.bias[log_std_rows] = float(initial_log_std)
 
 
 def state_encoder(d_in: int, hidden: int) -> nn.Sequential:
@@ -107,9 +166,13 @@ class PaperSACModule(DefaultSACTorchRLModule):
         hidden = self.model_config.get("hidden", 128)
         d, na = self.observation_space.shape[0], self.action_space.shape[0]
         self.twin_q = True
-        self.action_dist_cls = MaskedGaussian
+        squashed = bool(self.model_config.get("squashed", False))
+        self.action_dist_cls = action_distribution(squashed)
         self.pi_encoder = _ObsEncoder(d, hidden)
         self.pi = _GaussianHead(hidden, na)
+        if squashed:
+            start_on_the_schedule(self.pi.linear, slice(0, na), slice(na, 2 * na),
+                                  self.model_config.get("initial_log_std", -1.5))
         if not self.inference_only:
             self.qf_encoder, self.qf = _ObsActionEncoder(d, hidden), q_head(hidden + na, hidden)
             self.qf_twin_encoder, self.qf_twin = _ObsActionEncoder(d, hidden), q_head(hidden + na, hidden)
@@ -179,9 +242,14 @@ class SharedSACModule(DefaultSACTorchRLModule):
         hidden = self.model_config.get("hidden", 128)
         n_max, f, g = self.model_config["n_max"], self.model_config["f_adapter"], self.model_config["g_global"]
         self.twin_q = True
-        self.action_dist_cls = MaskedGaussian
+        squashed = bool(self.model_config.get("squashed", False))
+        self.action_dist_cls = action_distribution(squashed)
         self.pi_encoder = _PassObs()
         self.pi = _SharedActor(n_max, f, g, hidden)
+        if squashed:  # (mu, log std) per adapter, and the noise action's from the sigma head's last layer
+            initial = self.model_config.get("initial_log_std", -1.5)
+            start_on_the_schedule(self.pi.adapter_head, slice(0, 1), slice(1, 2), initial)
+            start_on_the_schedule(self.pi.sigma_head[-1], slice(0, 1), slice(1, 2), initial)
         if not self.inference_only:
             head = lambda: nn.Sequential(nn.Linear(2 * hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))  # noqa: E731
             self.qf_encoder, self.qf = _SharedCriticEncoder(n_max, f, g, hidden), head()

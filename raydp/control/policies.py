@@ -34,7 +34,8 @@ def sac_settings(config):
 
     s = config.strategy_settings()
     return SACSettings(b_sac=s.b_sac, k=s.k, gamma=s.gamma, tau=s.tau, actor_lr=s.actor_lr, critic_lr=s.critic_lr,
-                       alpha=s.alpha, replay_capacity=s.replay_capacity, hidden=s.hidden, seed=config.seed)
+                       alpha=s.alpha, replay_capacity=s.replay_capacity, hidden=s.hidden, seed=config.seed,
+                       squashed=s.modes.residual, initial_log_std=s.initial_log_std)
 
 
 def trained_on(config, **extra) -> dict:

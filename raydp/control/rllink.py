@@ -797,7 +797,9 @@ class RLlinkPolicyClient:
             logits = self.module.forward_inference({self._columns.OBS: torch.as_tensor(obs[None])})[
                 self._columns.ACTION_DIST_INPUTS]
             # the broker's sample, drawn from this client's generator
-            action = explore_sample(logits, self.generator) if self.explore else greedy_action(logits)
+            squashed = bool(self.module.model_config.get("squashed", False))
+            action = (explore_sample(logits, self.generator, squashed) if self.explore
+                      else greedy_action(logits, squashed))
         return action[0].numpy().astype(np.float32)
 
     def _chunk(self) -> SingleAgentEpisode:

@@ -41,26 +41,32 @@ class SACSettings:
     replay_capacity: int = 10_000
     hidden: int = 128
     seed: int = 0
+    #: a tanh-squashed actor on [-1, 1] that starts at the zero action (residual decoding, issue 29;
+    #: :mod:`raydp.control.modules`); a policy saved before this field had an unsquashed one
+    squashed: bool = False
+    initial_log_std: float = -1.5
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def spaces(layout: ObservationLayout) -> tuple[gym.spaces.Box, gym.spaces.Box]:
-    """Observation and action spaces; actions are unbounded (Eq. 24's Gaussian)."""
+def spaces(layout: ObservationLayout, squashed: bool = False) -> tuple[gym.spaces.Box, gym.spaces.Box]:
+    """Observation and action spaces; actions are unbounded (Eq. 24's Gaussian), or on [-1, 1] (squashed)."""
     obs = gym.spaces.Box(-np.inf, np.inf, (layout.obs_dim,), np.float32)
-    act = gym.spaces.Box(-np.inf, np.inf, (layout.act_dim,), np.float32)
+    bound = 1.0 if squashed else np.inf
+    act = gym.spaces.Box(-bound, bound, (layout.act_dim,), np.float32)
     return obs, act
 
 
 def module_spec(layout: ObservationLayout, settings: SACSettings, inference_only: bool = False):
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
-    obs, act = spaces(layout)
+    obs, act = spaces(layout, settings.squashed)
     return RLModuleSpec(module_class=MODULES[layout.architecture], observation_space=obs, action_space=act,
                         inference_only=inference_only,
                         model_config={"hidden": settings.hidden, "n_max": layout.n_slots,
-                                      "f_adapter": layout.f_adapter, "g_global": layout.g_global})
+                                      "f_adapter": layout.f_adapter, "g_global": layout.g_global,
+                                      "squashed": settings.squashed, "initial_log_std": settings.initial_log_std})
 
 
 def sac_config(layout: ObservationLayout, settings: SACSettings, env_runner_cls, env_config: dict):
@@ -69,7 +75,7 @@ def sac_config(layout: ObservationLayout, settings: SACSettings, env_runner_cls,
     service so that this module does not depend on the broker (the broker builds its modules from here)."""
     from ray.rllib.algorithms.sac import SACConfig
 
-    obs, act = spaces(layout)
+    obs, act = spaces(layout, settings.squashed)
     spec = module_spec(layout, settings)
     return (
         SACConfig()

@@ -22,21 +22,31 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from pydantic import Field
-
 from raydp.errors import ConfigError
 from raydp.privacy.mechanism import Dials
-from raydp.settings import StrictModel
 from raydp.strategies.base import Strategy
+from raydp.strategies.clipschedule_settings import ClipScheduleSettings
 
 
-class ClipScheduleSettings(StrictModel):
-    clip: float = Field(1.0, gt=0, description="the clip at the first step: a multiple of the pair's public median "
-                                               "norm r_i (relative) or an absolute radius")
-    clip_end: float | None = Field(None, gt=0, description="the clip at the last planned step (default: clip; "
-                                                           "geometric interpolation in between)")
-    depth_tilt: float = Field(0.0, ge=-5, le=5, description="log-ratio of the last pair's clip to the first's")
-    relative: bool = Field(True, description="clips are multiples of each pair's median public gradient norm")
+def base_clips(settings: ClipScheduleSettings, reference, depths, n_pairs: int) -> np.ndarray:
+    """r_i * exp(depth_tilt * (d_i - 1/2)) for every pair (r_i = 1 unless ``settings.relative``)."""
+    reference = np.asarray(reference, dtype=np.float64) if settings.relative else np.ones(n_pairs)
+    depths = np.asarray(depths, dtype=np.float64) if depths else np.zeros(n_pairs)
+    return reference * np.exp(settings.depth_tilt * (depths - 0.5))
+
+
+def multiplier(settings: ClipScheduleSettings, step: int, planned_steps: int) -> float:
+    """clip^(1 - u) * clip_end^u at u = step / (T - 1), the fraction of the planned steps done."""
+    start = settings.clip
+    end = settings.clip_end if settings.clip_end is not None else start
+    u = min(1.0, step / max(1, planned_steps - 1))
+    return math.exp((1 - u) * math.log(start) + u * math.log(end))
+
+
+def scheduled_clips(settings: ClipScheduleSettings, reference, context, step: int) -> np.ndarray:
+    """Every pair's clip C_i(t) at ``step`` (the module docstring's formula)."""
+    return base_clips(settings, reference, context.pair_depths, context.n_pairs) * multiplier(
+        settings, step, context.planned_steps)
 
 
 class ClipScheduleStrategy(Strategy):
@@ -64,22 +74,12 @@ class ClipScheduleStrategy(Strategy):
 
     def base_clips(self) -> np.ndarray:
         """r_i * exp(depth_tilt * (d_i - 1/2)) for every pair."""
-        n = self.context.n_pairs
-        if self.settings.relative:
-            if self.reference is None:
-                raise ConfigError("clip-schedule (relative: true) needs the public probe before its first step")
-            reference = self.reference
-        else:
-            reference = np.ones(n)
-        depths = np.asarray(self.context.pair_depths, dtype=np.float64) if self.context.pair_depths else np.zeros(n)
-        return reference * np.exp(self.settings.depth_tilt * (depths - 0.5))
+        if self.settings.relative and self.reference is None:
+            raise ConfigError("clip-schedule (relative: true) needs the public probe before its first step")
+        return base_clips(self.settings, self.reference, self.context.pair_depths, self.context.n_pairs)
 
     def multiplier(self, step: int) -> float:
-        """clip^(1 - u) * clip_end^u at u = step / (T - 1), the fraction of the planned steps done."""
-        start = self.settings.clip
-        end = self.settings.clip_end if self.settings.clip_end is not None else start
-        u = min(1.0, step / max(1, self.context.planned_steps - 1))
-        return math.exp((1 - u) * math.log(start) + u * math.log(end))
+        return multiplier(self.settings, step, self.context.planned_steps)
 
     def dials(self, step: int) -> Dials:
         clips = self.base_clips() * self.multiplier(step)

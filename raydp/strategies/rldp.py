@@ -43,7 +43,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raydp.control.decoding import RELATIVE_BOUNDS, decode_action
+from raydp.control.decoding import RELATIVE_BOUNDS, decode_action, decode_residual
 from raydp.control.features import (
     ControllerView,
     IntervalStatistics,
@@ -60,6 +60,7 @@ from raydp.errors import ConfigError
 from raydp.privacy.statistics import ClippedLossSum, NormHistogram
 from raydp.privacy.mechanism import Dials, StepRelease
 from raydp.strategies.base import Strategy, StrategyContext
+from raydp.strategies.clipschedule import scheduled_clips
 from raydp.strategies.rldp_settings import RLDPSettings
 
 TRACE_FILE = "control_trace.parquet"
@@ -124,6 +125,7 @@ class RLDPStrategy(Strategy):
     def setup(self, context: StrategyContext) -> None:
         super().setup(context)
         self.clips = np.full(context.n_pairs, self.settings.initial_clip)
+        self.residual = np.ones(context.n_pairs)  # residual decoding: each pair's factor on the schedule
         self.sigma = context.sigma_0
         if self.client is not None:
             self.client.layout.check_adapters(context.n_pairs)
@@ -152,6 +154,12 @@ class RLDPStrategy(Strategy):
     # -- per step ----------------------------------------------------------------------------------
     def dials(self, step: int) -> Dials:
         sigma = float(self.sigma) if self.adaptive_sigma else None  # None: the plan's sigma (noise_control off)
+        if self.modes.residual:  # the schedule at this step times the last decision's factors
+            schedule = self.settings.schedule
+            if schedule.relative and self.pair_reference is None:
+                raise ConfigError("residual decoding on a relative schedule needs the public probe's per-pair norms")
+            self.clips = np.maximum(scheduled_clips(schedule, self.pair_reference, self.context, step) * self.residual,
+                                    self.settings.clip_floor)
         return Dials(clip=tuple(float(c) for c in self.clips), sigma=sigma)
 
     def observe(self, release: StepRelease, ledger) -> None:
@@ -166,7 +174,8 @@ class RLDPStrategy(Strategy):
             self._last_raw = (release.raw_pair_norms, release.raw_losses)
             if t <= self.settings.t_warm:
                 self._warm_raw.append(release.raw_pair_norms)
-        if t <= self.settings.t_warm and (self.raw_statistics or t == self.settings.t_warm):
+        if t <= self.settings.t_warm and (self.raw_statistics or t == self.settings.t_warm) \
+                and not self.modes.residual:  # residual decoding: the schedule sets the clips from the first step
             self._warm_up_clips()
         if t == self.settings.t_warm:  # the first decision's window starts after the warm-up
             self._interval = _Interval(self.context.n_pairs, self.settings.histogram_bins)
@@ -219,27 +228,31 @@ class RLDPStrategy(Strategy):
         if self._previous is not None:
             r = rldp_reward(utility, self._previous[0], eps_t, self._previous[1], self.settings.r_max)
         action = layout.split_action(self.client.decide(obs, r), ctx.n_pairs)
-        bounds = self.modes.clip_bounds  # None: Eq. 10 (paper)
-        if bounds is not None and (self.pair_reference is None or len(self.pair_reference) != ctx.n_pairs):
-            raise ConfigError("relative action decoding needs the public probe's per-pair norms")
-        decoded = decode_action(action, self.sigma, ctx.sigma_0, eps_t, ctx.epsilon_target, self.settings.clip_floor,
-                                reference=None if bounds is None else self.pair_reference,
-                                bounds=bounds or RELATIVE_BOUNDS)
-        self.clips = np.array(decoded.clip)
-        if self.adaptive_sigma:  # noise_control off: the noise action is ignored, sigma stays on the plan
-            self.sigma = decoded.sigma
+        if self.modes.residual:  # the clips' factors on the schedule; sigma stays on the plan (noise_control off)
+            self.residual = decode_residual(action[:-1], self.settings.residual_range)
+            decoded = {"sigma_proposed": None, "step_size": None, "residual": [float(f) for f in self.residual],
+                       "clip_next": [float(c) for c in self.dials(t).clip]}
+        else:
+            bounds = self.modes.clip_bounds  # None: Eq. 10 (paper)
+            if bounds is not None and (self.pair_reference is None or len(self.pair_reference) != ctx.n_pairs):
+                raise ConfigError("relative action decoding needs the public probe's per-pair norms")
+            full = decode_action(action, self.sigma, ctx.sigma_0, eps_t, ctx.epsilon_target, self.settings.clip_floor,
+                                 reference=None if bounds is None else self.pair_reference,
+                                 bounds=bounds or RELATIVE_BOUNDS)
+            self.clips = np.array(full.clip)
+            if self.adaptive_sigma:  # noise_control off: the noise action is ignored, sigma stays on the plan
+                self.sigma = full.sigma
+            decoded = {"sigma_proposed": full.sigma_proposed, "step_size": full.step_size,
+                       "clip_next": list(full.clip)}
         self._previous = (utility, eps_t)
         self.decisions.append({"step": t, "epsilon": eps_t, "utility": utility, "reward": r,
                                "action": [float(a) for a in action], "sigma_next": float(self.sigma),
-                               "sigma_proposed": decoded.sigma_proposed, "step_size": decoded.step_size,
-                               "clip_next": list(decoded.clip),
-                               "privacy_mode": self.privacy_mode,
-                               "privacy_label": self.modes.label})
+                               **decoded, "privacy_mode": self.privacy_mode, "privacy_label": self.modes.label})
         self._interval = _Interval(ctx.n_pairs, self.settings.histogram_bins)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return copy.deepcopy({"clips": self.clips.copy(), "sigma": self.sigma, "interval": vars(self._interval).copy(),
+        return copy.deepcopy({"clips": self.clips.copy(), "residual": self.residual.copy(), "sigma": self.sigma, "interval": vars(self._interval).copy(),
                 "warm": vars(self._warm).copy(), "warm_raw": list(self._warm_raw), "last_raw": self._last_raw,
                 "previous": self._previous, "trace": list(self.trace), "decisions": list(self.decisions),
                 "reference_norm": self.reference_norm,
@@ -247,6 +260,7 @@ class RLDPStrategy(Strategy):
 
     def load_state_dict(self, state: dict) -> None:
         self.clips, self.sigma = np.array(state["clips"]), float(state["sigma"])
+        self.residual = np.array(state.get("residual", np.ones(len(self.clips))))
         for name in ("interval", "warm"):
             getattr(self, f"_{name}").__dict__.update(state[name])
         self._warm_raw, self._last_raw = list(state["warm_raw"]), state["last_raw"]
@@ -280,6 +294,8 @@ class RLDPStrategy(Strategy):
             "histogram_log10_range": [self.histogram.log10_low, self.histogram.log10_high],
             "loss_clip": self.loss_release.loss_clip,
             "action_decoding": self.settings.action_decoding,
+            **({"schedule": self.settings.schedule.model_dump(), "residual_range": self.settings.residual_range,
+                "final_residual": [float(f) for f in self.residual]} if self.modes.residual else {}),
             "pair_reference": None if self.pair_reference is None else [float(r) for r in self.pair_reference],
         }
 

@@ -15,8 +15,9 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from raydp.control.modes import ControllerModes, apply_paper_mode, resolve
+from raydp.control.modes import RESIDUAL, ControllerModes, apply_paper_mode, resolve
 from raydp.settings import StrictModel
+from raydp.strategies.clipschedule_settings import ClipScheduleSettings
 
 #: public records that set a public probe's histogram bins and loss bound (every strategy that calibrates on them)
 PUBLIC_PROBE_RECORDS = 32
@@ -40,10 +41,19 @@ class RLDPSettings(StrictModel):
     noise_control: bool = Field(
         True, description="the policy also sets sigma (Eq. 11-15; Renyi filter, ERRATA E13); false: sigma stays "
                           "sigma_0 and the policy sets the clips only, accounted like a fixed-sigma run")
-    action_decoding: Literal["paper", "relative", "relative-capped"] = Field(
+    action_decoding: Literal["paper", "relative", "relative-capped", "residual"] = Field(
         "relative", description="clip actions as Eq. 10 (C_i = min(e^a_i, 1)), or relative to each pair's public "
-                             "reference norm (C_i = r_i e^a_i, e^a_i in [1e-3, 10]; relative-capped: in [1e-3, 1]; "
-                             "raydp.control.decoding)")
+                             "reference norm (C_i = r_i e^a_i, e^a_i in [1e-3, 10]; relative-capped: in [1e-3, 1]), "
+                             "or residual: C_i(t) = schedule_i(t) e^(residual_range a_i) with a tanh-squashed a_i in "
+                             "[-1, 1] that starts at 0, the schedule (raydp.control.decoding; needs noise_control: "
+                             "false)")
+    schedule: ClipScheduleSettings = Field(default_factory=ClipScheduleSettings, description=(
+        "residual decoding: the learned clip schedule the actions correct (clip-schedule's settings; the search's "
+        "choice, e.g. trials/tuned/schedule-search.json)"))
+    residual_range: float = Field(0.7, gt=0, le=3, description=(
+        "residual decoding: a clip moves by at most a factor e^residual_range either way from the schedule"))
+    initial_log_std: float = Field(-1.5, ge=-5, le=2, description=(
+        "residual decoding: the squashed actor's log std before training (its mean starts at 0)"))
     clip_floor: float = Field(1e-3, gt=0, lt=1.0, description="lower bound on decoded clip radii")
     histogram_bins: int = Field(24, ge=2, description="bins of the DP norm histogram (strict mode)")
     histogram_decades: float = Field(6.0, gt=0, description="log10 width of the histogram, centred on the public norm")
@@ -79,6 +89,9 @@ class RLDPSettings(StrictModel):
 
     @model_validator(mode="after")
     def _consistent(self):
+        if self.action_decoding == RESIDUAL and self.noise_control:
+            raise ValueError("residual decoding corrects the clip schedule only: set noise_control: false (sigma "
+                             "stays on the plan)")
         if self.frozen and not self.policy:
             raise ValueError("a frozen policy needs --policy NAME")
         if self.frozen and self.save_policy:
