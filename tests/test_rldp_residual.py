@@ -101,3 +101,24 @@ def test_a_residual_run_follows_the_schedule_times_its_factors(local_ray, tmp_pa
             assert np.all(factors >= math.exp(-0.5) - 1e-12) and np.all(factors <= math.exp(0.5) + 1e-12)
     assert summary["privacy"]["guarantee"] == "fixed-schedule" and summary["privacy"]["within_budget"]
     assert len(PrivacyLedger.load(tmp_path / "run" / LEDGER_FILENAME)) == steps
+
+
+def test_the_public_validation_reward_is_the_change_of_the_public_value_nll(local_ray, tmp_path):
+    """reward: public-validation: each reward is the change of minus the value-token NLL per record of the first
+    reward_records public validation records between decisions; the last decision's utility is the final model's."""
+    from raydp.evaluation.evaluate import load_trained_model
+    from raydp.evaluation.perplexity import evaluate_perplexity
+    from raydp.runner.launch import train
+    from raydp.runner.run import public_validation_split
+    from raydp.runner.task import Task
+
+    config = residual_config(reward="public-validation", reward_records=8)
+    summary = train(config, tmp_path / "run", progress=False)
+    decisions = pd.read_parquet(tmp_path / "run" / "controller_decisions.parquet")
+    utilities = decisions["utility"].to_numpy()
+    assert decisions["reward"].isna().tolist() == [True, False, False]
+    np.testing.assert_allclose(decisions["reward"].to_numpy()[1:], np.diff(utilities), rtol=1e-12)
+    trained = load_trained_model(tmp_path / "run", config, "cpu")
+    split = public_validation_split(trained.tokenizer, summary["max_length"], config.public_eval_records, Task())
+    final = evaluate_perplexity(trained.model, split, torch.device("cpu"), max_sequences=8).value_nll_per_record
+    assert utilities[-1] == pytest.approx(-final, rel=1e-5)

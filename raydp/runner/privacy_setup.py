@@ -272,12 +272,13 @@ def charge_lifetime(manifest: dict, runs: dict[str, LifetimeCharge], commit: boo
 def setup_private_run(
     config: TrainConfig, plan: PrivacyPlan, model: torch.nn.Module, pairs, units: PrivacyUnits, device,
     strategy: Strategy | None = None, public_batch=None, start_step: int = 0,
-    population_admit=None, loss=None,
+    population_admit=None, loss=None, public_utility=None,
 ) -> PrivateRun:
     """Ledger, guard, secret randomness, sampler and DP step for a planned run; ``public_batch`` feeds a
     strategy that calibrates on public records (RLDP's histogram bins and loss bound); ``population_admit``
     (PBT): the population Renyi filter's admission, asked by the guard at every step; ``loss``: the
-    task's per-example loss (:class:`raydp.runner.task.Task`; default language modelling)."""
+    task's per-example loss (:class:`raydp.runner.task.Task`; default language modelling); ``public_utility``: the
+    strategy context's (:class:`raydp.strategies.base.StrategyContext`)."""
     q, steps, sigma_0 = plan.q, plan.planned_steps, plan.sigma_0
     if strategy is None:
         strategy = build_strategy(config)
@@ -314,6 +315,7 @@ def setup_private_run(
             expected_batch_size=sampler.expected_batch_size,
             privacy_spent=lambda: guard.spent(ledger),
             tensor_sizes=tuple(t.numel() for p in pairs for t in (p.a, p.b)),
+            public_utility=public_utility,
         )
     )
     clipped = {id(t) for p in pairs for t in (p.a, p.b)}

@@ -116,6 +116,19 @@ def public_probe_batch(tokenizer, max_length: int, n_records: int, device, task:
     return split.collate(list(range(len(split))), device)
 
 
+def public_utility(loaded, public_eval, strategy):
+    """The strategy context's ``public_utility``: minus the value-token NLL per record of the first
+    ``strategy.public_utility_records`` public validation records (None for a strategy that asks for none, or a split
+    without value spans)."""
+    records = strategy.public_utility_records
+    if not records or public_eval.value_masks is None:
+        return None
+    from raydp.evaluation.perplexity import evaluate_perplexity
+
+    return lambda: -evaluate_perplexity(loaded.model, public_eval, loaded.device,
+                                        max_sequences=records).value_nll_per_record
+
+
 def public_validation_split(tokenizer, max_length: int, n_records: int, task: Task | None = None,
                             generator: str = DEFAULT_GENERATOR, source: str | None = None) -> TokenizedSplit:
     """PUBLIC validation records with their value spans: the first ``n_records`` rows of ``source`` (a CSV of public
@@ -221,7 +234,8 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
                                         strategy=strategy, public_batch=probe,
                                         start_step=resume["trainer"]["step_count"] if resume else 0,
                                         population_admit=population_admit,  # PBT population filter (or None)
-                                        loss=task.loss if task.is_classification else None)
+                                        loss=task.loss if task.is_classification else None,
+                                        public_utility=public_utility(loaded, public_eval, strategy))
             sampler, gradient, total_steps = private.sampler, private.step, private.planned_steps
         else:
             sampler = ShuffledBatchSampler(len(train), config.batch_size, seed=config.seed)

@@ -71,6 +71,10 @@ class StrategyContext:
     privacy_spent: Callable[[], float] | None = field(default=None, compare=False)
     #: sizes of the trainable LoRA tensors, pair by pair (A_0, B_0, A_1, ...): the flattened gradient's layout
     tensor_sizes: tuple[int, ...] = ()
+    #: minus the value-token NLL per record of PUBLIC validation records under the model as it is now (post-processing
+    #: of the DP releases that trained it, on public data: free, and the same whatever the timing); None where the
+    #: run has no value-spanned public validation
+    public_utility: Callable[[], float] | None = field(default=None, compare=False)
 
 
 class Strategy(ABC):
@@ -90,6 +94,8 @@ class Strategy(ABC):
     needs_public_probe: bool = False
     #: how many public records that probe holds (RLDP: its ``public_probe_records`` setting)
     public_probe_records: int = PUBLIC_PROBE_RECORDS
+    #: how many public validation records ``context.public_utility`` scores (None: the strategy never asks)
+    public_utility_records: int | None = None
     #: whether sigma is chosen during training from earlier releases. Such runs are enforced and
     #: reported with a Renyi filter, valid under fully adaptive composition (ERRATA E13,
     #: :mod:`raydp.privacy.filter`); fixed schedules keep PLD/PRV/RDP accounting of the ledger. Choosing

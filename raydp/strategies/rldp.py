@@ -55,7 +55,7 @@ from raydp.control.features import (
     summarise_histogram,
     summarise_raw,
 )
-from raydp.control.reward import reward as rldp_reward
+from raydp.control.reward import potential_reward, reward as rldp_reward
 from raydp.errors import ConfigError
 from raydp.privacy.statistics import ClippedLossSum, NormHistogram
 from raydp.privacy.mechanism import Dials, StepRelease
@@ -107,6 +107,8 @@ class RLDPStrategy(Strategy):
         self.modes = settings.modes  # privacy mode, decoding, architecture, read once (raydp.control.modes)
         self.raw_statistics = self.modes.raw_statistics
         self.public_probe_records = settings.public_probe_records
+        # public-validation reward: the run scores this many public records at each decision (raydp.runner.run)
+        self.public_utility_records = settings.reward_records if settings.reward == "public-validation" else None
         self.client = client
         self.histogram = NormHistogram(None, None, settings.histogram_bins, settings.histogram_noise)
         self.loss_release = ClippedLossSum(None, settings.loss_noise)
@@ -223,10 +225,16 @@ class RLDPStrategy(Strategy):
                               sigma_ratio=self.sigma / ctx.sigma_0, progress=t / ctx.planned_steps)
         layout: ObservationLayout = self.client.layout
         obs = layout.pack(adapter_features(view), global_features(view))
-        utility = -stats.mean_loss if math.isfinite(stats.mean_loss) else 0.0
-        r = None
-        if self._previous is not None:
-            r = rldp_reward(utility, self._previous[0], eps_t, self._previous[1], self.settings.r_max)
+        if self.public_utility_records:  # potential-based on public validation (raydp.control.reward)
+            if ctx.public_utility is None:
+                raise ConfigError("reward: public-validation needs the run's public validation records")
+            utility = float(ctx.public_utility())
+            r = None if self._previous is None else potential_reward(utility, self._previous[0])
+        else:  # Eq. 17-20 on the DP loss release
+            utility = -stats.mean_loss if math.isfinite(stats.mean_loss) else 0.0
+            r = None
+            if self._previous is not None:
+                r = rldp_reward(utility, self._previous[0], eps_t, self._previous[1], self.settings.r_max)
         action = layout.split_action(self.client.decide(obs, r), ctx.n_pairs)
         if self.modes.residual:  # the clips' factors on the schedule; sigma stays on the plan (noise_control off)
             self.residual = decode_residual(action[:-1], self.settings.residual_range)
@@ -304,7 +312,7 @@ class RLDPStrategy(Strategy):
         s = self.settings
         out.update({"t_warm": s.t_warm, "t_rl": s.t_rl, "b_sac": s.b_sac, "k": s.k, "r_max": s.r_max,
                     "architecture": s.architecture, "action_decoding": s.action_decoding,
-                    "noise_control": s.noise_control, "policy": s.policy, "frozen": s.frozen,
+                    "noise_control": s.noise_control, "policy": s.policy, "frozen": s.frozen, "reward": s.reward,
                     "strict_releases": [] if self.raw_statistics else
                     [{"name": "norm_histogram", "noise_multiplier": s.histogram_noise},
                      {"name": "loss_sum", "noise_multiplier": s.loss_noise}]})

@@ -52,6 +52,10 @@ class RLDPSettings(StrictModel):
         "choice, e.g. trials/tuned/schedule-search.json)"))
     residual_range: float = Field(0.7, gt=0, le=3, description=(
         "residual decoding: a clip moves by at most a factor e^residual_range either way from the schedule"))
+    reward: Literal["paper", "public-validation"] = Field("paper", description=(
+        "paper: Eq. 17-20 on the DP loss release; public-validation: the change of minus the value-token NLL on "
+        "public validation records between decisions (potential-based, free; raydp.control.reward)"))
+    reward_records: int = Field(256, gt=0, description="public-validation reward: public records scored per decision")
     initial_log_std: float = Field(-1.5, ge=-5, le=2, description=(
         "residual decoding: the squashed actor's log std before training (its mean starts at 0)"))
     clip_floor: float = Field(1e-3, gt=0, lt=1.0, description="lower bound on decoded clip radii")
