@@ -34,7 +34,10 @@ OLD_DATA_BUILD_FLAGS = (
 #: `raydp train`'s options that are no config field
 HAND_WRITTEN = {"-h", "--help", "--output", "-o", "--config", "--overwrite", "--quiet", "--set", "--overwrite-policy"}
 #: config fields with no generated flag (settings: `--set KEY=VALUE`, and the settings models' own flags)
-UNFLAGGED = {("settings",)}
+#: set in a config file or with --set only: the strategy settings' mapping; RLDP's residual schedule (its fields would
+#: collide with --clip)
+UNFLAGGED = {("settings",), ("settings", "schedule", "clip"), ("settings", "schedule", "clip_end"),
+             ("settings", "schedule", "depth_tilt"), ("settings", "schedule", "relative")}
 RLDP = ["--strategy", "rldp", "--epsilon", "2"]
 
 

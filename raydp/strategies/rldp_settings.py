@@ -49,7 +49,8 @@ class RLDPSettings(StrictModel):
                              "false)")
     schedule: ClipScheduleSettings = Field(default_factory=ClipScheduleSettings, description=(
         "residual decoding: the learned clip schedule the actions correct (clip-schedule's settings; the search's "
-        "choice, e.g. trials/tuned/schedule-search.json)"))
+        "choice, e.g. trials/tuned/schedule-search.json); in a config file or study (no flag: its fields would "
+        "collide with --clip)"), json_schema_extra={"flag": False})
     residual_range: float = Field(0.7, gt=0, le=3, description=(
         "residual decoding: a clip moves by at most a factor e^residual_range either way from the schedule"))
     reward: Literal["paper", "public-validation"] = Field("paper", description=(
