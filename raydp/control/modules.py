@@ -47,18 +47,22 @@ from ray.rllib.core.models.base import ENCODER_OUT
 LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
 
 
-class MaskedGaussian(TorchDiagGaussian):
-    """Diagonal Gaussian (Eq. 24) whose log-probability and entropy skip masked (padding) dimensions.
-    Logits are ``[mu | log_std | mask]``."""
+class _MaskedLogits:
+    """What both actors' distributions share: logits ``[mu | log_std | mask]`` (log std clamped) and the mask of the
+    adapter slots that exist."""
 
     def __init__(self, loc, scale, mask=None):
         super().__init__(loc=loc, scale=scale)
         self.mask = torch.ones_like(loc) if mask is None else mask
 
     @classmethod
-    def from_logits(cls, logits, **kwargs) -> "MaskedGaussian":
+    def from_logits(cls, logits, **kwargs):
         loc, log_std, mask = logits.chunk(3, dim=-1)
         return cls(loc=loc, scale=log_std.clamp(LOG_STD_MIN, LOG_STD_MAX).exp(), mask=mask)
+
+
+class MaskedGaussian(_MaskedLogits, TorchDiagGaussian):
+    """Diagonal Gaussian (Eq. 24) whose log-probability and entropy skip masked (padding) dimensions."""
 
     def logp(self, value):
         return (self._dist.log_prob(value) * self.mask).sum(-1)
@@ -70,18 +74,9 @@ class MaskedGaussian(TorchDiagGaussian):
         return TorchDeterministic(loc=self.loc)
 
 
-class MaskedSquashedGaussian(TorchSquashedGaussian):
+class MaskedSquashedGaussian(_MaskedLogits, TorchSquashedGaussian):
     """tanh of a diagonal Gaussian, on [-1, 1] (residual decoding); log-probability (with the tanh Jacobian) summed
-    over the unmasked dimensions. Logits are ``[mu | log_std | mask]`` as for :class:`MaskedGaussian`."""
-
-    def __init__(self, loc, scale, mask=None):
-        super().__init__(loc=loc, scale=scale)
-        self.mask = torch.ones_like(loc) if mask is None else mask
-
-    @classmethod
-    def from_logits(cls, logits, **kwargs) -> "MaskedSquashedGaussian":
-        loc, log_std, mask = logits.chunk(3, dim=-1)
-        return cls(loc=loc, scale=log_std.clamp(LOG_STD_MIN, LOG_STD_MAX).exp(), mask=mask)
+    over the unmasked dimensions."""
 
     def _squashed_logp(self, unsquashed):
         # the parent's per-dimension terms (Normal log-density minus log(1 - tanh(u)^2)), masked before the sum
