@@ -122,3 +122,30 @@ def test_the_public_validation_reward_is_the_change_of_the_public_value_nll(loca
     split = public_validation_split(trained.tokenizer, summary["max_length"], config.public_eval_records, Task())
     final = evaluate_perplexity(trained.model, split, torch.device("cpu"), max_sequences=8).value_nll_per_record
     assert utilities[-1] == pytest.approx(-final, rel=1e-5)
+
+
+def test_a_public_validation_file_must_be_apart_from_the_private_data(tmp_path, raydp_cache):
+    """public_validation steers selection and the public-validation reward, charged nothing: the private dataset's own
+    source file, or a file sharing one of its patients, is refused before anything is charged or trained."""
+    from raydp.data.synthetic import generate_records
+    from raydp.errors import ConfigError
+    from raydp.runner.run import run_training
+
+    private = generate_records(300, seed=3, progress=False)
+    private.to_csv(tmp_path / "private.csv", index=False)
+    public = generate_records(40, seed=4, progress=False)
+    public["patient_nbr"] = public["patient_nbr"] + 10**9  # disjoint ids
+    public.to_csv(tmp_path / "public.csv", index=False)
+    shared = public.copy()
+    shared.loc[0, "patient_nbr"] = private["patient_nbr"].iloc[0]
+    shared.to_csv(tmp_path / "shared.csv", index=False)
+    base = {"model": "embedded-tiny", "strategy": "static-pairwise", "epsilon": 2.0, "max_steps": 2,
+            "eval_max_records": 8, "public_eval_records": 8, "data": {"source": str(tmp_path / "private.csv")}}
+    for name, message in (("private.csv", "own source file"), ("shared.csv", "shares patients")):
+        with pytest.raises(ConfigError, match=message):
+            run_training(validate_config(TrainConfig, {**base, "public_validation": str(tmp_path / name)}),
+                         tmp_path / f"run-{name}", progress=False)
+        assert not (tmp_path / f"run-{name}").exists()
+    summary = run_training(validate_config(TrainConfig, {**base, "public_validation": str(tmp_path / "public.csv")}),
+                           tmp_path / "run-public", progress=False)
+    assert summary["public_validation"].endswith("public.csv") and summary["steps"] == 2

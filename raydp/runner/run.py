@@ -21,6 +21,7 @@ are private too and live outside the run directory.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -34,10 +35,10 @@ from raydp.config import TrainConfig
 from raydp.control.policies import trained_on
 from raydp.data import load_manifest, load_texts, manifest_id, public_corpus, resolve_dataset
 from raydp.data.csv_source import load_diabetes_csv
-from raydp.data.splits import load_value_spans
+from raydp.data.splits import ALL_SPLITS, UNIT_COLUMN, load_units, load_value_spans
 from raydp.data.verbalise import verbalise_records
 from raydp.data.synthetic import DEFAULT_GENERATOR
-from raydp.errors import ConfigError
+from raydp.errors import ConfigError, DataError
 from raydp.model import LoraSettings, disable_dropout, load_model
 from raydp.model.batches import TokenizedSplit
 from raydp.model.loading import check_model_name
@@ -142,6 +143,29 @@ def public_validation_split(tokenizer, max_length: int, n_records: int, task: Ta
     return (task or Task()).split(texts, tokenizer, max_length, spans=spans)
 
 
+def check_public_validation(source: str | None, dataset_dir: Path, manifest: dict) -> None:
+    """Refuse a ``public_validation`` CSV that is not apart from the private dataset: the dataset's own source file,
+    or one sharing a patient with any of its splits. Its records steer selection and, with RLDP's public-validation
+    reward, the clips (which assume public data: they are charged nothing). Run before anything is charged."""
+    if source is None:
+        return
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"public_validation: {source} is not a file")
+    if manifest.get("source_sha256") == hashlib.sha256(path.read_bytes()).hexdigest():
+        raise ConfigError(f"public_validation: {source} is the private dataset's own source file")
+    records, _ = load_diabetes_csv(path)
+    public_ids = set(records[UNIT_COLUMN].astype("int64").tolist())
+    for split in ALL_SPLITS:
+        try:
+            units = load_units(dataset_dir, split)
+        except (DataError, FileNotFoundError, OSError):
+            continue  # a split the dataset does not have
+        if public_ids.intersection(units.tolist()):
+            raise ConfigError(f"public_validation: {source} shares patients with the private dataset's {split} split: "
+                              "its records are not public")
+
+
 SYNTHETIC_VALIDATION_NOTE = ("the public validation records are synthetic (raydp's public population): they say "
                              "nothing about this real dataset's task, so selecting on them may choose wrongly; supply "
                              "public records of the same schema with public_validation")
@@ -183,6 +207,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
     with staged_output(output, overwrite=overwrite) as staging:
         dataset_dir = prepare_dataset(config, staging, progress=progress)
         manifest = load_manifest(dataset_dir)
+        check_public_validation(config.public_validation, dataset_dir, manifest)  # before any charge
         train_texts = load_texts(dataset_dir, "train")
         strategy = build_strategy(config, client) if config.is_private else None
         units = training_units(config, dataset_dir, len(train_texts)) if config.is_private else None
