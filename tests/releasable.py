@@ -40,7 +40,7 @@ _PRIVACY_BLOCK = {
     **{f"privacy.strategy.{k}": PUBLIC for k in (
         "name", "clip_mode", "allocation", "gradient_source", "privacy_mode", "releases[]", "releases[].name",
         "releases[].noise.relative", "schedule.kind", "schedule.per_epoch[]", "settings.clip", "action_decoding",
-        "architecture", "b_sac", "frozen", "k", "noise_control", "policy", "r_max", "t_rl", "t_warm",
+        "architecture", "b_sac", "frozen", "k", "noise_control", "policy", "r_max", "reward", "t_rl", "t_warm",
         "strict_releases[].name", "strict_releases[].noise_multiplier", "settings.*",
         # clip-schedule's r_i: median per-sample norms on the PUBLIC probe under the initial model
         "public_reference_norms[]")},
@@ -98,6 +98,7 @@ POLICY_MANIFEST = {
         "architecture", "format", "name", "raydp_version", "layout.architecture", "layout.f_adapter",
         "layout.g_global", "layout.n_slots", "layout.version", "sac.actor_lr", "sac.alpha", "sac.b_sac",
         "sac.critic_lr", "sac.gamma", "sac.hidden", "sac.k", "sac.replay_capacity", "sac.seed", "sac.tau",
+        "sac.squashed", "sac.initial_log_std",
         "trained_on.action_decoding", "trained_on.epsilon", "trained_on.model", "trained_on.n_adapter_pairs",
         "trained_on.privacy_mode", "provenance[].privacy_mode", "provenance[].privacy_unit", "provenance[].delta",
         "provenance[].guarantee", "provenance[].labels[]", "provenance[].public_data", "provenance[].rdp_orders[]",

@@ -17,6 +17,7 @@ baseline after seeing the results favours the baselines; choosing RLDP's best ce
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -297,16 +298,19 @@ def gates(results: pd.DataFrame, column: str, reference: str = "static-pairwise"
             return float((((a.std(ddof=1) if len(a) > 1 else float("nan")) ** 2
                            + (b.std(ddof=1) if len(b) > 1 else float("nan")) ** 2) / 2) ** 0.5)
 
+        def verdict(ok: bool, sds: float) -> str:  # one seed in an arm: no sd, so the gate cannot be judged
+            return "N/A (one seed: no sd)" if math.isnan(sds) else ("PASS" if ok else "FAIL")
+
         gap = float(low.mean() - nonprivate.mean())
         pct, sds = 100 * gap / float(low.mean()), gap / pooled(low, nonprivate)
         ok = pct >= GATE_HEADROOM_PCT and sds >= GATE_HEADROOM_SD
-        out.append(f"{'PASS' if ok else 'FAIL'}: {model}: non-private vs {name} at epsilon {eps[0]:g} (private eval): "
+        out.append(f"{verdict(ok, sds)}: {model}: non-private vs {name} at epsilon {eps[0]:g} (private eval): "
                    f"{gap:.3f} nats/record apart, {pct:.1f}% and {sds:.1f} pooled sd (needs >= {GATE_HEADROOM_PCT:g}% "
                    f"and >= {GATE_HEADROOM_SD:g} sd)")
         if len(eps) > 1:
             d = float(low.mean() - high.mean())
             sds = d / pooled(low, high)
-            out.append(f"{'PASS' if sds >= GATE_EPSILON_SD else 'FAIL'}: {model}: {name} at epsilon {eps[0]:g} vs "
+            out.append(f"{verdict(sds >= GATE_EPSILON_SD, sds)}: {model}: {name} at epsilon {eps[0]:g} vs "
                        f"{eps[-1]:g} (private eval): {d:.3f} nats/record apart, {sds:.1f} pooled sd (needs >= "
                        f"{GATE_EPSILON_SD:g})")
         means = group.groupby(["_arm", "_eps"])[[public_col, private_col]].mean()

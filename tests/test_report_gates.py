@@ -1,0 +1,33 @@
+"""The benchmark's gates in `raydp report` (issue 27): the headroom and epsilon gates computed by hand here, and a study
+with one seed per arm, whose sd-based gates cannot be judged (N/A, not FAIL)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from raydp.study.report import gates
+
+
+def _table(seeds):
+    rows = []
+    values = {("nonprivate", None): (63.0, 65.0), ("static-pairwise", 0.5): (66.0, 68.0),
+              ("static-pairwise", 8.0): (65.0, 67.0)}
+    for (strategy, eps), (private, public) in values.items():
+        for seed in seeds:
+            jitter = 0.01 * seed
+            rows.append({"trial": f"{strategy}-{eps}-{seed}", "status": "TERMINATED", "model": "embedded",
+                         "strategy": strategy, "epsilon_target": eps if eps is not None else math.nan, "seed": seed,
+                         "final_eval_value_nll": private + jitter, "final_public_value_nll": public + jitter})
+    return pd.DataFrame(rows)
+
+
+def test_the_gates_by_hand_and_with_one_seed():
+    lines = gates(_table([0, 1, 2]), "final_public_value_nll")
+    # non-private vs static-pairwise at 0.5: 3.0 apart, 3/66.01 = 4.5%; both arms' sd is 0.01, so 300 pooled sd
+    assert lines[0].startswith("PASS") and "3.000 nats/record apart, 4.5% and 300.0 pooled sd" in lines[0]
+    assert lines[1].startswith("PASS") and "1.000 nats/record apart, 100.0 pooled sd" in lines[1]
+    one = gates(_table([0]), "final_public_value_nll")
+    assert one[0].startswith("N/A (one seed: no sd)") and one[1].startswith("N/A")
+    assert one[2].startswith(("PASS", "FAIL")) and one[3].startswith("PASS")  # the rank and public gates need no sd
