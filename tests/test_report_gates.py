@@ -31,3 +31,15 @@ def test_the_gates_by_hand_and_with_one_seed():
     one = gates(_table([0]), "final_public_value_nll")
     assert one[0].startswith("N/A (one seed: no sd)") and one[1].startswith("N/A")
     assert one[2].startswith(("PASS", "FAIL")) and one[3].startswith("PASS")  # the rank and public gates need no sd
+
+
+def test_a_spearman_of_exactly_the_threshold_passes():
+    """Four cells with one adjacent pair swapped between the splits: rho = 1 - 6*2/(4*15) = 0.8 exactly (scipy returns
+    0.7999999999999999)."""
+    table = _table([0, 1])  # private: non-private 63 < static@2 64 < sp@8 65 < sp@0.5 66
+    extra = table[table["strategy"] == "nonprivate"].copy()
+    extra["strategy"], extra["epsilon_target"] = "static", 2.0
+    extra["final_eval_value_nll"], extra["final_public_value_nll"] = 64.0, 67.5  # public: sp@8 67 < static@2 67.5
+    lines = gates(pd.concat([table, extra], ignore_index=True), "final_public_value_nll")
+    rank = next(line for line in lines if "Spearman" in line)
+    assert "Spearman 0.800" in rank and rank.startswith("PASS")

@@ -315,7 +315,8 @@ def gates(results: pd.DataFrame, column: str, reference: str = "static-pairwise"
                        f"{GATE_EPSILON_SD:g})")
         means = group.groupby(["_arm", "_eps"])[[public_col, private_col]].mean()
         rho = float(stats.spearmanr(means[public_col], means[private_col]).statistic) if len(means) > 2 else float("nan")
-        out.append(f"{'PASS' if rho >= GATE_SPEARMAN else 'FAIL'}: {model}: public validation ranks the {len(means)} "
+        # Spearman's rho on a few cells takes exact values (4 cells, one swap: 0.8) that scipy returns a rounding short
+        out.append(f"{'PASS' if rho >= GATE_SPEARMAN - 1e-9 else 'FAIL'}: {model}: public validation ranks the {len(means)} "
                    f"(arm, epsilon) cells like the private split: Spearman {rho:.3f} (needs >= {GATE_SPEARMAN:g})")
         np_public = float(group[group["strategy"].isin(NONPRIVATE_ARMS)][public_col].mean())
         best_dp = group[~group["strategy"].isin(NONPRIVATE_ARMS)].groupby(["_arm", "_eps"])[public_col].mean().min()
