@@ -78,13 +78,6 @@ def exploration_generator(sac_seed: int, seed: int) -> torch.Generator:
     return torch.Generator().manual_seed((int(state[0]) << 31) ^ int(state[1]))
 
 
-def explore_sample(logits: torch.Tensor, generator: torch.Generator, squashed: bool = False) -> torch.Tensor:
-    """The policy's distribution (:func:`raydp.control.modules.action_distribution`) sampled with ``generator``."""
-    from raydp.control.modules import explore_action
-
-    return explore_action(logits, generator, squashed)
-
-
 class Broker:
     """Acts for the runs with the policy's weights and queues their transitions for training.
 
@@ -155,17 +148,9 @@ class Broker:
             self.runs[run_id]["ended"] = True
 
     def _act(self, obs: np.ndarray, generator: torch.Generator | None) -> np.ndarray:
-        from ray.rllib.core.columns import Columns
+        from raydp.control.modules import act
 
-        from raydp.control.modules import greedy_action
-
-        with torch.no_grad():
-            logits = self.module.forward_inference({Columns.OBS: torch.as_tensor(obs[None])})[
-                Columns.ACTION_DIST_INPUTS]
-            squashed = bool(self.module.model_config.get("squashed", False))
-            action = (explore_sample(logits, generator, squashed) if generator is not None
-                      else greedy_action(logits, squashed))
-        return action[0].numpy().astype(np.float32)
+        return act(self.module, obs, generator)
 
     # -- the trainer's side ----------------------------------------------------------------------
     def num_pending(self) -> int:

@@ -106,6 +106,17 @@ def explore_action(logits: torch.Tensor, generator: torch.Generator, squashed: b
     return torch.tanh(draw) if squashed else draw
 
 
+def act(module, obs, generator: torch.Generator | None = None):
+    """``module``'s action for one observation (float32 numpy): a draw of its distribution with ``generator`` (a run's
+    public exploration stream), or its greedy action without one. The broker and the RLlink client both act here."""
+    squashed = bool(module.model_config.get("squashed", False))
+    with torch.no_grad():
+        logits = module.forward_inference({Columns.OBS: torch.as_tensor(obs[None])})[Columns.ACTION_DIST_INPUTS]
+        action = explore_action(logits, generator, squashed) if generator is not None else greedy_action(logits,
+                                                                                                          squashed)
+    return action[0].numpy().astype("float32")
+
+
 def start_on_the_schedule(mean_layer: nn.Linear, rows, log_std_rows, initial_log_std: float) -> None:
     """Zero the weights and bias of ``mean_layer``'s mean ``rows`` (every action's mean is 0: residual decoding's
     zero action is the schedule) and set its ``log_std_rows`` to weight 0, bias ``initial_log_std``."""

@@ -123,7 +123,7 @@ from ray.rllib.utils.metrics import WEIGHTS_SEQ_NO
 
 from raydp.control.address import (LOOPBACK, RLlinkAddress, Secret, loopback_host, loopback_refusal, parse_rllink,
                                    require_loopback)
-from raydp.control.broker import exploration_generator, explore_sample, log_sampled, run_seed
+from raydp.control.broker import exploration_generator, log_sampled, run_seed
 from raydp.control.modes import DECODINGS, PAPER, unprotected
 from raydp.control.features import ObservationLayout
 from raydp.control.policies import check_policy_decoding
@@ -791,16 +791,9 @@ class RLlinkPolicyClient:
         self.weights_seq = int(state.get(WEIGHTS_SEQ_NO, 0))
 
     def _act(self, obs: np.ndarray) -> np.ndarray:
-        from raydp.control.modules import greedy_action
+        from raydp.control.modules import act
 
-        with torch.no_grad():
-            logits = self.module.forward_inference({self._columns.OBS: torch.as_tensor(obs[None])})[
-                self._columns.ACTION_DIST_INPUTS]
-            # the broker's sample, drawn from this client's generator
-            squashed = bool(self.module.model_config.get("squashed", False))
-            action = (explore_sample(logits, self.generator, squashed) if self.explore
-                      else greedy_action(logits, squashed))
-        return action[0].numpy().astype(np.float32)
+        return act(self.module, obs, self.generator if self.explore else None)  # the broker's draw, this generator
 
     def _chunk(self) -> SingleAgentEpisode:
         obs = [t[0] for t in self._pending] + [self._pending[-1][3]]

@@ -33,6 +33,7 @@ accountant) and :meth:`PrivacyLedger.load` reads it back.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -157,8 +158,13 @@ def multiplier_at_least(clips: Sequence[float], noise_stds: Sequence[float], sig
     s = np.asarray(noise_stds, dtype=np.float64).ravel()
     if s.shape != c.shape or not np.all(np.isfinite(s) & (s > 0)) or not (sigma > 0 and math.isfinite(sigma)):
         return False
-    total = sum((Fraction(float(ci)) / Fraction(float(si))) ** 2 for ci, si in zip(c, s))
-    return total * Fraction(float(sigma)) ** 2 <= 1
+    return _exactly_at_least(tuple(c.tolist()), tuple(s.tolist()), float(sigma))
+
+
+@functools.lru_cache(maxsize=8)  # a DP step asks twice for the same values: allocate_noise, then gradient_release
+def _exactly_at_least(clips: tuple[float, ...], stds: tuple[float, ...], sigma: float) -> bool:
+    total = sum((Fraction(ci) / Fraction(si)) ** 2 for ci, si in zip(clips, stds))
+    return total * Fraction(sigma) ** 2 <= 1
 
 
 def allocate_noise(sigma: float, clips: Sequence[float], allocation: str = "proportional") -> np.ndarray:
