@@ -571,3 +571,4 @@ def test_segment_norms_equal_each_pairs_own_norm(shapes, period):
     assert torch.allclose(layout.segment_norms(flat[2]).double(), want[2], rtol=1e-6, atol=0)  # a [D] vector
     assert layout.segment_norms(flat[:0]).shape == (0, len(shapes))  # an empty batch
     assert layout.period == period
+    assert PairLayout(()).segment_norms(torch.zeros(3, 0)).shape == (3, 0)  # no pairs: no norms

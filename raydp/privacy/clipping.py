@@ -90,9 +90,10 @@ class PairLayout:
         them (one for equal pairs): an ``index_add_`` into n_pairs outputs made every column an atomic add on one of
         a few addresses, milliseconds per step on a GPU at GPT-2 small's shape (issue 28)."""
         squares = flat.detach().double().pow(2)
-        lead, p = squares.shape[:-1], self.period
+        lead = squares.shape[:-1]
         if self.n_pairs == 0:
             return squares.new_zeros((*lead, 0)).to(flat.dtype)
+        p = self.period
         block = squares.reshape(*lead, self.n_pairs // p, sum(self.sizes[:p]))  # [..., repeats, one period]
         parts, at = [], 0
         for size in self.sizes[:p]:
