@@ -572,3 +572,40 @@ def test_segment_norms_equal_each_pairs_own_norm(shapes, period):
     assert layout.segment_norms(flat[:0]).shape == (0, len(shapes))  # an empty batch
     assert layout.period == period
     assert PairLayout(()).segment_norms(torch.zeros(3, 0)).shape == (3, 0)  # no pairs: no norms
+
+
+def _index_add_norms(layout, flat):
+    """The pair norms as they were computed before issue 28's change: float64 squares added column by column into
+    their pair's output (``index_add_``)."""
+    squares = flat.detach().double().pow(2)
+    columns = layout.pair_of_column(flat.device)
+    out = torch.zeros((*squares.shape[:-1], layout.n_pairs), dtype=torch.float64)
+    return out.index_add_(squares.dim() - 1, columns, squares).sqrt().to(flat.dtype)
+
+
+def test_pair_norms_by_views_keep_a_run_bit_identical(monkeypatch):
+    """A golden run: five DP steps under fixed randomness give bit-identical LoRA parameters with the pair norms
+    summed as reductions over views and as the former ``index_add_``."""
+    from raydp.privacy.clipping import PairLayout
+
+    def run():
+        model, pairs = tiny_lora_model(n_layer=3)
+        strategy = FixedDials([0.05, 0.2, 0.8], 1.1, "proportional")
+        strategy.setup(StrategyContext(len(pairs), (0.0, 0.5, 1.0), q=0.5, planned_steps=10, sigma_0=1.1,
+                                       epsilon_target=1e6, delta=1e-5))
+        step = DPStep(model, pairs, strategy, PrivacyLedger(delta=1e-5, epsilon_target=1e6),
+                      BudgetGuard("rdp", epsilon_target=1e6, delta=1e-5, planned_steps=10, q=0.5), q=0.5,
+                      expected_batch_size=2.5, planned_steps=10, randomness=PrivateRandomness.unsafe_from_seed(5),
+                      device=torch.device("cpu"))
+        optimizer = torch.optim.AdamW([t for p in pairs for t in (p.a, p.b)], lr=1e-2)
+        for seed in range(5):
+            ids, mask = padded_batch(seed=seed)
+            step.compute(model, Batch(list(range(ids.shape[0])), ids, mask))
+            optimizer.step()
+            step.after_update(model)
+        return [t.detach().clone() for p in pairs for t in (p.a, p.b)]
+
+    now = run()
+    monkeypatch.setattr(PairLayout, "segment_norms", _index_add_norms)
+    before = run()
+    assert all(torch.equal(a, b) for a, b in zip(now, before))
