@@ -100,16 +100,32 @@ def build(model_name: str, texts: list[str], batch_size: int, length: int):
     return loaded, batch
 
 
+def static_dp_step(loaded, batch_size: int):
+    """Our pairwise DP step with static clips (0.1) and the PLD-calibrated sigma of epsilon 8 over 3,600 steps at
+    q = batch / 20,000; the guard is consulted once (constant sigma)."""
+    from raydp.privacy import BudgetGuard, PrivacyLedger, calibrate_sigma
+    from raydp.privacy.engine import DPStep
+    from raydp.strategies.base import StrategyContext
+    from raydp.strategies.static import StaticPairwiseStrategy
+
+    n_pairs, planned, epsilon = len(loaded.pairs), 3_600, 8.0
+    q = batch_size / 20_000
+    sigma_0 = calibrate_sigma(epsilon, 1e-5, q, planned, "pld").sigma
+    strategy = StaticPairwiseStrategy(clip=0.1)
+    strategy.setup(StrategyContext(n_pairs, tuple(p.relative_depth for p in loaded.pairs), q, planned, sigma_0,
+                                   epsilon, 1e-5))
+    ledger = PrivacyLedger(delta=1e-5, epsilon_target=epsilon)
+    guard = BudgetGuard("pld", epsilon_target=epsilon, delta=1e-5, planned_steps=planned, q=q)
+    return DPStep(loaded.model, loaded.pairs, strategy, ledger, guard, q=q, expected_batch_size=batch_size,
+                  planned_steps=planned + 10_000, device=loaded.device)
+
+
 def bench_model(model_name: str, texts: list[str], args) -> dict:
     from opacus import GradSampleModule
     from opacus.optimizers import DPOptimizer
 
     from raydp.model.loss import per_sequence_nll
-    from raydp.privacy import BudgetGuard, PrivacyLedger, calibrate_sigma
-    from raydp.privacy.engine import DPStep
     from raydp.runner.gradients import NonPrivateGradient
-    from raydp.strategies.base import StrategyContext
-    from raydp.strategies.static import StaticPairwiseStrategy
 
     def fresh():
         loaded, batch = build(model_name, texts, args.batch, args.length)
@@ -128,16 +144,8 @@ def bench_model(model_name: str, texts: list[str], args) -> dict:
 
     # Pairwise DP step (ours), sigma fixed, guard consulted once (constant sigma).
     dp_loaded, dp_batch, dp_optimizer_ours = fresh()
-    n_pairs, planned, epsilon = len(dp_loaded.pairs), 3_600, 8.0
-    q = args.batch / 20_000
-    sigma_0 = calibrate_sigma(epsilon, 1e-5, q, planned, "pld").sigma
-    strategy = StaticPairwiseStrategy(clip=0.1)
-    strategy.setup(StrategyContext(n_pairs, tuple(p.relative_depth for p in dp_loaded.pairs), q, planned, sigma_0,
-                                   epsilon, 1e-5))
-    ledger = PrivacyLedger(delta=1e-5, epsilon_target=epsilon)
-    guard = BudgetGuard("pld", epsilon_target=epsilon, delta=1e-5, planned_steps=planned, q=q)
-    dp = DPStep(dp_loaded.model, dp_loaded.pairs, strategy, ledger, guard, q=q, expected_batch_size=args.batch,
-                planned_steps=planned + 10_000, device=dp_loaded.device)
+    dp = static_dp_step(dp_loaded, args.batch)
+    n_pairs, sigma_0 = len(dp_loaded.pairs), dp.sigma_0
 
     def dp_step():
         dp.compute(dp_loaded.model, dp_batch)
@@ -218,12 +226,9 @@ def bench_graphed(model_name: str, texts: list[str], args) -> dict:
     buffer when it changes. Checks printed beside the times: the graphed clipped sum against the eager one on the same
     parameters, and fresh noise on every replay."""
     from raydp.model.loss import per_sequence_nll
-    from raydp.privacy import BudgetGuard, PrivacyLedger, allocate_noise, calibrate_sigma
-    from raydp.privacy.engine import DPStep
+    from raydp.privacy import allocate_noise
     from raydp.privacy.clipping import group_norms
     from raydp.privacy.ledger import combine_sigma_eff
-    from raydp.strategies.base import StrategyContext
-    from raydp.strategies.static import StaticPairwiseStrategy
 
     # Non-private: forward, backward, AdamW.
     loaded, batch = build(model_name, texts, args.batch, args.length)
@@ -245,16 +250,8 @@ def bench_graphed(model_name: str, texts: list[str], args) -> dict:
     dp_loaded, dp_batch = build(model_name, texts, args.batch, args.length)
     dp_params = dp_loaded.trainable_parameters()
     dp_optimizer = torch.optim.AdamW(dp_params, lr=5e-4, weight_decay=0.0, capturable=True)
-    n_pairs, planned, epsilon = len(dp_loaded.pairs), 3_600, 8.0
-    q = args.batch / 20_000
-    sigma_0 = calibrate_sigma(epsilon, 1e-5, q, planned, "pld").sigma
-    strategy = StaticPairwiseStrategy(clip=0.1)
-    strategy.setup(StrategyContext(n_pairs, tuple(p.relative_depth for p in dp_loaded.pairs), q, planned, sigma_0,
-                                   epsilon, 1e-5))
-    ledger = PrivacyLedger(delta=1e-5, epsilon_target=epsilon)
-    guard = BudgetGuard("pld", epsilon_target=epsilon, delta=1e-5, planned_steps=planned, q=q)
-    dp = DPStep(dp_loaded.model, dp_loaded.pairs, strategy, ledger, guard, q=q, expected_batch_size=args.batch,
-                planned_steps=planned + 10_000, device=dp_loaded.device)
+    dp = static_dp_step(dp_loaded, args.batch)
+    strategy, ledger, guard, q = dp.strategy, dp.ledger, dp.guard, dp.q
     dp.per_sample.model = _WithoutMask(dp_loaded.model)
     first = dp.prepare(0).dials
     charged = allocate_noise(first.sigma, first.clip, strategy.allocation)
