@@ -494,3 +494,118 @@ def test_a_lora_input_without_the_batch_dimension_is_refused():
     ids, mask = padded_batch()
     with pytest.raises(ValueError, match="carry the batch dimension"):
         PerSampleGradientComputer(model, pairs).compute(ids, mask)
+
+
+class _SeesUpdates(FixedDials):
+    observes_update = True
+
+    def observe(self, release, ledger):
+        self.seen = release
+
+
+@pytest.mark.parametrize("observes", [True, False])
+def test_a_strategy_sees_the_parameter_change_only_when_it_asks(observes):
+    """``release.update`` is the optimizer's change of each LoRA tensor, measured here around the step; a strategy
+    that does not declare ``observes_update`` gets none (the DP step then copies no parameters)."""
+    model, pairs = tiny_lora_model(n_layer=2)
+    strategy = _SeesUpdates([0.1, 0.3], 1.0, "proportional")
+    strategy.observes_update = observes
+    strategy.setup(StrategyContext(len(pairs), (0.0, 1.0), q=0.5, planned_steps=10, sigma_0=1.0,
+                                   epsilon_target=1e6, delta=1e-5))
+    step = DPStep(model, pairs, strategy, PrivacyLedger(delta=1e-5, epsilon_target=1e6),
+                  BudgetGuard("rdp", epsilon_target=1e6, delta=1e-5, planned_steps=10, q=0.5), q=0.5,
+                  expected_batch_size=2.5, planned_steps=10, randomness=PrivateRandomness.unsafe_from_seed(1),
+                  device=torch.device("cpu"))
+    optimizer = torch.optim.SGD([t for p in pairs for t in (p.a, p.b)], lr=0.5)
+    ids, mask = padded_batch()
+    step.compute(model, Batch(list(range(ids.shape[0])), ids, mask))
+    before = [t.detach().clone() for p in pairs for t in (p.a, p.b)]
+    grads = [t.grad.clone() for p in pairs for t in (p.a, p.b)]
+    optimizer.step()
+    step.after_update(model)
+    if not observes:
+        assert strategy.seen.update == []
+        return
+    assert len(strategy.seen.update) == 2 * len(pairs)
+    for change, old, grad, t in zip(strategy.seen.update, before, grads, [t for p in pairs for t in (p.a, p.b)]):
+        assert change.shape == t.shape
+        assert torch.allclose(change, t.detach() - old) and torch.allclose(change, -0.5 * grad, atol=1e-7)
+
+
+def test_layout_split_views_match_slicing_in_flattened_order():
+    from raydp.privacy.clipping import PairLayout
+
+    shapes = (((4, 16), (16, 4)), ((4, 16), (48, 4)), ((2, 3), (5, 2)))
+    layout = PairLayout(shapes)
+    flat = torch.arange(3 * layout.dim, dtype=torch.float32).reshape(3, layout.dim)
+    a, b = layout.split(flat, batched=True)
+    a1, b1 = layout.split(flat[1], batched=False)
+    at = 0
+    for i, (sa, sb) in enumerate(shapes):
+        for got, got1, shape in ((a[i], a1[i], sa), (b[i], b1[i], sb)):
+            n = int(np.prod(shape))
+            assert torch.equal(got, flat[:, at:at + n].reshape(3, *shape)) and torch.equal(got1, got[1])
+            assert got.data_ptr() == flat[:, at:].data_ptr()  # a view, no copy
+            at += n
+    assert at == layout.dim
+
+
+@pytest.mark.parametrize("shapes, period", [
+    ((((4, 16), (16, 4)),) * 3, 1),  # one size
+    ((((4, 16), (16, 4)), ((4, 16), (8, 4))) * 2, 2),  # alternating, as Llama's q_proj / v_proj
+    ((((2, 3), (5, 2)), ((4, 16), (16, 4)), ((1, 7), (7, 1))), 3),  # no repeat
+])
+def test_segment_norms_equal_each_pairs_own_norm(shapes, period):
+    from raydp.privacy.clipping import PairLayout
+
+    layout = PairLayout(shapes)
+    flat = torch.randn(5, layout.dim, generator=torch.Generator().manual_seed(0)) * torch.logspace(-6, 3, layout.dim)
+    got = layout.segment_norms(flat)
+    at, want = 0, []
+    for size in layout.sizes:
+        want.append(torch.linalg.vector_norm(flat[:, at:at + size].double(), dim=1))
+        at += size
+    want = torch.stack(want, 1)
+    assert got.shape == (5, len(shapes)) and got.dtype == flat.dtype
+    assert torch.allclose(got.double(), want, rtol=1e-6, atol=0)
+    assert torch.allclose(layout.segment_norms(flat[2]).double(), want[2], rtol=1e-6, atol=0)  # a [D] vector
+    assert layout.segment_norms(flat[:0]).shape == (0, len(shapes))  # an empty batch
+    assert layout.period == period
+    assert PairLayout(()).segment_norms(torch.zeros(3, 0)).shape == (3, 0)  # no pairs: no norms
+
+
+def _index_add_norms(layout, flat):
+    """The pair norms as they were computed before issue 28's change: float64 squares added column by column into
+    their pair's output (``index_add_``)."""
+    squares = flat.detach().double().pow(2)
+    columns = layout.pair_of_column(flat.device)
+    out = torch.zeros((*squares.shape[:-1], layout.n_pairs), dtype=torch.float64)
+    return out.index_add_(squares.dim() - 1, columns, squares).sqrt().to(flat.dtype)
+
+
+def test_pair_norms_by_views_keep_a_run_bit_identical(monkeypatch):
+    """A golden run: five DP steps under fixed randomness give bit-identical LoRA parameters with the pair norms
+    summed as reductions over views and as the former ``index_add_``."""
+    from raydp.privacy.clipping import PairLayout
+
+    def run():
+        model, pairs = tiny_lora_model(n_layer=3)
+        strategy = FixedDials([0.05, 0.2, 0.8], 1.1, "proportional")
+        strategy.setup(StrategyContext(len(pairs), (0.0, 0.5, 1.0), q=0.5, planned_steps=10, sigma_0=1.1,
+                                       epsilon_target=1e6, delta=1e-5))
+        step = DPStep(model, pairs, strategy, PrivacyLedger(delta=1e-5, epsilon_target=1e6),
+                      BudgetGuard("rdp", epsilon_target=1e6, delta=1e-5, planned_steps=10, q=0.5), q=0.5,
+                      expected_batch_size=2.5, planned_steps=10, randomness=PrivateRandomness.unsafe_from_seed(5),
+                      device=torch.device("cpu"))
+        optimizer = torch.optim.AdamW([t for p in pairs for t in (p.a, p.b)], lr=1e-2)
+        for seed in range(5):
+            ids, mask = padded_batch(seed=seed)
+            step.compute(model, Batch(list(range(ids.shape[0])), ids, mask))
+            optimizer.step()
+            step.after_update(model)
+        return [t.detach().clone() for p in pairs for t in (p.a, p.b)]
+
+    now = run()
+    monkeypatch.setattr(PairLayout, "segment_norms", _index_add_norms)
+    before = run()
+    assert all(torch.equal(a, b) for a, b in zip(now, before))

@@ -317,6 +317,15 @@ def test_rldp_trials_can_share_one_policy(tiny_study, tmp_path, monkeypatch):
     # the study refuses to overwrite the saved policy, before running anything
     assert main(["study", str(path), "--results-dir", str(tmp_path / "again")]) == 2
     assert not (tmp_path / "again").exists()
+    # a shared study whose controller settings name a policy continues it: its provenance is inherited (a shared
+    # session used to start a fresh policy and ignore the setting)
+    rldp = {**TINY_STUDY["strategy_settings"]["rldp"], "policy": "pre", "policy_dir": str(tmp_path / "policies")}
+    more = write_study(tmp_path, name="more", strategies=["rldp"], seeds=[2], policy="shared",
+                       wandb={"mode": "disabled"}, base=base, private_data=False, save_policy="pre2",
+                       policy_dir=str(tmp_path / "policies"), strategy_settings={"rldp": rldp})
+    run_study(more, tmp_path / "out", progress=False)
+    continued = json.loads((tmp_path / "policies" / "pre2" / "manifest.json").read_text())
+    assert len(continued["provenance"]) == 3 and continued["provenance"][:2] == manifest["provenance"]
     # a later study names the saved policy relative to where it runs: the driver hands each trial the
     # absolute path (Tune starts a trial in its own directory, and the policy service elsewhere again)
     from raydp.study.config import trial_config

@@ -235,7 +235,7 @@ class DPStep:
         if self.strategy.raw_statistics:  # unprivatized, labelled (ERRATA E3)
             self._pending.raw_pair_norms = norms.detach().cpu().numpy()
             self._pending.raw_losses = grads.losses.detach().cpu().numpy()
-        self._before_update = self._parameters_flat()
+        self._before_update = self._parameters_flat() if self.strategy.observes_update else None
         self._prepared = None
         self._clip_change = () if self._last_clip is None else tuple(
             new / old for new, old in zip(dials.clip, self._last_clip))
@@ -262,7 +262,9 @@ class DPStep:
         if batch.size > 0:
             grads = self._per_sample(batch)
             n_units = batch.n_units if batch.unit_index is not None else None
-            grads = zero_nonfinite(combine_units(zero_nonfinite(grads), batch.unit_index, n_units))
+            grads = zero_nonfinite(grads)
+            if batch.unit_index is not None:  # a unit's sum of finite records can still overflow
+                grads = zero_nonfinite(combine_units(grads, batch.unit_index, n_units))
         else:  # an empty Poisson sample still releases noise
             dtype = self.pairs[0].a.dtype if self.pairs else torch.float32
             grads = PerSampleGrads(torch.zeros((0, self.layout.dim), dtype=dtype, device=self.device), self.layout,
@@ -407,8 +409,9 @@ class DPStep:
         """Hand the release (now with the parameter update) to the strategy."""
         if self._pending is None:
             return
-        change_a, change_b = self.layout.split(self._parameters_flat() - self._before_update, batched=False)
-        self._pending.update = [t for pair in zip(change_a, change_b) for t in pair]
+        if self._before_update is not None:  # only for a strategy that reads it (a copy of every LoRA parameter)
+            change_a, change_b = self.layout.split(self._parameters_flat() - self._before_update, batched=False)
+            self._pending.update = [t for pair in zip(change_a, change_b) for t in pair]
         self.strategy.observe(self._pending, self.ledger)
         self._pending, self._before_update = None, None
 

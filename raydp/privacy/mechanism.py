@@ -161,7 +161,8 @@ class StepRelease:
     #: the gradient set on the parameters (original coordinates, divided by the expected batch size),
     #: flattened pair by pair (A_0, B_0, A_1, B_1, ...)
     noisy_gradient: torch.Tensor | None = None
-    update: list[torch.Tensor] = field(default_factory=list)  # parameter change of each trainable tensor
+    #: parameter change of each trainable tensor; filled only for a strategy with ``observes_update``
+    update: list[torch.Tensor] = field(default_factory=list)
     #: the declared releases, noisy, by name
     statistics: dict[str, np.ndarray] = field(default_factory=dict)
     #: the noise std each statistic was released with (public: it follows from sigma)

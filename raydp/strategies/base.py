@@ -107,6 +107,9 @@ class Strategy(ABC):
     #: where the DP step's per-unit contributions come from: ``"per_sample"`` (LoRA hooks, per-sample
     #: gradients) or ``"ghost"`` (ghost clipping, norms only; flat clipping, :mod:`raydp.privacy.ghost`)
     gradient_source: str = "per_sample"
+    #: whether :meth:`observe` reads ``release.update`` (the parameter change): the DP step then copies every LoRA
+    #: parameter before the optimizer step (a cost per step no built-in strategy needs)
+    observes_update: bool = False
 
     @property
     def privacy_mode(self) -> str:

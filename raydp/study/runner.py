@@ -44,7 +44,7 @@ import pyarrow.fs
 import torch
 
 from raydp.control.connection import client_from_connection
-from raydp.control.policies import check_policy_privacy, policy_layout_for, sac_settings, trained_on
+from raydp.control.policies import check_policy_privacy, trained_on
 from raydp.data import load_manifest, load_texts, manifest_id, resolve_dataset
 from raydp.data.build import is_public_dataset
 from raydp.data.tasks import classification_spec
@@ -652,10 +652,11 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
               "connection": None, "log_checkpoints": sys.stderr.isatty(),
               "n_trials": len(trials)}  # audits in the family: each trial's audit is Bonferroni-corrected
     if study.policy == "shared" and study.controller_strategy is not None:
-        from raydp.control.service import PolicySession  # lazy: imports Ray, which `raydp study --check` does not load
+        from raydp.control.service import start_policy_session  # lazy: imports Ray (`raydp study --check` does not)
 
-        first_rldp = trial_config(study, next(t for t in trials if t.strategy == study.controller_strategy), dataset)
-        session = PolicySession(policy_layout_for(first_rldp), sac_settings(first_rldp), namespace=RAY_NAMESPACE)
+        # the controller settings' `policy` is where the shared policy starts (continued, its provenance inherited)
+        first = next(t for t in trials if t.strategy == study.controller_strategy)
+        session = start_policy_session(trial_config(study, first, dataset, first.policy_path), RAY_NAMESPACE)
         common["connection"] = session.connection()
     bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
     trainable = tune.with_resources(run_trial, tune.PlacementGroupFactory([bundle]))
