@@ -59,6 +59,8 @@ def write_study(tmp_path, **changes):
     ({"policy": "shared", "settings_grid": {"rldp": {"t_warm": [2, 4]}}}, "one shared policy cannot act"),
     ({"settings_grid": {"rldp": {"policy": ["a", "b"]}}}, "settings_grid.rldp cannot vary policy"),
     ({"policy": "shared", "save_policy": "x"}, "save_policy pre-trains on public data only"),
+    ({"policy": "shared", "save_policy": "x", "strategy_settings": {"rldp": {"frozen": True, "policy": "p"}}},
+     "a frozen policy learns nothing"),
     ({"private_data": False}, "private_data: false is for public data only"),
     ({"settings_grid": {"static": {"clip": [0.1, 0.1]}}}, "two trials would both be named"),
     ({"resources": {"cpus_per_trial": 64}}, "exceeds the cluster's"),

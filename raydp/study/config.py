@@ -365,6 +365,9 @@ class StudyConfig(StrictModel):
         if self.save_policy is not None and (self.policy != "shared" or self.controller_strategy is None):
             raise ValueError("save_policy saves a study's shared policy: it needs policy: shared and "
                              f"{capability_names('controller')} in strategies")
+        if self.save_policy is not None and (self.strategy_settings.get(self.controller_strategy) or {}).get("frozen"):
+            raise ValueError("save_policy saves what a shared policy learned: a frozen policy learns nothing (drop "
+                             "frozen or save_policy)")
         source = (self.base.get("data") or {}).get("source", "synthetic")
         if self.save_policy is not None and source != "public":
             # a trial that fails for good has trained the shared policy but left no provenance entry (E14)
