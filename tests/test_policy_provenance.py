@@ -280,3 +280,20 @@ def test_export_refuses_an_old_policy_that_names_its_data_by_a_plain_hash(tmp_pa
     assert main(["policy", "export", "oldpol", "--policy-dir", str(tmp_path), "--to", str(archive)]) == 2
     err = capsys.readouterr().err
     assert "run `raydp migrate` on it before exporting" in err and err.count("\n") == 1 and not archive.exists()
+
+
+def test_a_continued_policys_totals_cover_every_study_that_trained_it():
+    """residual-public-102 continued residual-public-60 with 42 episodes: its record's totals are the two studies'
+    figures summed (its own top-level counts are the second study's), and its episodes match its provenance."""
+    from raydp.control.store import resolve_policy, training_totals
+
+    first = load_manifest(resolve_policy("residual-public-60", "policies"))
+    later = load_manifest(resolve_policy("residual-public-102", "policies"))
+    record = later["trained_on"]["pretraining"]
+    totals = training_totals(later)
+    assert training_totals(first)["episodes"] == len(first["provenance"]) == 60
+    assert totals["episodes"] == len(later["provenance"]) == 60 + record["episodes"] == 102
+    assert totals["transitions"] == first["transitions"] + later["transitions"] == 1620 + 1134
+    assert totals["sac_updates"] == first["sac_updates"] + later["sac_updates"]
+    assert totals["cpu_seconds"] == pytest.approx(first["trained_on"]["pretraining"]["cpu_seconds"]
+                                                  + record["cpu_seconds"], abs=0.11)

@@ -328,6 +328,13 @@ def test_rldp_trials_can_share_one_policy(tiny_study, tmp_path, monkeypatch):
     run_study(more, tmp_path / "out", progress=False)
     continued = json.loads((tmp_path / "policies" / "pre2" / "manifest.json").read_text())
     assert len(continued["provenance"]) == 3 and continued["provenance"][:2] == manifest["provenance"]
+    # its training record sums both studies (the continued policy's own counts are this study's only)
+    later = continued["trained_on"]["pretraining"]
+    assert later["continued_from"]["policy"] == "pre" and later["continued_from"]["episodes"] == 2
+    assert later["continued_from"]["transitions"] == record["transitions"]
+    assert later["totals"]["episodes"] == 3 and later["totals"]["transitions"] == record["transitions"] + \
+        continued["transitions"] and later["totals"]["sac_updates"] == record["sac_updates"] + continued["sac_updates"]
+    assert later["totals"]["cpu_seconds"] == pytest.approx(record["cpu_seconds"] + later["cpu_seconds"], abs=0.11)
     # a later study names the saved policy relative to where it runs: the driver hands each trial the
     # absolute path (Tune starts a trial in its own directory, and the policy service elsewhere again)
     from raydp.study.config import trial_config

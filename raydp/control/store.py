@@ -139,8 +139,32 @@ def _list_dir(root: Path) -> list[dict]:
                 continue
             out.append({"name": child.name, "path": str(child), **{k: m.get(k) for k in
                         ("architecture", "created", "trained_on", "results", "transitions")},
+                        "totals": training_totals(m),
                         "provenance": provenance_of(m), "privacy_mode": policy_privacy_mode(m)})
     return out
+
+
+#: what a policy's training cost, summed over every study that trained it (a continued policy inherits the
+#: earlier studies' figures: :func:`training_totals`)
+TOTAL_KEYS = ("episodes", "transitions", "sac_updates", "wall_seconds", "cpu_seconds", "gpu_seconds")
+
+
+def training_totals(manifest: dict) -> dict:
+    """A policy's whole training record, summed over every study that trained it: its pretraining record's
+    ``totals`` (written when a study continues a saved policy), else its own figures (one study, or a policy saved
+    before totals existed: its episodes counted from its provenance, one entry per run)."""
+    record = (manifest.get("trained_on") or {}).get("pretraining") or {}
+    if record.get("totals"):
+        return {k: record["totals"].get(k) for k in TOTAL_KEYS}
+    return {"episodes": len(provenance_of(manifest)), "transitions": manifest.get("transitions"),
+            "sac_updates": manifest.get("sac_updates"), **{k: record.get(k) for k in TOTAL_KEYS[3:]}}
+
+
+def add_totals(earlier: dict, this: dict) -> dict:
+    """``earlier``'s totals plus one study's figures (None where either is unknown)."""
+    return {k: None if earlier.get(k) is None or this.get(k) is None else
+            round(earlier[k] + this[k], 1) if isinstance(earlier[k] + this[k], float) else earlier[k] + this[k]
+            for k in TOTAL_KEYS}
 
 
 PROVENANCE_KEYS = ("dataset_id", "privacy_mode", "privacy_unit", "epsilon", "delta", "guarantee",

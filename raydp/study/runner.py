@@ -44,6 +44,8 @@ import pyarrow.fs
 import torch
 
 from raydp.control.connection import client_from_connection
+from raydp.control.store import add_totals, training_totals
+from raydp.control.store import load_manifest as load_policy_manifest
 from raydp.control.policies import check_policy_privacy, trained_on
 from raydp.data import load_manifest, load_texts, manifest_id, resolve_dataset
 from raydp.data.build import is_public_dataset
@@ -764,6 +766,11 @@ def _save_study_policy(session, path: Path, study: StudyConfig, dataset: str, re
     first = trial_config(study, next(t for t in trial_grid(study) if t.strategy == study.controller_strategy), dataset)
     record["sac_updates"] = None if counters.get("train_calls") is None else \
         counters["train_calls"] * first.strategy_settings().k
+    start = check_policy_privacy(first)  # the saved policy this study continued (its path), or None
+    if start is not None:  # the earlier studies' figures, so the record's totals cover the policy's whole training
+        earlier = training_totals(load_policy_manifest(start))
+        record["continued_from"] = {"policy": first.strategy_settings().policy, **earlier}
+        record["totals"] = add_totals(earlier, record)
     path.parent.mkdir(parents=True, exist_ok=True)
     session.save(path, trained_on=trained_on(first, model=", ".join(study.models), epsilon=study.epsilons,
                                              t_rl=study.sac_grid.t_rl, pretraining=record),
