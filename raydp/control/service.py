@@ -76,7 +76,7 @@ class PolicyService:
         learner = self.algo.learner_group._learner
         return {**self.training.counters(),
                 "replay_size": self.algo.local_replay_buffer.get_num_timesteps(),
-                "alpha": float(learner.curr_log_alpha["default_policy"].exp())}  # the learner's live temperature
+                "alpha": float(learner.curr_log_alpha["default_policy"].detach().exp())}  # the learner's live temperature
 
     def wait_idle(self, timeout_s: float = 120.0) -> bool:
         """Wait until every reported transition has been trained on."""
