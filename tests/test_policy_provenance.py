@@ -113,6 +113,22 @@ def test_a_policy_acts_only_in_the_clip_decoding_it_learned(tmp_path):
     assert check_policy_privacy(config("paper")) == tmp_path / "eq10"
 
 
+def test_a_policy_refuses_settings_of_another_network_width(tmp_path):
+    from raydp.config import TrainConfig, validate_config
+    from raydp.control.policies import check_policy_privacy
+
+    path = fake_policy(tmp_path, "narrow", provenance=[entry()])
+    manifest = json.loads((path / MANIFEST).read_text())
+    (path / MANIFEST).write_text(json.dumps({**manifest, "sac": {**manifest["sac"], "hidden": 32}}))
+    def config(**settings):
+        return validate_config(TrainConfig, {"model": "embedded-tiny", "strategy": "rldp", "epsilon": 2.0, "settings": {
+            "policy": "narrow", "policy_dir": str(tmp_path), "action_decoding": "relative", **settings}})
+
+    with pytest.raises(ConfigError, match="has networks 32 wide; this run's settings.hidden is 7"):
+        check_policy_privacy(config(hidden=7))
+    assert check_policy_privacy(config(hidden=32)) == tmp_path / "narrow"
+
+
 def test_paper_policy_refuses_to_drive_a_strict_run(tmp_path):
     from raydp.config import TrainConfig, validate_config
     from raydp.control.policies import check_policy_privacy

@@ -56,7 +56,17 @@ def check_policy_privacy(config, restore: Path | None = None) -> Path | None:
         manifest = load_manifest(restore)
         check_policy_privacy_mode(manifest, s.privacy_mode, s.policy or str(restore))
         check_policy_decoding(manifest, s.action_decoding, s.policy or str(restore))
+        check_policy_width(manifest, s.hidden, s.policy or str(restore))
     return restore
+
+
+def check_policy_width(manifest: dict, hidden: int, name) -> None:
+    """The networks are rebuilt from the run's SAC settings before the saved weights load into them: one-line
+    ConfigError when the settings' hidden width is not the policy's (the load would fail in the policy service)."""
+    trained = (manifest.get("sac") or {}).get("hidden")
+    if trained is not None and int(trained) != int(hidden):
+        raise ConfigError(f"policy {name} has networks {trained} wide; this run's settings.hidden is {hidden} "
+                          f"(set settings.hidden: {trained})")
 
 
 def check_policy_decoding(manifest: dict, action_decoding: str, name) -> None:
