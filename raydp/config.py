@@ -189,6 +189,10 @@ class TrainConfig(StrictModel):
         "steps between evaluations (beside step 0, each epoch end and the last, which are always evaluated); default: "
         "those only (evaluating 2,000 + 2,000 records is a third of a default run; issue 28)"))
     eval_max_records: int | None = Field(2000, gt=0, description="evaluate on at most this many eval records")
+    dp_width: int | None = Field(None, gt=1, description=(
+        "DP runs: the tokens every training batch is padded to (a longer training record is cut to it), a public "
+        "constant, so that no record changes the shapes the others are computed with; default: the longest public "
+        "validation record, at most max_length"))
     max_length: int | None = Field(None, gt=1, description="token cap per sequence (default: model's, at most 512; "
                                    "a classification prompt is exactly this long, default 384, left-filled)")
     device: str = Field("auto", description="auto, cpu, cuda, cuda:1, ...")

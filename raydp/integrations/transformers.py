@@ -290,8 +290,9 @@ class DPTraining:
     ``config``: a :class:`raydp.config.TrainConfig`, or its fields as keyword arguments (``strategy``,
     ``epsilon``, ``delta``, ``batch_size`` = the expected number of privacy units per step, ``epochs``,
     ``max_steps``, ``accountant``, ``clip``, ``settings``, ``rldp``, ``privacy_unit``,
-    ``unsafe_fixed_randomness``, ``seed``, ``max_length``); its model, data, learning-rate and evaluation
-    fields are not used (those are the Trainer's). ``train_dataset``: the private training records (texts,
+    ``unsafe_fixed_randomness``, ``seed``, ``max_length``, ``dp_width``: the tokens every batch is padded to,
+    default max_length); its model, data, learning-rate and evaluation fields are not used (those are the
+    Trainer's). ``train_dataset``: the private training records (texts,
     records with ``text_column``, or tokenised records); the Trainer must be given the same object or none.
     ``units``: the privacy unit of every record (e.g. a patient id; ERRATA E11), or None: every record is
     its own unit. ``loss(logits, input_ids, attention_mask)``: the per-example loss (default: per-sequence
@@ -378,7 +379,10 @@ class DPTraining:
             ids = None
         else:
             self.units = PrivacyUnits("patient", int(len(np.unique(ids))), ids)
-        self.split = training_split(train_dataset, tokenizer, max_length, units=ids, text_column=text_column)
+        # every Poisson batch padded to one public width, so that no record changes the shapes the others are
+        # computed with (raydp.runner.run.dp_batch_width; here no public records are known: dp_width, else max_length)
+        self.width = min(self.config.dp_width or max_length, max_length)
+        self.split = training_split(train_dataset, tokenizer, self.width, units=ids, text_column=text_column)
         self.max_length = max_length
         #: the checked request: q, planned steps, sigma_0 (no model needed; one-line errors before training)
         self.plan = plan_private_run(self.config, self.units.public_count, self.strategy)
@@ -465,7 +469,7 @@ class DPTraining:
         one opaque input (no tokens or sizes the Trainer could count or log)."""
         split, device = self.split, self.device
         return torch.utils.data.DataLoader(_Indices(len(split)), batch_sampler=self.batches, num_workers=0,
-                                           collate_fn=lambda indices: {BATCH_KEY: split.collate(indices, device)})
+                                           collate_fn=lambda indices: {BATCH_KEY: split.collate(indices, device, width=self.width)})
 
     def _training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         """The DP step in place of the Trainer's forward/backward; returns a constant 0 (no loss is released)."""

@@ -79,8 +79,14 @@ class TokenizedSplit:
     def __len__(self) -> int:
         return len(self.sequences)
 
-    def collate(self, indices: list[int], device: torch.device) -> Batch:
+    def collate(self, indices: list[int], device: torch.device, width: int | None = None) -> Batch:
+        """The batch of ``indices``, padded to the longest of them, or to ``width`` (a DP run's fixed batch width:
+        :func:`raydp.runner.run.dp_batch_width`)."""
         length = max((len(self.sequences[i]) for i in indices), default=1)
+        if width is not None:
+            if length > width:
+                raise ValueError(f"a sequence of {length} tokens does not fit the batch width {width}")
+            length = width
         input_ids = torch.full((len(indices), length), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros((len(indices), length), dtype=torch.long)
         for row, i in enumerate(indices):

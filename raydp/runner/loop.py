@@ -112,11 +112,14 @@ class Trainer:
         checkpoint_every: int | None = None,
         public_evaluation: TokenizedSplit | None = None,
         evaluate=evaluate_perplexity,
+        batch_width: int | None = None,
     ):
         """``evaluate(model, split, device, max_sequences=...)``: the task's evaluation metric (held-out
         perplexity for language modelling, the default); it returns a result with ``perplexity``,
-        ``nll_per_token``, ``utility`` and ``n_tokens``."""
+        ``nll_per_token``, ``utility`` and ``n_tokens``. ``batch_width``: pad every training batch to this many
+        tokens (a DP run's fixed width), instead of to its longest sequence."""
         self.model = model
+        self.batch_width = batch_width
         self.evaluate_split = evaluate
         self.train_split = train
         self.eval_split = evaluation
@@ -143,7 +146,7 @@ class Trainer:
 
     # -- the separate steps -------------------------------------------------------------------
     def sample(self):
-        return self.train_split.collate(self.sampler.next_indices(), self.device)
+        return self.train_split.collate(self.sampler.next_indices(), self.device, width=self.batch_width)
 
     def compute_gradients(self, batch) -> dict:
         return self.gradient.compute(self.model, batch)
