@@ -369,7 +369,8 @@ def test_a_save_adds_its_sessions_counts_to_the_restored_lifetime_once(tmp_path)
     assert snapshot["lifetime"] == {"runs": 1, "transitions": 5 + 3, "sac_updates": 10 + 6}
     assert final["lifetime"] == {"runs": 2, "transitions": 5 + 7, "sac_updates": 10 + 14}  # not 5 + 3 + 7
     assert final["transitions"] == 7 and final["sac_updates"] == 14  # the top-level counts stay the session's
-    resumed = save("resumed", chain + [provenance_entry(entry(eps=0.5))], 2, lifetime_of(load_manifest(root / "snapshot")))
+    from_snapshot = lifetime_of(load_manifest(root / "snapshot"))
+    resumed = save("resumed", chain + [provenance_entry(entry(eps=0.5))], 2, from_snapshot)
     assert resumed["lifetime"] == {"runs": 2, "transitions": 5 + 3 + 2, "sac_updates": 10 + 6 + 4}
     # an unknown inherited count stays unknown
     assert save("unknown", chain, 1, {"runs": 1, "transitions": None, "sac_updates": 4})["lifetime"] == \
@@ -393,8 +394,9 @@ def test_training_totals_prefer_the_lifetime_field_with_the_study_records_second
                               results={}, transitions=3, updates=6, provenance=[entry()],
                               lifetime=lifetime if with_lifetime else None)
 
-    assert training_totals(manifest("a", stale, True)) == {"episodes": 3, "transitions": 45, "sac_updates": 90,
-                                                           "wall_seconds": 30.0, "cpu_seconds": 50.0, "gpu_seconds": 0.0}
+    assert training_totals(manifest("a", stale, True)) == {
+        "episodes": 3, "transitions": 45, "sac_updates": 90, "wall_seconds": 30.0, "cpu_seconds": 50.0,
+        "gpu_seconds": 0.0}
     assert training_totals(manifest("b", record, True))["cpu_seconds"] == 20.0  # one study: its own seconds
     assert training_totals(manifest("c", None, True))["cpu_seconds"] is None  # saved by a run: no study's seconds
     assert training_totals(manifest("d", stale, False))["transitions"] == 40  # older: the record's totals

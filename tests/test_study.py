@@ -316,7 +316,8 @@ def test_rldp_trials_can_share_one_policy(tiny_study, tmp_path, monkeypatch):
     k = TINY_STUDY["sac_grid"]["k"][0]
     assert record["sac_updates"] == manifest["sac_updates"] == k * sum(transitions)
     assert all(e["public_data"] for e in manifest["provenance"]) and len(manifest["provenance"]) == 2
-    assert manifest["lifetime"] == {"runs": 2, "transitions": record["transitions"], "sac_updates": record["sac_updates"]}
+    assert manifest["lifetime"] == {"runs": 2, "transitions": record["transitions"],
+                                    "sac_updates": record["sac_updates"]}
     # the study refuses to overwrite the saved policy, before running anything
     assert main(["study", str(path), "--results-dir", str(tmp_path / "again")]) == 2
     assert not (tmp_path / "again").exists()
