@@ -467,7 +467,8 @@ def cmd_policy_list(args) -> int:
         t, r = p.get("trained_on") or {}, p.get("results") or {}
         on = _trained_on_brief(t)
         ppl = r.get("final_public_perplexity", r.get("final_eval_perplexity"))  # public split first (E15)
-        print(f"{p['name']:<28} {p['architecture']:<7} {on:<34} {p['totals'].get('transitions') or p.get('transitions') or 0:>11}  "
+        lifetime = p["totals"].get("transitions")  # over the policy's whole training (its lifetime), not one session's
+        print(f"{p['name']:<28} {p['architecture']:<7} {on:<34} {'?' if lifetime is None else lifetime:>11}  "
               f"{'' if ppl is None else f'{ppl:.4f}':<10} {_provenance_brief(p['provenance'], p['privacy_mode'])}")
     return 0
 

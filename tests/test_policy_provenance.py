@@ -313,3 +313,234 @@ def test_a_continued_policys_totals_cover_every_study_that_trained_it():
     assert totals["sac_updates"] == first["sac_updates"] + later["sac_updates"]
     assert totals["cpu_seconds"] == pytest.approx(first["trained_on"]["pretraining"]["cpu_seconds"]
                                                   + record["cpu_seconds"], abs=0.11)
+
+
+# -- lifetime figures: every save records what trained the policy over its whole life -----------------------------
+SHIPPED_LIFETIMES = {"residual-public": (12, 324, 2592), "residual-public-60": (60, 1620, 12960),
+                     "residual-public-102": (102, 2754, 22032)}
+
+
+def test_the_shipped_policies_lifetime_figures_come_out_of_their_manifests():
+    """The shipped policies were saved before the lifetime field: residual-public and -60 (one study each) count
+    their own figures, residual-public-102 its record's corrected totals (60 + 42 episodes); what a service that
+    restores them continues from is the same."""
+    from raydp.control.store import lifetime_of, resolve_policy, training_totals
+
+    for name, (runs, transitions, updates) in SHIPPED_LIFETIMES.items():
+        manifest = load_manifest(resolve_policy(name, "policies"))
+        assert "lifetime" not in manifest, name  # an older manifest: loads, and its figures come from the rules
+        totals = training_totals(manifest)
+        assert (totals["episodes"], totals["transitions"], totals["sac_updates"]) == (runs, transitions, updates)
+        assert lifetime_of(manifest) == {"runs": runs, "transitions": transitions, "sac_updates": updates}
+
+
+def _fake_algo():
+    """What write_policy reads of an algorithm: its module's state and its replay buffer (no RLlib)."""
+    from types import SimpleNamespace
+
+    class Module:
+        def get_state(self):
+            return {"pi.weight": np.ones((2, 2), dtype=np.float32)}
+
+    return SimpleNamespace(learner_group=SimpleNamespace(_learner=SimpleNamespace(module={"default_policy": Module()})),
+                           local_replay_buffer=SimpleNamespace(episodes=[]))
+
+
+def test_a_save_adds_its_sessions_counts_to_the_restored_lifetime_once(tmp_path):
+    """A session's counters are cumulative: its checkpoint snapshot (no new run) and its final save each add them
+    to the restored policy's figures, so the final save does not count the snapshot's transitions again; a
+    session restored from the snapshot (a retried trial) continues the snapshot's figures."""
+    from raydp.control.sac import SACSettings
+    from raydp.control.store import lifetime_of
+    from raydp.control.training import write_policy
+
+    algo, root = _fake_algo(), tmp_path / "policies"
+
+    def save(name, provenance, transitions, inherited=None):
+        return write_policy(algo, root / name, layout=LAYOUT, settings=SACSettings(b_sac=4, k=2),
+                            trained_on={"model": "m"}, results={}, transitions=transitions, updates=2 * transitions,
+                            name=None, provenance=provenance, inherited=inherited)
+
+    fresh = save("fresh", [entry()], 5)  # a fresh policy (nothing restored): its lifetime is its session
+    assert fresh["lifetime"] == {"runs": 1, "transitions": 5, "sac_updates": 10} and fresh["transitions"] == 5
+    inherited, chain = lifetime_of(load_manifest(root / "fresh")), provenance_of(fresh)
+    snapshot = save("snapshot", chain, 3, inherited)  # 3 transitions into the next session
+    final = save("final", chain + [provenance_entry(entry(eps=0.5))], 7, inherited)  # 7 in all, and its run
+    assert snapshot["lifetime"] == {"runs": 1, "transitions": 5 + 3, "sac_updates": 10 + 6}
+    assert final["lifetime"] == {"runs": 2, "transitions": 5 + 7, "sac_updates": 10 + 14}  # not 5 + 3 + 7
+    assert final["transitions"] == 7 and final["sac_updates"] == 14  # the top-level counts stay the session's
+    from_snapshot = lifetime_of(load_manifest(root / "snapshot"))
+    resumed = save("resumed", chain + [provenance_entry(entry(eps=0.5))], 2, from_snapshot)
+    assert resumed["lifetime"] == {"runs": 2, "transitions": 5 + 3 + 2, "sac_updates": 10 + 6 + 4}
+    # an unknown inherited count stays unknown
+    assert save("unknown", chain, 1, {"runs": 1, "transitions": None, "sac_updates": 4})["lifetime"] == \
+        {"runs": 1, "transitions": None, "sac_updates": 6}
+
+
+def test_training_totals_prefer_the_lifetime_field_with_the_study_records_seconds(tmp_path, capsys):
+    from raydp.cli import main
+    from raydp.control.store import training_totals
+
+    record = {"episodes": 1, "transitions": 3, "sac_updates": 6, "wall_seconds": 10.0, "cpu_seconds": 20.0,
+              "gpu_seconds": 0.0}
+    stale = {**record, "totals": {"episodes": 2, "transitions": 40, "sac_updates": 80, "wall_seconds": 30.0,
+                                  "cpu_seconds": 50.0, "gpu_seconds": 0.0}}
+    lifetime = {"runs": 3, "transitions": 45, "sac_updates": 90}
+
+    def manifest(name, pretraining, with_lifetime):
+        path = tmp_path / name
+        path.mkdir()
+        return write_manifest(path, layout=LAYOUT, sac=SAC, trained_on={"model": "m", "pretraining": pretraining},
+                              results={}, transitions=3, updates=6, provenance=[entry()],
+                              lifetime=lifetime if with_lifetime else None)
+
+    assert training_totals(manifest("a", stale, True)) == {
+        "episodes": 3, "transitions": 45, "sac_updates": 90, "wall_seconds": 30.0, "cpu_seconds": 50.0,
+        "gpu_seconds": 0.0}
+    assert training_totals(manifest("b", record, True))["cpu_seconds"] == 20.0  # one study: its own seconds
+    assert training_totals(manifest("c", None, True))["cpu_seconds"] is None  # saved by a run: no study's seconds
+    assert training_totals(manifest("d", stale, False))["transitions"] == 40  # older: the record's totals
+    older = manifest("e", record, False)
+    assert "lifetime" not in load_manifest(tmp_path / "e") and training_totals(older)["transitions"] == 3
+    assert main(["policy", "list", "--policy-dir", str(tmp_path)]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert " 45  " in rows["a"] and " 40  " in rows["d"] and " 3  " in rows["e"]  # lifetime transitions
+
+
+def _drive_broker(client, layout, decisions: int, seed: int, reward: float | None = None) -> None:
+    """``decisions`` decisions of one run through the broker: each closes the run's open decision into a
+    transition, but a first one with no ``reward`` (a run's start)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(decisions):
+        client.decide(layout.pack(rng.normal(size=(3, layout.f_adapter)), rng.normal(size=layout.g_global)), reward)
+        reward = float(rng.normal())
+
+
+def test_the_policy_service_saves_lifetime_figures_and_a_snapshot_counts_nothing_twice(local_ray, tmp_path):
+    """The live service: a policy saved before the lifetime field existed is continued by a session that snapshots
+    it (as a checkpoint does) and then saves it; a third session continues the snapshot."""
+    from raydp.control.sac import SACSettings
+    from raydp.control.service import PolicySession
+
+    layout, settings = ObservationLayout("shared", 4), SACSettings(b_sac=3, k=2, hidden=16)
+    with PolicySession(layout, settings) as first:
+        _drive_broker(first.client("a"), layout, 3, seed=1)  # 2 transitions
+        m1 = first.save(tmp_path / "one", trained_on={"model": "x"}, results={}, provenance=entry(eps=0.5))
+    assert m1["lifetime"] == {"runs": 1, "transitions": 2, "sac_updates": 4} and m1["transitions"] == 2
+    old = json.loads((tmp_path / "one" / MANIFEST).read_text())
+    del old["lifetime"]  # as written before the field existed: its own counts are its lifetime
+    (tmp_path / "one" / MANIFEST).write_text(json.dumps(old))
+    with PolicySession(None, settings, restore=tmp_path / "one") as second:
+        client = second.client("b")
+        _drive_broker(client, layout, 4, seed=2)  # 3 transitions
+        snapshot = client.save_policy(tmp_path / "snap", trained_on={"model": "x"}, results={})  # a checkpoint
+        _drive_broker(client, layout, 4, seed=3, reward=0.5)  # 4 more (the first closes the open one): 7 in all
+        m2 = second.save(tmp_path / "two", trained_on={"model": "x"}, results={}, provenance=entry(eps=1.0))
+        counters = second.counters()
+    assert counters["transitions_trained"] == 7 and counters["errors"] == []
+    assert snapshot["lifetime"] == {"runs": 1, "transitions": 2 + 3, "sac_updates": 4 + 6}  # no run added
+    assert m2["lifetime"] == {"runs": 2, "transitions": 2 + 7, "sac_updates": 4 + 14}  # the snapshot's 3 once
+    assert m2["transitions"] == 7 and load_manifest(tmp_path / "two")["lifetime"] == m2["lifetime"]
+    with PolicySession(None, settings, restore=tmp_path / "snap") as third:  # e.g. a trial retried from it
+        _drive_broker(third.client("c"), layout, 2, seed=4)  # 1 transition
+        m3 = third.save(tmp_path / "three", trained_on={"model": "x"}, results={}, provenance=entry(eps=2.0))
+    assert m3["lifetime"] == {"runs": 2, "transitions": 2 + 3 + 1, "sac_updates": 4 + 6 + 2}
+
+
+def test_a_policy_server_continues_the_restored_policys_lifetime(local_ray, tmp_path, monkeypatch):
+    """The RLlink policy server (`raydp policy serve --policy P --save-policy Q`) restores and saves through the
+    same functions: its manifest's lifetime adds its transitions to the restored policy's."""
+    from raydp.control.policies import policy_layout_for, sac_settings, trained_on
+    from raydp.control.rllink import SECRET_ENV
+    from raydp.control.service import PolicySession
+    from tests.test_rllink import SECRET, connect, drive, policy_server, tiny_config
+    from tests.test_rllink import provenance as run_entry
+
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    config = tiny_config()
+    layout, settings = policy_layout_for(config), sac_settings(config)
+    with PolicySession(layout, settings) as session:
+        _drive_broker(session.client("a"), layout, 4, seed=5)  # 3 transitions
+        base = session.save(tmp_path / "base", trained_on=trained_on(config), results={}, provenance=run_entry("a"))
+    assert base["lifetime"] == {"runs": 1, "transitions": 3, "sac_updates": 3 * settings.k}
+    srv = policy_server(config, restore=tmp_path / "base")
+    try:
+        client = connect(srv, "run-c")
+        drive(client, 3, seed=3)  # 2 transitions
+        client.end()
+        client.save_policy(tmp_path / "ignored", {}, {}, provenance=run_entry("c"))
+        client.close()
+        assert srv.wait_idle(60)
+    finally:
+        manifest = srv.stop(save_to=tmp_path / "served")
+    assert manifest["transitions"] == 2 and len(manifest["provenance"]) == 2
+    assert manifest["lifetime"] == {"runs": 2, "transitions": 3 + 2, "sac_updates": (3 + 2) * settings.k}
+
+
+RESIDUAL = {"t_warm": 4, "t_rl": 4, "b_sac": 4, "k": 2, "n_max": 8, "hidden": 128,  # residual-public-60's width
+            "action_decoding": "residual", "noise_control": False, "residual_range": 0.7,
+            "schedule": {"clip": 0.5, "clip_end": 0.2, "depth_tilt": 0.4, "relative": True}}
+PUBLIC_DATA = {"source": "public", "n_records": 400}
+
+
+# ~65 s (a run, then a study): the fast tier covers its parts: a run's save is PolicyClient.save_policy through the
+# service (test_the_policy_service_saves_lifetime_figures_and_a_snapshot_counts_nothing_twice, with a policy saved
+# before the lifetime field), a study continuing a saved policy test_study.py::test_rldp_trials_can_share_one_policy
+@pytest.mark.slow
+def test_a_policy_continued_by_a_run_then_by_a_study_keeps_its_lifetime(local_ray, tmp_path, capsys):
+    """The review's case: `raydp train --policy residual-public-60 --save-policy ...` (a single run, not a study)
+    listed {episodes 61, transitions: the run's only}. Its save now records the lifetime (60 + 1 runs, 1,620 + the
+    run's transitions), and a study that continues it sums on from there, its record's continued_from and totals
+    equal to the saved lifetime."""
+    import yaml
+
+    from raydp.cli import main
+    from raydp.control.store import training_totals
+    from raydp.study.runner import run_study
+    from tests.test_study import TINY_STUDY, write_study
+
+    policies = tmp_path / "policies"
+    run_config = {"model": "embedded-tiny", "strategy": "rldp", "epsilon": 2.0, "data": PUBLIC_DATA,
+                  "max_steps": 24, "eval_every": 8, "eval_max_records": 16, "public_eval_records": 16,
+                  "warmup_steps": 4, "settings": RESIDUAL}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run_config))
+    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--policy", "residual-public-60", "--save-policy",
+                 "run61", "--policy-dir", str(policies), "--output", str(tmp_path / "run"), "--quiet"]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    run61 = load_manifest(policies / "run61")
+    t1 = summary["controller"]["transitions"]
+    assert t1 > 0 and run61["transitions"] == t1 and run61["sac_updates"] == 2 * t1  # the session's own
+    assert run61["lifetime"] == {"runs": 61, "transitions": 1620 + t1, "sac_updates": 12960 + 2 * t1}
+    assert training_totals(run61)["episodes"] == len(run61["provenance"]) == 61
+    assert training_totals(run61)["transitions"] == 1620 + t1  # not t1: the review's error
+
+    base = {**TINY_STUDY["base"], "data": PUBLIC_DATA, "public_eval_records": 16}
+    rldp = {**RESIDUAL, "policy": "run61", "policy_dir": str(policies)}
+    study = write_study(tmp_path, name="after-run", strategies=["rldp"], seeds=[0], policy="shared",
+                        wandb={"mode": "disabled"}, base=base, private_data=False, save_policy="study62",
+                        policy_dir=str(policies), strategy_settings={"rldp": rldp}, sac_grid={
+                            "t_rl": [4], "b_sac": [4], "k": [2]})
+    study_dir = run_study(study, tmp_path / "out", progress=False)
+    study62 = load_manifest(policies / "study62")
+    t2 = study62["transitions"]
+    assert t2 > 0 and study62["sac_updates"] == 2 * t2
+    lifetime = {"runs": 62, "transitions": 1620 + t1 + t2, "sac_updates": 12960 + 2 * (t1 + t2)}
+    assert study62["lifetime"] == lifetime and len(study62["provenance"]) == 62
+    record = study62["trained_on"]["pretraining"]
+    assert record["transitions"] == t2 and record["continued_from"]["policy"] == "run61"
+    assert {k: record["continued_from"][k] for k in ("episodes", "transitions", "sac_updates")} == \
+        {"episodes": 61, "transitions": 1620 + t1, "sac_updates": 12960 + 2 * t1}
+    assert {k: record["totals"][k] for k in ("episodes", "transitions", "sac_updates")} == \
+        {"episodes": 62, "transitions": lifetime["transitions"], "sac_updates": lifetime["sac_updates"]}
+    totals = training_totals(study62)
+    assert (totals["episodes"], totals["transitions"], totals["sac_updates"]) == (62, *list(lifetime.values())[1:])
+    assert totals["cpu_seconds"] is None  # the single run's cost is not recorded: the sum is unknown, not low
+    # the trial's own snapshot of the shared policy when it ended (its run entry added): the study's save counted
+    # neither its run nor its transitions again
+    (snapshot,) = [load_manifest(p.parent) for p in (study_dir / "trials").glob("*/policy/manifest.json")]
+    assert snapshot["lifetime"]["runs"] == 62 and snapshot["provenance"] == study62["provenance"]
+    assert 1620 + t1 < snapshot["lifetime"]["transitions"] <= lifetime["transitions"]
+    capsys.readouterr()  # what the run printed
+    assert main(["policy", "list", "--policy-dir", str(policies)]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert f" {1620 + t1}  " in rows["run61"] and f" {lifetime['transitions']}  " in rows["study62"]

@@ -316,6 +316,8 @@ def test_rldp_trials_can_share_one_policy(tiny_study, tmp_path, monkeypatch):
     k = TINY_STUDY["sac_grid"]["k"][0]
     assert record["sac_updates"] == manifest["sac_updates"] == k * sum(transitions)
     assert all(e["public_data"] for e in manifest["provenance"]) and len(manifest["provenance"]) == 2
+    assert manifest["lifetime"] == {"runs": 2, "transitions": record["transitions"],
+                                    "sac_updates": record["sac_updates"]}
     # the study refuses to overwrite the saved policy, before running anything
     assert main(["study", str(path), "--results-dir", str(tmp_path / "again")]) == 2
     assert not (tmp_path / "again").exists()
@@ -335,6 +337,8 @@ def test_rldp_trials_can_share_one_policy(tiny_study, tmp_path, monkeypatch):
     assert later["totals"]["episodes"] == 3 and later["totals"]["transitions"] == record["transitions"] + \
         continued["transitions"] and later["totals"]["sac_updates"] == record["sac_updates"] + continued["sac_updates"]
     assert later["totals"]["cpu_seconds"] == pytest.approx(record["cpu_seconds"] + later["cpu_seconds"], abs=0.11)
+    # the manifest's lifetime (every save writes it) agrees with the record's totals: nothing counted twice
+    assert continued["lifetime"] == {k: later["totals"][k] for k in ("transitions", "sac_updates")} | {"runs": 3}
     # a later study names the saved policy relative to where it runs: the driver hands each trial the
     # absolute path (Tune starts a trial in its own directory, and the policy service elsewhere again)
     from raydp.study.config import trial_config

@@ -29,6 +29,10 @@ policy's list (inherited), plus one entry for each run that saves the policy wit
 ``save_policy(..., provenance=entry)`` (:mod:`raydp.control.store` gives the entry's shape). Every saved
 manifest carries the list as it stands. A shared service's snapshot saved when one run ends has also
 learned from runs still going, whose entries come when they save.
+
+Lifetime: the service also keeps the restored policy's lifetime figures (runs, transitions, SAC updates:
+:func:`raydp.control.store.lifetime_of`), and every save's manifest records them plus this service's own
+counts as ``lifetime`` (a checkpoint snapshot too: its transitions are real; it adds no run).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from raydp.control.policies import check_policy_privacy, policy_layout_for, sac_
 from raydp.control.sac import SACSettings, sac_config
 from raydp.control.store import (append_provenance, build_module, copy_policy, load_manifest, load_module_state,
                                  policy_layout, provenance_entry)
-from raydp.control.training import TrainingLoop, restore_policy, write_policy
+from raydp.control.training import TrainingLoop, restore_policy, restored_lifetime, write_policy
 from raydp.errors import ConfigError
 
 
@@ -68,6 +72,9 @@ class PolicyService:
                                {"broker_name": broker_name, "namespace": namespace}).build_algo()
         # runs that trained this policy (ERRATA E14), inherited first; restoring also syncs the broker
         self.provenance: list[dict] = restore_policy(self.algo, Path(restore)) if restore else []
+        # the restored policy's runs, transitions and SAC updates (raydp.control.store.lifetime_of; None: a fresh
+        # policy): every save's lifetime figures are these plus this service's
+        self.inherited_lifetime: dict | None = restored_lifetime(self.algo)
         self.training = TrainingLoop(self.algo, lambda: ray.get(self.broker.num_pending.remote()),
                                      name="broker-sac-train", seed=self.settings.seed,
                                      train_delay_s=train_delay_s).start()
@@ -94,7 +101,8 @@ class PolicyService:
         """Write module checkpoint, replay buffer and manifest to ``path`` (a fresh directory).
 
         ``provenance``: the entry of the run that saves (shape in :mod:`raydp.control.store`); it is
-        appended to the policy's provenance list, which the manifest records (ERRATA E14)."""
+        appended to the policy's provenance list, which the manifest records (ERRATA E14). The manifest's
+        ``transitions`` and ``sac_updates`` are this service's; its ``lifetime`` adds the restored policy's."""
         entry = provenance_entry(provenance) if provenance is not None else None  # validate before writing
         self.wait_idle()
         with self.training.lock:
@@ -104,7 +112,7 @@ class PolicyService:
                                 trained_on=trained_on, results=results,
                                 transitions=self.training.transitions_trained,
                                 updates=self.training.train_calls * self.settings.k, name=name,
-                                provenance=self.provenance)
+                                provenance=self.provenance, inherited=self.inherited_lifetime)
 
     def stop(self) -> None:
         self.training.stop(timeout_s=30)

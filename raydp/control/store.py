@@ -3,7 +3,10 @@
 Layout of a policy directory::
 
     manifest.json   format, architecture, observation layout (versioned), SAC settings, what it was
-                    trained on (model, adapter pairs, epsilon, steps, decisions), results, provenance
+                    trained on (model, adapter pairs, epsilon, steps, decisions), results, provenance, the
+                    saving session's transitions and SAC updates, and ``lifetime`` (runs, transitions and SAC
+                    updates over the policy's whole training, inherited ones included: :func:`continue_lifetime`;
+                    absent from a manifest written before it existed, :func:`lifetime_of`)
     module.safetensors  the SAC module's state (actor, twin critics and their targets) as named arrays; the
                     module is rebuilt from the manifest's layout and SAC settings (raydp.control.sac.module_spec),
                     so nothing is unpickled and the directory loads wherever raydp's classes have moved
@@ -147,17 +150,59 @@ def _list_dir(root: Path) -> list[dict]:
 #: what a policy's training cost, summed over every study that trained it (a continued policy inherits the
 #: earlier studies' figures: :func:`training_totals`)
 TOTAL_KEYS = ("episodes", "transitions", "sac_updates", "wall_seconds", "cpu_seconds", "gpu_seconds")
+#: a manifest's ``lifetime`` field, written by every save (study, single run, policy server, snapshot): the runs
+#: that trained the policy (its provenance entries) and the transitions and SAC updates it trained on, over its
+#: whole life (the restored policy's figures plus this session's); ``transitions`` and ``sac_updates`` at the
+#: manifest's top level are the saving session's only
+LIFETIME_KEYS = ("runs", "transitions", "sac_updates")
 
 
 def training_totals(manifest: dict) -> dict:
-    """A policy's whole training record, summed over every study that trained it: its pretraining record's
-    ``totals`` (written when a study continues a saved policy), else its own figures (one study, or a policy saved
-    before totals existed: its episodes counted from its provenance, one entry per run)."""
+    """A policy's whole training record, summed over everything that trained it: its ``lifetime`` field (every
+    save writes it; episodes are its runs), with the wall, CPU and GPU seconds of its study record (that record's
+    ``totals`` when the study continued a policy; None when no study saved it); for a manifest written before
+    that field existed, its pretraining record's ``totals`` (written when a study continues a saved policy), else
+    its own figures (one study, or a policy saved before totals existed: its episodes counted from its provenance,
+    one entry per run)."""
     record = (manifest.get("trained_on") or {}).get("pretraining") or {}
+    lifetime = manifest.get("lifetime")
+    if lifetime:
+        seconds = record.get("totals") or record
+        return {"episodes": lifetime.get("runs"), "transitions": lifetime.get("transitions"),
+                "sac_updates": lifetime.get("sac_updates"), **{k: seconds.get(k) for k in TOTAL_KEYS[3:]}}
     if record.get("totals"):
         return {k: record["totals"].get(k) for k in TOTAL_KEYS}
     return {"episodes": len(provenance_of(manifest)), "transitions": manifest.get("transitions"),
             "sac_updates": manifest.get("sac_updates"), **{k: record.get(k) for k in TOTAL_KEYS[3:]}}
+
+
+def lifetime_of(manifest: dict) -> dict:
+    """What a saved policy was trained on over its whole life (``LIFETIME_KEYS``): the runs (its provenance
+    entries) and the transitions and SAC updates of :func:`training_totals`, which reads the manifest's
+    ``lifetime`` field, or, for a manifest written before it existed, the study record's totals or the manifest's
+    own counts. A service that restores the policy continues from these figures."""
+    totals = training_totals(manifest)
+    return {"runs": len(provenance_of(manifest)), "transitions": totals["transitions"],
+            "sac_updates": totals["sac_updates"]}
+
+
+#: a fresh policy's lifetime: nothing trained it yet
+NO_LIFETIME = {"runs": 0, "transitions": 0, "sac_updates": 0}
+
+
+def continue_lifetime(inherited: dict | None, *, runs: int, transitions: int | None, sac_updates: int | None) -> dict:
+    """The ``lifetime`` field of a save: ``runs`` (the saved provenance's length: a snapshot adds no run), and the
+    ``inherited`` transitions and SAC updates (the restored policy's :func:`lifetime_of`; None: a fresh policy)
+    plus this session's (None where either is unknown). The session's counters are cumulative, so a checkpoint
+    snapshot and a later save of the same session each add the session's figures to the same inherited ones:
+    nothing is counted twice."""
+    inherited = NO_LIFETIME if inherited is None else inherited
+
+    def plus(earlier, this):
+        return None if earlier is None or this is None else int(earlier) + int(this)
+
+    return {"runs": int(runs), "transitions": plus(inherited.get("transitions"), transitions),
+            "sac_updates": plus(inherited.get("sac_updates"), sac_updates)}
 
 
 def add_totals(earlier: dict, this: dict) -> dict:
@@ -368,9 +413,11 @@ def convert_policy_module(path: Path) -> None:
 
 def write_manifest(path: Path, *, layout: ObservationLayout, sac: dict, trained_on: dict, results: dict,
                    transitions: int, updates: int, name: str | None = None,
-                   provenance: list[dict] | None = None) -> dict:
+                   provenance: list[dict] | None = None, lifetime: dict | None = None) -> dict:
     """Write ``manifest.json``; ``provenance``: one entry per run that trained the policy (module
-    docstring; ERRATA E14), inherited entries first."""
+    docstring; ERRATA E14), inherited entries first; ``transitions`` and ``updates``: the saving session's;
+    ``lifetime``: the policy's whole training (:func:`continue_lifetime`; None: the field is left out, as in a
+    manifest written before it existed)."""
     manifest = {
         "format": POLICY_FORMAT,
         "name": name or path.name,
@@ -381,6 +428,7 @@ def write_manifest(path: Path, *, layout: ObservationLayout, sac: dict, trained_
         "results": results,
         "transitions": transitions,
         "sac_updates": updates,
+        **({} if lifetime is None else {"lifetime": {k: lifetime.get(k) for k in LIFETIME_KEYS}}),
         "provenance": [provenance_entry(e) for e in (provenance or [])],
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),  # timing: unprotected, like a run's wall_seconds
         "raydp_version": __version__,

@@ -36,6 +36,8 @@ import numpy as np
 
 from raydp.control.store import (
     REPLAY_FILE,
+    continue_lifetime,
+    lifetime_of,
     load_manifest,
     load_module_state,
     provenance_of,
@@ -264,11 +266,18 @@ def one_step_episodes(replay: dict, config) -> list:
     return transition_episodes(zip(replay["obs"], replay["action"], replay["reward"], replay["next_obs"]), config)
 
 
+#: the attribute of a restored algorithm that holds the restored policy's lifetime (:func:`restore_policy`)
+RESTORED_LIFETIME = "_raydp_restored_lifetime"
+
+
 def restore_policy(algo, path: Path) -> list[dict]:
     """Load a saved policy into ``algo``: the module (RLlib then syncs the EnvRunner's weights) and the
-    replay buffer. Returns the policy's provenance (ERRATA E14), which a continued policy inherits."""
+    replay buffer. Returns the policy's provenance (ERRATA E14), which a continued policy inherits; the
+    policy's lifetime figures (:func:`raydp.control.store.lifetime_of`), which every later save of ``algo``
+    adds its session's to, are kept with ``algo`` (:func:`restored_lifetime`)."""
     path = Path(path).resolve()
-    provenance = provenance_of(load_manifest(path))
+    manifest = load_manifest(path)
+    provenance = provenance_of(manifest)
     module = algo.learner_group._learner.module["default_policy"]
     module.set_state(load_module_state(path))
     # as Algorithm.restore_from_path does after loading a learner component: the EnvRunner (and through it the
@@ -277,14 +286,30 @@ def restore_policy(algo, path: Path) -> list[dict]:
     replay = read_replay(path / REPLAY_FILE)
     if replay and len(replay["reward"]):
         algo.local_replay_buffer.add(one_step_episodes(replay, algo.config))
+    setattr(algo, RESTORED_LIFETIME, lifetime_of(manifest))
     return provenance
 
 
+def restored_lifetime(algo) -> dict | None:
+    """The lifetime figures (runs, transitions, SAC updates) of the policy :func:`restore_policy` loaded into
+    ``algo``; None for a fresh algorithm."""
+    return getattr(algo, RESTORED_LIFETIME, None)
+
+
 def write_policy(algo, path: Path, *, layout, settings, trained_on: dict, results: dict, transitions: int,
-                 updates: int, name: str | None, provenance: list[dict]) -> dict:
+                 updates: int, name: str | None, provenance: list[dict], inherited: dict | None = None) -> dict:
     """Write ``algo``'s policy as the fresh directory ``path``: module checkpoint, replay buffer and manifest
     (with ``provenance``, one entry per run that trained it). Returns the manifest. Written in a temporary
-    sibling directory renamed into place: a save that fails leaves nothing at ``path`` (and no sibling)."""
+    sibling directory renamed into place: a save that fails leaves nothing at ``path`` (and no sibling).
+
+    ``transitions`` and ``updates``: this session's (its training loop's cumulative counters); the manifest's
+    ``lifetime`` adds them to ``inherited``, the restored policy's lifetime figures (None: those
+    :func:`restore_policy` kept with ``algo``, none for a fresh policy), and counts ``provenance``'s runs
+    (:func:`raydp.control.store.continue_lifetime`). So a snapshot (no new run) and a later save of the same
+    session each count the session's transitions once."""
+    if inherited is None:
+        inherited = restored_lifetime(algo)
+    lifetime = continue_lifetime(inherited, runs=len(provenance), transitions=transitions, sac_updates=updates)
     out = Path(path).resolve()  # RLlib reads a relative path as a URI
     if out.exists():
         raise FileExistsError(f"{out} already exists")
@@ -297,7 +322,7 @@ def write_policy(algo, path: Path, *, layout, settings, trained_on: dict, result
         write_replay(tmp / REPLAY_FILE, replay_transitions(algo.local_replay_buffer))
         manifest = write_manifest(tmp, layout=layout, sac=settings.as_dict(), trained_on=trained_on, results=results,
                                   transitions=transitions, updates=updates, name=name or out.name,
-                                  provenance=provenance)
+                                  provenance=provenance, lifetime=lifetime)
         tmp.rename(out)  # fails if a non-empty ``path`` appeared meanwhile (an empty directory is replaced)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -767,7 +767,9 @@ def _save_study_policy(session, path: Path, study: StudyConfig, dataset: str, re
     record["sac_updates"] = None if counters.get("train_calls") is None else \
         counters["train_calls"] * first.strategy_settings().k
     start = check_policy_privacy(first)  # the saved policy this study continued (its path), or None
-    if start is not None:  # the earlier studies' figures, so the record's totals cover the policy's whole training
+    if start is not None:  # the earlier training's figures, so the record's totals cover the policy's whole training:
+        # its lifetime (whoever saved it: a study, a single run, a policy server), the figures the policy service
+        # continued from (raydp.control.store.lifetime_of), so these totals equal the saved manifest's lifetime
         earlier = training_totals(load_policy_manifest(start))
         record["continued_from"] = {"policy": first.strategy_settings().policy, **earlier}
         record["totals"] = add_totals(earlier, record)
