@@ -105,7 +105,11 @@ POLICY_MANIFEST = {
         "provenance[].entry_id", "results.best_public_perplexity", "results.final_public_perplexity",
         "results.labels[]")},
     **{k: DP for k in ("transitions", "sac_updates", "trained_on.decisions", "trained_on.steps", "results.epsilon",
-                       "provenance[].epsilon", "provenance[].rdp_curve[]")},
+                       "provenance[].epsilon", "provenance[].rdp_curve[]",
+                       # the policy's lifetime counts: its transitions and updates as above, summed with the restored
+                       # policy's
+                       "lifetime.transitions", "lifetime.sac_updates")},
+    "lifetime.runs": PUBLIC,  # the provenance entries' count
     "provenance[].dataset_id": ID,
     "created": UNPROTECTED,  # a wall-clock time: when the run that saved it ended (timing, labelled in PRIVACY.txt)
 }
