@@ -544,3 +544,19 @@ def test_a_policy_continued_by_a_run_then_by_a_study_keeps_its_lifetime(local_ra
     assert main(["policy", "list", "--policy-dir", str(policies)]) == 0
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
     assert f" {1620 + t1}  " in rows["run61"] and f" {lifetime['transitions']}  " in rows["study62"]
+
+
+def test_the_policy_pre_trained_across_sizes_and_rates_counts_its_whole_chain():
+    """residual-public-174: 102 episodes, then 54 (three model sizes, batch 16), then 18 (batch 32), each study
+    continuing the last: its totals and provenance cover all 174 runs."""
+    from raydp.control.store import resolve_policy, training_totals
+
+    chain = [load_manifest(resolve_policy(name, "policies"))
+             for name in ("residual-public-102", "residual-public-156", "residual-public-174")]
+    totals = [training_totals(m) for m in chain]
+    assert [t["episodes"] for t in totals] == [len(m["provenance"]) for m in chain] == [102, 156, 174]
+    for before, after, manifest in zip(totals, totals[1:], chain[1:]):
+        assert after["transitions"] == before["transitions"] + manifest["transitions"]
+        assert after["sac_updates"] == before["sac_updates"] + manifest["sac_updates"]
+    assert chain[2]["trained_on"]["pretraining"]["continued_from"]["policy"] == "residual-public-156"
+    assert set(chain[1]["trained_on"]["pretraining"]["models"]) == {"embedded-tiny", "embedded", "embedded-deep"}
