@@ -14,6 +14,7 @@ import math
 import os
 import shutil
 import stat
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -91,7 +92,8 @@ def test_score_release_matches_a_naive_per_patient_loop():
         v = high if not math.isfinite(v) else v
         per_patient.setdefault(u, []).append(min(max(v, low), high) - low)
     total = sum(sum(vs) / len(vs) for vs in per_patient.values())
-    assert got == pytest.approx(total + np.random.default_rng(11).normal(0.0, noise * (high - low)), rel=1e-12)
+    want_noise = np.random.default_rng(11).normal(0.0, noise * (high - low) * (1 + ps.SCORE_ROUNDING_MARGIN))
+    assert got == pytest.approx(total + want_noise, rel=1e-12)
     # one patient removed moves the noiseless sum by at most high - low (the sensitivity the noise is scaled to),
     # whatever its records: no division by the split's patient count, which moves with the patient too
     for patient in np.unique(units):
@@ -99,6 +101,101 @@ def test_score_release_matches_a_naive_per_patient_loop():
         without = ps.score_release(values[keep], units[keep], (low, high), 0.0, np.random.default_rng(0))
         full = ps.score_release(values, units, (low, high), 0.0, np.random.default_rng(0))
         assert 0.0 <= full - without <= (high - low) + 1e-9
+
+
+def exact_score(values, units, low, high) -> Fraction:
+    """The noiseless score in exact rational arithmetic, one unit at a time: each record clipped to [low, high] (a
+    non-finite one at high, -inf at low), minus low, averaged over the unit's records, summed over units."""
+    low_q, high_q = Fraction(low), Fraction(high)
+    per_unit = {}
+    for v, u in zip(np.asarray(values, dtype=float).tolist(), np.asarray(units).tolist()):
+        q = low_q if v == -math.inf else high_q if not math.isfinite(v) else min(max(Fraction(v), low_q), high_q)
+        per_unit.setdefault(u, []).append(q - low_q)
+    return sum((sum(vs, Fraction(0)) / len(vs) for vs in per_unit.values()), Fraction(0))
+
+
+def random_split(rng, low, high, n_units, first_unit=0):
+    """Values at the clip edges, beyond them, inside, and non-finite; 1 to 4 records per unit."""
+    counts = rng.integers(1, 5, size=n_units)
+    units = np.repeat(np.arange(first_unit, first_unit + n_units), counts)
+    span = high - low
+    pool = np.array([low, high, low - span, high + span, np.nan, np.inf, -np.inf])
+    values = np.where(rng.random(len(units)) < 0.5, rng.uniform(low, high, len(units)),
+                      rng.choice(pool, len(units)))
+    return values, units
+
+
+SCORE_RANGES = [(30.0, 110.0), (0.1, 0.4), (0.0, 0.1), (1e-3, 7.3)]
+
+
+@pytest.mark.parametrize("score_range", SCORE_RANGES)
+def test_score_release_noiseless_equals_an_exact_rational_per_unit_loop(score_range):
+    low, high = score_range
+    rng = np.random.default_rng(5)
+    for n_units in (1, 2, 7, 300, 2000):
+        values, units = random_split(rng, low, high, n_units)
+        perm = rng.permutation(len(units))  # records in any order
+        got = ps.score_release(values[perm], units[perm], score_range, 0.0, np.random.default_rng(0))
+        want = exact_score(values, units, low, high)
+        # each record's subtraction, each unit's division and the total round once (relative 2^-53 each); the
+        # clamp to [0, fl(high - low)] moves a unit by at most fl(high - low)'s own rounding
+        assert abs(Fraction(got) - want) <= Fraction(4, 2 ** 53) * n_units * Fraction(high - low)
+
+
+def test_score_release_clamps_a_unit_mean_one_ulp_above_the_range():
+    # 0.1 + 0.1 + 0.1 rounds to 0.30000000000000004, and / 3 to 0.10000000000000002 > high - low = 0.1
+    assert (0.1 + 0.1 + 0.1) / 3 > 0.1
+    assert ps.score_release(np.full(3, 0.1), np.zeros(3), (0.0, 0.1), 0.0, np.random.default_rng(0)) == 0.1
+    values, units = np.full(30, 0.25), np.repeat(np.arange(10), 3)
+    assert ps.score_release(values, units, (0.0, 0.1), 0.0, np.random.default_rng(0)) <= 10 * 0.1 * (1 + 2 ** -52)
+
+
+@pytest.mark.parametrize("score_range", SCORE_RANGES)
+def test_score_release_one_unit_added_moves_the_noiseless_sum_by_at_most_the_noise_sensitivity(score_range):
+    """Neighbouring pairs: a random split and the same split with one more unit (its records at the clip edges or
+    anywhere, its id first, last or in between: the units' order changes), noise 0. The move is at most
+    (high - low) (1 + SCORE_ROUNDING_MARGIN), the sensitivity the noise is scaled to, and within one rounding of the
+    total (math.fsum): a numpy sum's pairwise tree, which changes shape with the unit, exceeded it."""
+    low, high = score_range
+    span = high - low
+    rng = np.random.default_rng(17)
+    worst = 0.0
+    for trial in range(600):
+        n_units = int(rng.integers(1, 400))
+        values, units = random_split(rng, low, high, n_units, first_unit=1)
+        units = 2 * units  # room for an id in between
+        n_new = int(rng.integers(1, 4))
+        new_values = rng.choice(np.array([high, high, low, high + span, np.nan, (low + high) / 2]), n_new)
+        new_id = int(rng.choice([0, 2 * n_units + 5, 2 * int(rng.integers(1, n_units + 1)) + 1]))
+        where = int(rng.integers(0, len(units) + 1))  # the new records anywhere among the others
+        both_values = np.insert(values, where, new_values)
+        both_units = np.insert(units, where, np.full(n_new, new_id))
+        s = ps.score_release(values, units, score_range, 0.0, np.random.default_rng(0))
+        t = ps.score_release(both_values, both_units, score_range, 0.0, np.random.default_rng(0))
+        assert 0.0 <= t - s <= span * (1 + ps.SCORE_ROUNDING_MARGIN)
+        assert t - s <= span + 2 ** -53 * (s + t) * (1 + 1e-9)  # one rounding of each total, nothing more
+        worst = max(worst, (t - s) / span - 1)
+    assert worst < 3.8e-9  # the derivation's bound (score_release), well inside the margin
+
+
+def test_score_release_total_is_clamped_at_the_public_unit_bound(monkeypatch):
+    # the bound that keeps the margin independent of the (private) unit count: the total saturates beyond it (a
+    # smaller bound here than the module's 2^24, which the same code applies)
+    monkeypatch.setattr(ps, "SCORE_MAX_UNITS", 64)
+    low, high = 0.1, 0.4
+    span = high - low
+    rng = np.random.default_rng(2)
+    for n_units in range(55, 75):  # across the bound, one unit added at a time
+        values, units = random_split(rng, low, high, n_units)
+        s = ps.score_release(values, units, (low, high), 0.0, np.random.default_rng(0))
+        t = ps.score_release(np.append(values, high), np.append(units, n_units), (low, high), 0.0,
+                             np.random.default_rng(0))
+        assert s <= 64 * span and t <= 64 * span
+        assert 0.0 <= t - s <= span * (1 + ps.SCORE_ROUNDING_MARGIN)
+    full = ps.score_release(np.full(80, high), np.arange(80), (low, high), 0.0, np.random.default_rng(0))
+    assert full == 64 * span
+    with pytest.raises(ValueError, match="finite"):
+        ps.score_release(np.zeros(3), np.arange(3), (-1e308, 1e308), 0.0, np.random.default_rng(0))
 
 
 def test_value_nll_per_sequence_sums_to_the_split_evaluation(tmp_path):

@@ -305,20 +305,50 @@ def _save_state(study_dir: Path, state: dict) -> None:
 
 # ------------------------------------------------------------------------------------------------ the score
 
+#: A public bound on a validation split's privacy units: the score's total is clamped at SCORE_MAX_UNITS x (high - low)
+#: (a larger split's score saturates; nothing is refused), which bounds the final rounding below.
+SCORE_MAX_UNITS = 2 ** 24
+#: The score's noise is for the sensitivity (high - low) x (1 + margin): one unit added or removed moves the rounded
+#: sum by at most that (:func:`score_release`; Casacuberta et al. 2022, "Widespread underestimation of sensitivity in
+#: differentially private libraries and how to fix it", on floating-point sensitivity).
+SCORE_ROUNDING_MARGIN = 1e-8
+
+
 def score_release(values: np.ndarray, units: np.ndarray, score_range: tuple[float, float], noise: float,
                   rng: np.random.Generator) -> float:
     """The DP score of one trial (lower is better): each record's value-token NLL clipped to [low, high] (a
     non-finite one counts as ``high``); each unit (patient) contributes the mean of its records' minus ``low``, in
     [0, high - low], so adding or removing a unit moves the sum by at most high - low; the released score is that
-    sum plus Gaussian noise of std ``noise`` (high - low). It is not divided by the split's unit count: the count
-    moves with the unit added or removed, which the Gaussian's sensitivity does not cover (review of issue 32)."""
+    sum plus Gaussian noise of std ``noise`` (high - low) (1 + :data:`SCORE_ROUNDING_MARGIN`). It is not divided by
+    the split's unit count: the count moves with the unit added or removed, which the Gaussian's sensitivity does not
+    cover (review of issue 32).
+
+    Floating point (Casacuberta et al. 2022). With D = fl(high - low): a unit's contribution c_u is the exactly
+    rounded sum (``math.fsum``, independent of the records' order) of its records' fl(clip(v) - low), each in
+    [0, D] (rounding is monotone), divided by their count and clamped to [0, D] (the division can exceed D by one
+    ulp: three records at 0.1 with range (0, 0.1) average to 0.10000000000000002); c_u depends on the unit's records
+    alone. The total is S = min(fsum(c_u), B), B = SCORE_MAX_UNITS D (exact: a power of two), so S is the exact sum T
+    rounded once to nearest (|fl(x) - x| <= u |x|, u = 2^-53), then clamped. A numpy sum's pairwise tree changes
+    shape when a unit is added, which moved the sum by up to 7.3e-12 more than D (review, 20,000 random pairs at
+    range (30, 110)). Adding a unit of contribution c in [0, D] (T' = T + c): S' >= S (fl and min are monotone);
+    if S = B, S' = B; otherwise T < B / (1 - u) and S' - S <= fl(T') - fl(T) <= c + u (T + T') < c + u (2B / (1 - u)
+    + D), so |S' - S| / D < 1 + u (2^25 / (1 - u) + 1) < 1 + 3.8e-9, which the 1e-8 margin covers with room for the
+    std's own two roundings (relative 2u). The margin does not depend on the split's unit count (private): the clamp
+    at the public B bounds the total whatever the count."""
     low, high = score_range
+    span = high - low
+    bound = SCORE_MAX_UNITS * span
+    if not (span > 0 and math.isfinite(bound)):
+        raise ValueError(f"score_range {score_range!r}: needs low < high and a finite {SCORE_MAX_UNITS} x (high - low)")
     values = np.nan_to_num(np.asarray(values, dtype=np.float64), nan=high, posinf=high, neginf=low)
     clipped = np.clip(values, low, high) - low
     _, inverse = np.unique(np.asarray(units), return_inverse=True)
-    sums = np.bincount(inverse.reshape(-1), weights=clipped)
-    counts = np.bincount(inverse.reshape(-1))
-    return float((sums / counts).sum()) + float(rng.normal(0.0, noise * (high - low)))
+    inverse = inverse.reshape(-1)
+    groups = (np.split(clipped[np.argsort(inverse, kind="stable")], np.cumsum(np.bincount(inverse))[:-1])
+              if len(inverse) else [])
+    contributions = [min(max(math.fsum(group) / len(group), 0.0), span) for group in groups]
+    total = min(math.fsum(contributions), bound)
+    return total + float(rng.normal(0.0, noise * span * (1.0 + SCORE_ROUNDING_MARGIN)))
 
 
 def record_values(model, split, device) -> np.ndarray:
