@@ -537,7 +537,8 @@ def _format_tables(results: pd.DataFrame, summary: dict) -> list[str]:
     t3 = table3(results, column)
     lines.append(f"\nTable 3 analogue: RLDP steps to reach the best baseline's final {split} "
                  "(% of its steps)")
-    lines.append(t3.to_string(index=False, float_format=lambda x: f"{x:.1f}") if len(t3) else "  (no RLDP trials)")
+    lines.append(t3.to_string(index=False, float_format=lambda x: f"{x:.1f}") if len(t3)
+                 else "  (no RLDP trial that learns online; a frozen policy's are in Table 2)")
     acc = accuracy_table(results)
     if len(acc):
         lines.append("\nClassification accuracy (final; mean and sd over seeds; eval: private split, unprotected, E15)")
