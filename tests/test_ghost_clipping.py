@@ -153,3 +153,60 @@ def test_ghost_clipping_refuses_a_model_that_is_not_float32():
     model.to(torch.bfloat16)
     with pytest.raises(ValueError, match="float32"):
         GhostClippingComputer(model, pairs)
+
+
+def _embedded_with_lora():
+    from raydp.model import load_model
+    from raydp.model.adapters import discover_adapter_pairs
+
+    loaded = load_model("embedded", device="cpu", progress=False)
+    pairs = discover_adapter_pairs(loaded.model)
+    torch.manual_seed(0)
+    with torch.no_grad():  # LoRA's B starts at zero: make every gradient non-trivial
+        for pair in pairs:
+            pair.b.normal_(0, 0.05)
+    loaded.model.train()
+    for module in loaded.model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return loaded, pairs
+
+
+def test_one_unit_added_moves_the_ghost_clipped_sum_by_its_own_contribution_alone(tmp_path):
+    """The DP sensitivity of the clipped sum at 256 units, on the embedded model: S(D + u) - S(D) against u's
+    clipped gradient computed alone (Opacus's per-sample hooks, unit u alone). The former float32 second backward
+    pass summed all units' positions in float32, and the sum's rounding moved with u: 2.1e-5 C here, beyond
+    NORM_MARGIN's 1e-5. Summed in float64 from the first pass's tensors it is 1.5e-7 C: u's own gradient alone
+    versus in the batch (float32 kernels), which the other units do not move."""
+    from raydp.config import DataConfig
+    from raydp.data import load_texts, resolve_dataset
+    from raydp.model.batches import TokenizedSplit
+    from raydp.privacy.mechanism import CLIP
+
+    torch.set_num_threads(1)
+    dataset = resolve_dataset(DataConfig(n_records=600), tmp_path / "d", progress=False)
+    loaded, pairs = _embedded_with_lora()
+    loaded2, pairs2 = _embedded_with_lora()  # Opacus refuses two hook sets on one model
+    loaded2.model.load_state_dict(loaded.model.state_dict())  # the same LoRA A (drawn at load)
+    split = TokenizedSplit(load_texts(dataset, "train"), loaded.tokenizer, 128)
+    lengths = [len(s) for s in split.sequences]
+    base = list(range(256))
+    # u no longer than the batch's longest: the padded width, and so every other unit's float32 tensors, stay
+    u = next(i for i in range(256, len(lengths)) if lengths[i] <= max(lengths[:256]))
+    ghost = GhostClippingComputer(loaded.model, pairs)
+    contributions = []
+    for rows in (base, base + [u]):
+        b = split.collate(rows, "cpu")
+        contributions.append(ghost.contributions(Batch(list(rows), b.input_ids, b.attention_mask)))
+    clip = torch.tensor([float(contributions[0].norms.norm(dim=1).min()) / 2])  # every unit clipped
+    sums = []
+    for c in contributions:
+        norms = c.norms.double().pow(2).sum(1, keepdim=True).sqrt().float()
+        factors = torch.minimum(CLIP.factors(norms, clip), clip / norms)
+        sums.append(c.clipped_sums(factors, "flat").double())
+    alone = split.collate([u], "cpu")
+    g_u = PerSampleGradientComputer(loaded2.model, pairs2).compute(alone.input_ids, alone.attention_mask)
+    c_u = factors[-1].double() * g_u.flat[0].double()
+    leak = float((sums[1] - sums[0] - c_u).norm() / clip)
+    assert leak < 1e-6, leak
+    assert float((sums[1] - sums[0]).norm() / clip) <= 1.0  # within C: the norms' margin covers the rest
