@@ -30,11 +30,11 @@ its norm sampler as they are and own three things Opacus does not do for us:
   6.99e-6 and 2.27e-5 re-measured here, embedded model), beyond the margins (NORM_MARGIN 1e-5, the step's
   noise margin 1e-6) from ~100 units on. Summed in float64: 1.70e-7 C and 1.62e-7 C, flat in the unit count:
   u's own gradient alone versus in the batch (float32 kernels); the other units' part of the difference is
-  1.4e-14 C and 4.9e-14 C (Casacuberta et al. 2022 on floating-point sensitivity). Not covered by this: a unit
-  longer than every other record widens the padded batch, and the float32 forward and backward then round the
-  other units' tensors differently (the same holds for per-sample clipping, :mod:`raydp.privacy.clipping`):
-  1.2e-6 C at 64 units and 2.7e-6 C at 256 when u widened the batch from 62 to 100 positions, inside
-  NORM_MARGIN at these sizes but growing with the unit count.
+  1.4e-14 C and 4.9e-14 C (Casacuberta et al. 2022 on floating-point sensitivity). Padded to its longest
+  record, a batch that u widened rounded the other units' float32 tensors differently (1.2e-6 C at 64 units and
+  2.7e-6 C at 256 when u widened it from 62 to 100 positions, growing with the unit count); a DP run pads every
+  batch to one public width instead (:func:`raydp.runner.run.dp_batch_width`), so u changes no other unit's
+  shapes.
 * **Non-finite records.** A unit whose loss or norm is not finite contributes zero (as in
   :func:`raydp.privacy.clipping.zero_nonfinite`): its rows, which may hold a NaN, are left out of the sum.
 
