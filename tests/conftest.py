@@ -22,6 +22,17 @@ def raydp_cache(tmp_path_factory) -> Path:
     return cache
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads():
+    """Every test starts with the session's torch thread count: a test that sets one thread (to measure bit-exact
+    kernels) must not change the rounding of a model built by a later test."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def local_ray(raydp_cache):
     """A local Ray (2 CPUs) for the module, started unless one runs; its workers see the model cache and stay
