@@ -41,11 +41,11 @@ def test_population_filter_admits_exactly_the_population_budget():
     assert np.all(population.budget[INTEGER] >= budget)  # the filter's 1e-9 slack only absorbs float sums
     assert population.budget == pytest.approx(members * member.budget, rel=1e-15)
     assert population.epsilon() == pytest.approx(rdp_epsilon(population.budget, ORDERS, delta), rel=1e-12)
-    # members * steps steps at the plan's sigma fit, whichever member runs them; one more does not
+    # members * steps steps at the plan's sigma fit, steps of them per member (its share); one more does not
     for i in range(members * steps - 1):
         assert population.admit(q, sigma, member=f"m{i % members}")
     assert not population.admit(q, sigma / 2, member="m0")  # a cheaper-noise step that would cross: refused
-    assert population.admit(q, sigma, member="m1")
+    assert population.admit(q, sigma, member="m2")
     np.testing.assert_allclose(population.spent[INTEGER], members * steps * rdp_step(q, sigma), rtol=1e-9)
     assert not population.admit(q, sigma, member="m2")
     assert population.within_budget() and np.all(population.spent <= population.budget)
@@ -75,6 +75,70 @@ def test_a_member_guard_asks_the_population_after_its_own_filter():
     with pytest.raises(BudgetExhausted, match="would cross the filter's budget"):
         guard.admit(ledger, q, sigma / 10)  # the member's own filter refuses first: the population is not asked
     assert calls == [sigma] * 3
+
+
+
+def _after_an_exploit(arrivals):
+    """The review's probe (two members, plan T=10 steps at (q, sigma 1)): A runs 5 steps at sigma 0.98, B 5 at
+    1.5; A exploits B (A's 5 steps are discarded but stay charged, A's own filter restarts from B's cheaper
+    ledger) and both go on at 0.98, asking six steps each in the order ``arrivals`` (which, in a real study,
+    follows the members' step times, hence their private Poisson batch sizes)."""
+    q, steps = 0.05, 10
+    population = PopulationFilter.for_members(RenyiFilter.for_plan(q, 1.0, steps, 1e-5), 2)
+    for member, sigma in [("A", 0.98)] * 5 + [("B", 1.5)] * 5:
+        assert population.admit(q, sigma, member=member)
+    outcomes = {"A": [], "B": []}  # each member's own sequence of admitted / refused
+    for member in arrivals:
+        outcomes[member].append(population.admit(q, 0.98, member=member))
+    assert population.within_budget() and np.all(population.spent <= population.budget)
+    return outcomes, population.describe()
+
+
+def test_who_the_population_filter_refuses_does_not_depend_on_arrival_order():
+    """Admission must not follow wall-clock order (the review's p5 probe): A-first, B-first, interleaved and
+    random interleavings of the same requests give every member the same admitted/refused sequence and the
+    same released counts."""
+    orders = [["A"] * 6 + ["B"] * 6, ["B"] * 6 + ["A"] * 6, ["A", "B"] * 6, ["B", "A"] * 6]
+    rng = np.random.default_rng(0)
+    orders += [list(rng.permutation(["A"] * 6 + ["B"] * 6)) for _ in range(8)]
+    results = [_after_an_exploit(order) for order in orders]
+    outcomes, described = results[0]
+    for other, other_described in results[1:]:
+        assert other == outcomes
+        for key in ("steps_admitted", "steps_refused", "spent_rdp"):
+            assert other_described[key] == described[key]
+    assert not (all(outcomes["A"]) and all(outcomes["B"]))  # the budget binds: somebody is refused
+    for member in "AB":  # refusal is a halting rule: once refused, a member is refused from then on
+        admitted = outcomes[member]
+        assert admitted == sorted(admitted, reverse=True)
+
+
+
+def test_each_member_is_admitted_within_its_own_share_of_the_population_budget():
+    """B_pop = M * B, one share B per member fixed before training: a member's discarded steps count against its
+    own share, an unspent share is not lent to another member, and the shares add up to B_pop."""
+    from raydp.study.population import Population
+
+    q, sigma, steps = 0.02, 1.1, 4
+    member = RenyiFilter.for_plan(q, sigma, steps, 1e-5)
+    population = Population(PopulationFilter.for_members(member, 3), ["a", "b", "c"])
+    for _ in range(steps):  # a runs its plan, then is exploited: those steps stay charged to a
+        assert population.admit("a", q, sigma)
+    assert not population.admit("a", q, sigma)  # b and c have spent nothing, but a's share is used up
+    assert population.admit("b", q, sigma)
+    filt = population.filter
+    np.testing.assert_array_equal(filt.share.budget, member.budget)
+    np.testing.assert_allclose(filt.spent[INTEGER], (steps + 1) * rdp_step(q, sigma), rtol=1e-9)
+    described = population.state()["filter"]
+    assert described["steps_admitted"] == {"a": steps, "b": 1} and described["steps_refused"] == {"a": 1}
+    assert list(described["spent_rdp_by_member"]) == ["a", "b"] and described["within_budget"]
+    with pytest.raises(ValueError, match="not a member"):
+        population.admit("d", q, sigma)
+    with pytest.raises(ValueError, match="has no share"):  # the filter alone: at most M members have a share
+        for name in ("x", "y"):
+            filt.admit(q, sigma, member=name)
+    with pytest.raises(ConfigError, match="add up to more than"):
+        PopulationFilter(member.orders, 2 * member.budget, 1e-5, members=3, share=member.budget)
 
 
 # -- the member strategy ---------------------------------------------------------------------------

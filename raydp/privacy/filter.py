@@ -30,7 +30,9 @@ under B at every order (ERRATA E4), and :meth:`FilterGuard.admit` refuses any st
 (the filter's halting rule, checked right before the release).
 
 :class:`PopulationFilter` is the same filter over every step of a population of runs (PBT members,
-including the steps an exploit discards); a member's guard asks it through ``population_admit``.
+including the steps an exploit discards), split into one equal share per member so that who is refused
+never depends on the order concurrent members' requests arrive; a member's guard asks it through
+``population_admit``.
 """
 
 from __future__ import annotations
@@ -104,16 +106,31 @@ class PopulationFilter:
     """A Renyi filter over a whole population of runs on the same private data (PBT, :mod:`raydp.study.population`).
 
     Population Based Training runs M members side by side; an exploit discards a member's own steps and
-    copies another member's state, but the discarded steps were still run on the private data. Treat the
-    whole population as ONE adaptive interaction: every step of every member, in the order it is admitted,
-    is a Poisson-subsampled Gaussian mechanism whose parameters (q, sigma_eff) are fixed before it runs (the
-    members' choices and PBT's exploit/explore decisions are post-processing of earlier releases). Fix the
-    budget curve B_pop(alpha) = M * B(alpha) before training, B the member plan's budget
-    (:meth:`RenyiFilter.for_plan`), and admit a step only while the population's spent curve plus the step
-    stays under B_pop at every order. By the Renyi filter theorem (Feldman & Zrnic 2021, Thm. 3.1, applied
-    to the population's interaction; Lecuyer 2021) the population is (alpha, B_pop(alpha))-RDP at every
-    order, whatever was discarded or copied. Concurrent members are serialised by admission: a step's
-    mechanism is fixed before it is admitted, so it can depend only on steps admitted before it.
+    copies another member's state, but the discarded steps were still run on the private data. Fix the
+    population budget curve B_pop(alpha) = M * B(alpha) before training, B the member plan's budget
+    (:meth:`RenyiFilter.for_plan`), and split it, also before training, into M equal *shares* of B, one per
+    member. A member's step is admitted only while the RDP curve of every step that member has run (its own
+    steps an exploit discarded included; a prefix it inherited from a donor is the donor's and charged to the
+    donor's share) plus the step stays under its share at every order. The shares sum to B_pop, so the
+    population's spent curve never exceeds B_pop, whatever was discarded or copied.
+
+    Why shares and not one common pool: a member's admission depends only on that member's own requests, never
+    on how its requests interleave in wall-clock time with the other members' (which follows their step times,
+    hence their private Poisson batch sizes). With a common pool the population could be asked for more than
+    B_pop after an exploit (a member's own filter restarts from the donor's ledger while its discarded steps
+    stay charged) and first-come-first-served then decided WHICH member was refused by timing, and the refusal
+    is released (the member's steps, ``stopped_early``, ``steps_refused``). The price: a member cannot use
+    budget another member leaves unspent.
+
+    Theorem used: the Renyi filter (Feldman & Zrnic 2021, Thm. 3.1; Lecuyer 2021) applied to the population's
+    steps in a canonical order fixed before training: sync interval by sync interval (PBT is synchronous,
+    :class:`raydp.study.config.PBTStudySettings`), member by member in index order, each member's steps in its
+    own order. Members interact only at sync points (PBT's exploit/explore, post-processing of earlier
+    releases), and a member's admission depends only on its own earlier requests, so every step's mechanism
+    (q, sigma_eff) AND whether it is admitted (the halting rule) are functions of releases earlier in that
+    order; within an interval the members' steps are independent given the releases at its sync point, so
+    running them concurrently changes nothing in the releases' joint distribution. The realized RDP sum is at
+    most the sum of the shares, B_pop, always; so the population is (alpha, B_pop(alpha))-RDP at every order.
 
     M * B is also the composition of the M members' budget curves, which the study reports as its
     tuning-aware epsilon (:mod:`raydp.study.results`), so that figure is the population's guarantee.
@@ -122,7 +139,8 @@ class PopulationFilter:
     charged when admitted, before they run: a step that is admitted and then never runs (a member stopped
     in between) is over-counted, never under-counted."""
 
-    def __init__(self, orders: Sequence[float], budget: Sequence[float], delta: float, members: int = 1) -> None:
+    def __init__(self, orders: Sequence[float], budget: Sequence[float], delta: float, members: int = 1,
+                 share: Sequence[float] | None = None) -> None:
         self.filter = RenyiFilter(orders, budget, delta)
         self.orders = self.filter.orders
         self.budget = self.filter.budget
@@ -130,46 +148,77 @@ class PopulationFilter:
         if int(members) != members or members <= 0:
             raise ConfigError(f"a population needs a positive number of members, got {members}")
         self.members = int(members)
-        self.spent = np.zeros(len(self.orders))
+        #: every member's share of B_pop (the same for all, fixed before training): members * share <= B_pop
+        self.share = RenyiFilter(orders, self.budget / self.members if share is None else share, delta)
+        if not np.all(self.members * self.share.budget <= self.budget * (1.0 + 1e-12)):
+            raise ConfigError("the members' shares add up to more than the population's budget")
+        self.spent_by: dict[str, np.ndarray] = {}  # member -> the RDP curve of every step it has run
         self.admitted: dict[str, int] = {}
         self.refused: dict[str, int] = {}
 
     @classmethod
     def for_members(cls, member: RenyiFilter, members: int) -> PopulationFilter:
-        """B_pop = ``members`` * the member filter's budget curve (every member has the same plan)."""
-        return cls(member.orders, int(members) * member.budget, member.delta, members=members)
+        """B_pop = ``members`` * the member filter's budget curve (every member has the same plan), and each
+        member's share is that budget curve."""
+        return cls(member.orders, int(members) * member.budget, member.delta, members=members, share=member.budget)
+
+    @property
+    def spent(self) -> np.ndarray:
+        """The population's spent curve: the sum of the members' (in name order, so no arrival order shows)."""
+        total = np.zeros(len(self.orders))
+        for name in sorted(self.spent_by):
+            total = total + self.spent_by[name]
+        return total
 
     def epsilon(self) -> float:
         """The population's guarantee: epsilon at ``delta`` of (alpha, B_pop(alpha))-RDP, best order."""
         return self.filter.epsilon()
 
-    def fits(self, q: float, sigma_eff: float) -> bool:
-        return self.filter.fits(self.spent, float(q), float(sigma_eff), 1)
+    def _spent_of(self, member: str) -> np.ndarray:
+        spent = self.spent_by.get(member)
+        if spent is None:
+            if len(self.spent_by) >= self.members:
+                raise ValueError(f"member {member!r} would be member {len(self.spent_by) + 1} of a population of "
+                                 f"{self.members}: it has no share")
+            spent = self.spent_by[member] = np.zeros(len(self.orders))
+        return spent
+
+    def fits(self, q: float, sigma_eff: float, member: str = "member") -> bool:
+        """Whether one more step of ``member`` at (q, sigma_eff) stays under its share (its own steps only)."""
+        return self.share.fits(self._spent_of(member), float(q), float(sigma_eff), 1)
 
     def charge(self, q: float, sigma_eff: float, member: str = "member") -> None:
-        """Add one step at (q, sigma_eff) to the spent curve (unchecked: :meth:`admit` checks first)."""
-        self.spent = self.spent + self.filter.step_curve(float(q), float(sigma_eff))
+        """Add one step at (q, sigma_eff) to ``member``'s spent curve (unchecked: :meth:`admit` checks first)."""
+        self.spent_by[member] = self._spent_of(member) + self.filter.step_curve(float(q), float(sigma_eff))
         self.admitted[member] = self.admitted.get(member, 0) + 1
 
     def admit(self, q: float, sigma_eff: float, member: str = "member") -> bool:
-        """The filter's halting rule: charge one step and return True iff it fits under B_pop."""
-        if not self.fits(q, sigma_eff):
+        """The filter's halting rule: charge one step and return True iff it fits under the member's share
+        (whatever the other members have asked, and in whatever order)."""
+        if not self.fits(q, sigma_eff, member):
             self.refused[member] = self.refused.get(member, 0) + 1
             return False
         self.charge(q, sigma_eff, member)
         return True
 
     def within_budget(self) -> bool:
-        return bool(np.all(self.spent <= self.budget))
+        return bool(np.all(self.spent <= self.budget)
+                    and all(np.all(spent <= self.share.budget) for spent in self.spent_by.values()))
 
     def describe(self) -> dict:
         return {"name": "population-renyi-filter", "members": self.members, "orders": list(self.orders),
-                "budget_rdp": self.budget.tolist(), "spent_rdp": self.spent.tolist(), "delta": self.delta,
-                "epsilon": self.epsilon(), "within_budget": self.within_budget(),
-                "steps_admitted": dict(self.admitted), "steps_refused": dict(self.refused),
-                "theorem": "Renyi filter over the population's steps (Feldman & Zrnic 2021, Thm. 3.1; Lecuyer "
-                           "2021), budget = members x the member plan's budget curve; RDP -> (epsilon, delta) "
-                           "by Balle et al. 2020, Thm. 21"}
+                "budget_rdp": self.budget.tolist(), "share_rdp": self.share.budget.tolist(),
+                "spent_rdp": self.spent.tolist(),
+                "spent_rdp_by_member": {k: self.spent_by[k].tolist() for k in sorted(self.spent_by)},
+                "delta": self.delta, "epsilon": self.epsilon(), "within_budget": self.within_budget(),
+                "steps_admitted": dict(sorted(self.admitted.items())),
+                "steps_refused": dict(sorted(self.refused.items())),
+                "admission": "each member within its own equal share of the budget (fixed before training), so "
+                             "who is refused does not depend on the order the members' requests arrive",
+                "theorem": "Renyi filter over the population's steps in a canonical order (sync interval, member "
+                           "index, step) (Feldman & Zrnic 2021, Thm. 3.1; Lecuyer 2021), budget = members x the "
+                           "member plan's budget curve, one equal share per member; RDP -> (epsilon, delta) by "
+                           "Balle et al. 2020, Thm. 21"}
 
 
 class _SpentCurve:

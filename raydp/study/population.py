@@ -4,9 +4,13 @@ Population Based Training (``search: pbt``, :func:`raydp.study.runner._fit_pbt`)
 side; an exploit throws away a member's own steps and copies a better member's checkpoint. Every step any
 member ran touched the private data, kept or not. The study driver therefore creates, before
 ``Tuner.fit``, one actor holding a :class:`~raydp.privacy.filter.PopulationFilter` with budget curve
-B_pop = M * B (B: the member plan's Renyi filter budget, the same for every member). Each member's guard
-asks it before every step (``population_admit``, threaded into
-:class:`~raydp.privacy.filter.FilterGuard`); a refused step stops that member cleanly (BudgetExhausted).
+B_pop = M * B (B: the member plan's Renyi filter budget, the same for every member), split into one
+share B per member. Each member's guard asks it before every step (``population_admit``, threaded into
+:class:`~raydp.privacy.filter.FilterGuard`); a step is admitted iff every step that member has run
+(discarded ones included) plus this one stays under its share, so whether a member is refused depends on
+its own requests only, never on the order in which concurrent members' requests reach the actor (see
+:class:`~raydp.privacy.filter.PopulationFilter` for the theorem); a refused step stops that member cleanly
+(BudgetExhausted).
 
 The actor also knows who is who: a Tune trial keeps its id through exploits, but its config (hence any
 name in it) becomes a mutated copy of the donor's, so the member a trial trains is registered by Tune trial
@@ -75,6 +79,9 @@ class Population:
         return self.trials.get(trial_id)
 
     def admit(self, member: str, q: float, sigma_eff: float) -> bool:
+        """Whether ``member``'s next step is admitted: within its own share of B_pop (order-independent)."""
+        if member not in self.members:
+            raise ValueError(f"{member!r} is not a member of this population")
         return self.filter.admit(q, sigma_eff, member)
 
     def epsilon(self) -> float:
