@@ -18,8 +18,11 @@ Privacy (ERRATA E1-E5, E13, E7/E14).
   at sigma_eff = sigma (E1). No extra release.
 * Steps a member ran and then discarded by an exploit were still run on the private data. In a study the
   whole population is one adaptive interaction with a population Renyi filter of budget M * B
-  (:class:`raydp.privacy.filter.PopulationFilter`, held by :mod:`raydp.study.population`): every step of
-  every member is admitted only if the population's spent curve plus the step stays under it. M * B is the
+  (:class:`raydp.privacy.filter.PopulationFilter`, held by :mod:`raydp.study.population`), split before
+  training into one share B per member: every step of a member is admitted only if every step that member
+  has run (discarded ones included) plus the step stays under its share, so the population stays under
+  M * B and who is refused never depends on the order concurrent members' requests arrive (Feldman &
+  Zrnic 2021, Thm. 3.1, over the population's steps in (sync interval, member, step) order). M * B is the
   composition of the members' budget curves that the study reports as its tuning-aware epsilon.
 * A member's model depends on the whole population (exploit copies weights chosen by comparing all
   members), so the guarantee of any member's model is the population's epsilon, not B's (see
