@@ -11,6 +11,7 @@ whose masked-LM logits of the class words are the classifier (:mod:`raydp.runner
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,15 +72,20 @@ class LoadedModel:
 
 
 def resolve_device(device: str = "auto") -> torch.device:
-    """``auto``: CUDA when present, else CPU. Nothing in raydp requires a GPU."""
+    """``auto``: CUDA when present, else CPU. Nothing in raydp requires a GPU. On CUDA, cuBLAS's fixed workspace is
+    set before any CUDA work (the deterministic kernels of a DP step's isolated records need it:
+    :func:`raydp.privacy.clipping.deterministic_kernels`)."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError:
-        raise ModelError(f"unknown device {device!r}") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ModelError(f"device {device!r} requested but CUDA is not available")
+        resolved = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            resolved = torch.device(device)
+        except RuntimeError:
+            raise ModelError(f"unknown device {device!r}") from None
+        if resolved.type == "cuda" and not torch.cuda.is_available():
+            raise ModelError(f"device {device!r} requested but CUDA is not available")
+    if resolved.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # a value the user set is kept
     return resolved
 
 

@@ -17,6 +17,8 @@ per pair (issue 28), and nothing in it waits for the device.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 
 from raydp.model.adapters import AdapterPair
+from raydp.model.loading import ENCODERS
 from raydp.model.loss import per_sequence_nll
 from raydp.privacy.mechanism import CLIP, CLIP_EPS, flatten_pairs  # noqa: F401  (CLIP_EPS: Eq. 5's stabiliser)
 
@@ -146,6 +149,110 @@ class PerSampleGrads:
         return clipped_sums(self, factors, mode)
 
 
+def isolates_records(device: torch.device | str) -> bool:
+    """Whether per-sample gradients on ``device`` are computed one record at a time: on every device but the CPU.
+
+    The clipped sum's sensitivity is C only if no record changes the others' contributions. On an NVIDIA H200
+    (torch 2.11, CUDA 13.0, bf16 base weights as a run loads them) a batch one record larger changed every other
+    record's per-sample gradient at GPT-2 small's shape, by up to 1.3e-2 of its norm, and their clipped sum by up
+    to 6.5e-2 C; with fp32 base weights by 3e-6 and 1.4e-5 C; in batches of a fixed shape a record's position
+    still mattered. The matrix library chooses its kernels by shape and splits reductions by position. One record
+    alone, at the run's fixed width, with deterministic kernels, changed nothing
+    (``bench/bench_row_independence.py``; docs/privacy.md). On this project's 2-core CPU a fixed width was enough
+    (no row moved at batch sizes 1 to 256); an untested device is treated as a GPU."""
+    return torch.device(device).type != "cpu"
+
+
+@contextlib.contextmanager
+def deterministic_kernels():
+    """Deterministic kernels for one isolated record's forward and backward: torch's deterministic algorithms,
+    float32 reductions inside bf16/fp16 matrix products (no reduced-precision split-K), and the math attention
+    kernel (plain batched matrix products); the process's settings are restored afterwards. cuBLAS reads its fixed
+    workspace (``CUBLAS_WORKSPACE_CONFIG``) when it starts: :func:`raydp.model.loading.resolve_device` sets it
+    before any CUDA work."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    matmul = torch.backends.cuda.matmul
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    matmul.allow_bf16_reduced_precision_reduction = False
+    matmul.allow_fp16_reduced_precision_reduction = False
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        matmul.allow_bf16_reduced_precision_reduction = saved[2]
+        matmul.allow_fp16_reduced_precision_reduction = saved[3]
+
+
+@contextlib.contextmanager
+def _without_pad_token(model: torch.nn.Module):
+    """The model's configs without ``pad_token_id`` while a graph is captured: transformers reads ``input_ids`` on
+    the host to warn about padding without a mask, which a capture cannot do (restored afterwards)."""
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None
+               and getattr(c, "pad_token_id", None) is not None}
+    saved = {key: config.pad_token_id for key, config in configs.items()}
+    for config in configs.values():
+        config.pad_token_id = None
+    try:
+        yield
+    finally:
+        for key, config in configs.items():
+            config.pad_token_id = saved[key]
+
+
+def cuda_graph_capture(body, device: torch.device):
+    """``body()`` captured in a CUDA graph after three warm-up calls on a side stream (PyTorch's whole-network
+    recipe); returns (replay, the captured call's outputs, whose memory each replay rewrites)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            body()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = body()
+    return graph.replay, out
+
+
+class RecordGraph:
+    """One record's forward and backward at a fixed width, with deterministic kernels, captured once and replayed
+    for every record of a batch: the record is copied into the graph's input buffers, the graph runs, its
+    per-sample gradient and loss are copied out. A replay runs the kernels chosen at capture on a [1, width]
+    record, so a record's contribution is a function of that record alone, as in the eager isolated pass, without
+    the host's time per kernel (on an H200 at GPT-2 small's shape, 16 records took 67 ms against 1,038 ms eagerly:
+    ``bench/bench_row_independence.py``).
+
+    The model is called without the attention mask (transformers' mask builder reads the mask on the host, which a
+    capture cannot do). That is exact for a causal decoder's right-padded record: a real token attends only to
+    earlier positions, all real, so the padding is never seen, and the loss still takes the mask. An encoder
+    attends both ways and is not graphed. The parameters are read where they live at every replay: an optimizer
+    that updates them in place (torch's do) is seen by the next replay. ``capture`` is
+    :func:`cuda_graph_capture` (a test passes one that calls the body again at every replay)."""
+
+    def __init__(self, computer: PerSampleGradientComputer, width: int, device: torch.device,
+                 capture=cuda_graph_capture):
+        self.ids = torch.zeros((1, width), dtype=torch.long, device=device)
+        self.mask = torch.ones((1, width), dtype=torch.long, device=device)
+        with deterministic_kernels(), _without_pad_token(computer.model):
+            self.replay, out = capture(lambda: computer._compute(self.ids, self.mask, None, model_mask=False),
+                                       device)
+        self.flat, self.losses, self.layout = out.flat, out.losses, out.layout
+
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PerSampleGrads:
+        flats, losses = [], []
+        for i in range(int(input_ids.shape[0])):
+            self.ids.copy_(input_ids[i:i + 1])
+            self.mask.copy_(attention_mask[i:i + 1])
+            self.replay()
+            flats.append(self.flat.clone())
+            losses.append(self.losses.clone())
+        return PerSampleGrads(torch.cat(flats), self.layout, torch.cat(losses))
+
+
 class PerSampleGradientComputer:
     """Exact per-sample gradients of the LoRA matrices, by one forward hook per adapter matrix.
 
@@ -157,12 +264,23 @@ class PerSampleGradientComputer:
     H200, where the whole non-private step's host time is about 40 ms: the step was bound by them (issue 28). Tests
     check these gradients against Opacus's and against a per-example loop. The hooks act only inside
     :meth:`compute`; other forward passes of the model (evaluation, a public probe of another source) pass
-    through untouched."""
+    through untouched.
 
-    def __init__(self, model: torch.nn.Module, pairs: list[AdapterPair], loss=per_sequence_nll):
+    Off the CPU each record is computed alone (:func:`isolates_records`): a batched GPU pass lets one record move
+    the others' gradients. On CUDA a decoder's record is replayed from a CUDA graph of one record's pass
+    (:class:`RecordGraph`): without it, host time per kernel makes the isolated step about 20 times slower."""
+
+    def __init__(self, model: torch.nn.Module, pairs: list[AdapterPair], loss=per_sequence_nll,
+                 isolate: bool | None = None, graphs: bool = True):
         """``loss(logits, input_ids, attention_mask[, labels]) -> [batch]``: the task's per-sample loss
         (language modelling's per-sequence NLL by default; a classification task passes its own, which
-        also takes the batch's labels)."""
+        also takes the batch's labels). ``isolate``: compute each record in a pass of its own with deterministic
+        kernels (None: off the CPU only, :func:`isolates_records`; True on a CPU too; False is refused off the
+        CPU). ``graphs``: on CUDA, replay one record's pass from a CUDA graph (:class:`RecordGraph`) where it
+        can."""
+        self.isolate = isolate
+        self.graphs = graphs
+        self._graphs: dict[int, RecordGraph] = {}  # width -> one record's graph (CUDA)
         self.model = model
         self.pairs = pairs
         self.loss = loss
@@ -197,11 +315,49 @@ class PerSampleGradientComputer:
     def compute(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 labels: torch.Tensor | None = None) -> PerSampleGrads:
         """Forward, backward of the summed per-sequence losses; returns the per-sample LoRA gradients (the
-        parameters' own ``.grad`` is left empty)."""
+        parameters' own ``.grad`` is left empty). Isolated records: one pass per record, concatenated."""
+        device = input_ids.device
+        if self.isolate is False and isolates_records(device):
+            raise ValueError(f"per-sample gradients in batches on {device.type}: one record changes the others' "
+                             "there (kernels chosen by shape); a DP run computes each record alone off the CPU")
+        rows = int(input_ids.shape[0])
+        if not (self.isolate or isolates_records(device)) or rows == 0:
+            return self._compute(input_ids, attention_mask, labels)
+        graph = self._record_graph(input_ids, labels)
+        if graph is not None:
+            return graph.run(input_ids, attention_mask)
+        with deterministic_kernels():
+            parts = [self._compute(input_ids[i:i + 1], attention_mask[i:i + 1],
+                                   None if labels is None else labels[i:i + 1]) for i in range(rows)]
+        return PerSampleGrads(torch.cat([p.flat for p in parts]), self.layout, torch.cat([p.losses for p in parts]))
+
+    def _record_graph(self, input_ids: torch.Tensor, labels) -> RecordGraph | None:
+        """The CUDA graph of one record at this width (captured at its first use), or None: not on CUDA, a task with
+        labels, an encoder (its records need their mask, which a graph cannot take: :class:`RecordGraph`), or a
+        capture that failed once (then every record runs eagerly, as correct and slower)."""
+        width = int(input_ids.shape[1])
+        if (input_ids.device.type != "cuda" or labels is not None or not self.graphs
+                or getattr(getattr(self.model, "config", None), "model_type", None) in ENCODERS):
+            return None
+        if width not in self._graphs:
+            try:
+                self._graphs[width] = RecordGraph(self, width, input_ids.device)
+            except Exception as error:  # noqa: BLE001  (a capture can fail in many ways; the eager path is exact)
+                warnings.warn(f"per-sample gradients: a CUDA graph of one record could not be captured "
+                              f"({type(error).__name__}: {str(error)[:200]}); each record runs eagerly (slower)")
+                self.graphs = False
+                return None
+        return self._graphs[width]
+
+    def _compute(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 labels: torch.Tensor | None, model_mask: bool = True) -> PerSampleGrads:
+        """One pass over the rows; ``model_mask=False`` calls the model without the mask (:class:`RecordGraph`;
+        the loss still takes it)."""
         store: dict[int, torch.Tensor] = {}
         self._store, self._rows = store, int(input_ids.shape[0])
         try:
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+            logits = (self.model(input_ids=input_ids, attention_mask=attention_mask) if model_mask
+                      else self.model(input_ids=input_ids)).logits
             losses = (self.loss(logits, input_ids, attention_mask) if labels is None
                       else self.loss(logits, input_ids, attention_mask, labels))
             rows = int(losses.shape[0])

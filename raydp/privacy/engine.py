@@ -8,7 +8,8 @@ Opacus's ``DPOptimizer.pre_step``):
 1. ``prepare``: the strategy's dials; sigma is the plan's sigma_t for a fixed schedule, or the strategy's
    proposal for adaptive sigma, which the Renyi filter's guard may raise (E4, E13);
 2. ``per_sample_gradients``: one contribution per privacy unit (a patient, E11: its records' gradients
-   summed) from the gradient source: per-sample gradients of the LoRA pairs (one hook per matrix; the
+   summed) from the gradient source: per-sample gradients of the LoRA pairs (one hook per matrix; off the CPU
+   each record in a pass of its own, so that no record changes another's: ``clipping.isolates_records``; the
    strategy's transform, if any, is applied), or, for a ghost-clipping source
    (:mod:`raydp.privacy.ghost`), the contributions' norms only; a unit with a non-finite loss or
    gradient contributes zero;

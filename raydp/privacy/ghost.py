@@ -57,6 +57,7 @@ from opacus.grad_sample.linear import compute_linear_norm_sample
 
 from raydp.model.adapters import AdapterPair
 from raydp.model.loss import per_sequence_nll
+from raydp.privacy.clipping import isolates_records
 from raydp.privacy.mechanism import flatten_pairs
 
 
@@ -165,6 +166,11 @@ class GhostClippingComputer:
     ghost = True
 
     def __init__(self, model: torch.nn.Module, pairs: list[AdapterPair], loss=per_sequence_nll):
+        devices = sorted({p.device.type for p in model.parameters()})
+        if any(isolates_records(d) for d in devices):  # bench/bench_row_independence.py, docs/privacy.md
+            raise ValueError(f"ghost clipping computes a batch in one pass, and on {'/'.join(devices)} one record "
+                             "changes the other records' contributions (kernels chosen by the batch's shape); off "
+                             "the CPU use per-sample clipping, which computes each record alone")
         low = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
         if low:  # measured with the former float32 second pass: 4e-4 off in bf16 (module docstring)
             raise ValueError(f"ghost clipping needs a float32 model ({', '.join(low)} parameters found): its "

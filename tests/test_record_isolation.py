@@ -1,0 +1,131 @@
+"""Off the CPU a DP step computes each record alone (raydp.privacy.clipping.isolates_records).
+
+On an NVIDIA H200 a batch one record larger changed every other record's per-sample gradient at GPT-2 small's shape
+(bf16 base weights: up to 1.3e-2 of its norm, their clipped sum by up to 6.5e-2 C), and in batches of a fixed shape
+a record's position mattered; one record per pass, with deterministic kernels, changed nothing
+(bench/bench_row_independence.py, docs/privacy.md). These tests check on the CPU what can be checked here: the
+isolated pass computes the same gradients as the batched one, the CUDA-graph replay's plumbing gives every record
+its own gradient, and the batched paths are refused off the CPU. The GPU figures come from the bench on a lent GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def model_and_split():
+    from raydp.data import public_corpus
+    from raydp.model import disable_dropout, load_model
+    from raydp.model.batches import TokenizedSplit
+
+    loaded = load_model("embedded", device="cpu", progress=False)
+    disable_dropout(loaded.model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for pair in loaded.pairs:
+            pair.b.normal_(0.0, 0.05)  # nonzero gradients through every matrix
+    split = TokenizedSplit(public_corpus(12, seed=5, progress=False), loaded.tokenizer, 64)
+    return loaded, split
+
+
+def test_device_rule():
+    from raydp.privacy.clipping import isolates_records
+
+    assert not isolates_records("cpu")
+    assert isolates_records("cuda") and isolates_records(torch.device("cuda:1")) and isolates_records("meta")
+
+
+def test_isolated_records_give_the_batched_gradients(model_and_split):
+    """The isolated pass is the same function: each record's gradient and loss as in the batch, to rounding (the
+    per-example loop the DP step's gradients are tested against elsewhere)."""
+    from raydp.privacy.clipping import PerSampleGradientComputer
+
+    loaded, split = model_and_split
+    batch = split.collate(list(range(10)), "cpu", width=64)
+    batched = PerSampleGradientComputer(loaded.model, loaded.pairs, isolate=False)
+    isolated = PerSampleGradientComputer(loaded.model, loaded.pairs, isolate=True)
+    try:
+        g = batched.compute(batch.input_ids, batch.attention_mask)
+        h = isolated.compute(batch.input_ids, batch.attention_mask)
+    finally:
+        batched.remove()
+        isolated.remove()
+    assert h.flat.shape == g.flat.shape
+    assert float((h.flat - g.flat).norm(dim=1).max() / g.flat.norm(dim=1).min()) < 1e-5
+    assert torch.allclose(h.losses, g.losses, rtol=1e-5, atol=0)
+    assert all(p.a.grad is None and p.b.grad is None for p in loaded.pairs)  # the summed gradient is not released
+    assert torch.are_deterministic_algorithms_enabled() is False  # the process's settings are restored
+
+
+def test_an_isolated_record_is_the_same_whatever_the_batch(model_and_split):
+    from raydp.privacy.clipping import PerSampleGradientComputer
+
+    loaded, split = model_and_split
+    computer = PerSampleGradientComputer(loaded.model, loaded.pairs, isolate=True)
+    try:
+        base = computer.compute(*_ids_mask(split, [0, 1, 2, 3]))
+        joined = computer.compute(*_ids_mask(split, [9, 3, 2, 1, 0]))
+    finally:
+        computer.remove()
+    assert torch.equal(joined.flat[1:].flip(0), base.flat)
+    assert torch.equal(joined.losses[1:].flip(0), base.losses)
+
+
+def test_the_record_graph_replays_each_record_into_its_own_row(model_and_split):
+    """RecordGraph's buffers: each record copied in, the pass run, its gradient copied out before the next
+    overwrites it (here the capture is a body run again at every replay: CUDA graphs need a GPU). The model is
+    called without the mask, which is exact for a right-padded record of a causal decoder."""
+    from raydp.privacy.clipping import PerSampleGradientComputer, RecordGraph
+
+    loaded, split = model_and_split
+
+    def eager_capture(body, device):
+        return body, body()
+
+    batched = PerSampleGradientComputer(loaded.model, loaded.pairs, isolate=False)
+    computer = PerSampleGradientComputer(loaded.model, loaded.pairs, isolate=True)
+    try:
+        ids, mask = _ids_mask(split, [4, 0, 7, 2])
+        assert int(mask.sum(1).min()) < 64  # right padding present: the mask-free call must not see it
+        pad = loaded.model.config.pad_token_id
+        graph = RecordGraph(computer, 64, torch.device("cpu"), capture=eager_capture)
+        assert loaded.model.config.pad_token_id == pad  # restored after the capture
+
+        def replay():
+            out = computer._compute(graph.ids, graph.mask, None, model_mask=False)
+            graph.flat.copy_(out.flat)
+            graph.losses.copy_(out.losses)
+
+        graph.replay = replay  # a CUDA replay rewrites the captured outputs in place: so does this one
+        replayed = graph.run(ids, mask)
+        reference = batched.compute(ids, mask)
+    finally:
+        batched.remove()
+        computer.remove()
+    assert float((replayed.flat - reference.flat).norm(dim=1).max() / reference.flat.norm(dim=1).min()) < 1e-5
+    assert torch.allclose(replayed.losses, reference.losses, rtol=1e-5, atol=0)
+    assert len({tuple(row[:8].tolist()) for row in replayed.flat}) == 4  # four records, four rows
+
+
+def test_batched_passes_are_refused_off_the_cpu(model_and_split):
+    from raydp.privacy.clipping import PerSampleGradientComputer
+    from raydp.privacy.ghost import GhostClippingComputer
+
+    loaded, split = model_and_split
+    computer = PerSampleGradientComputer(loaded.model, loaded.pairs, isolate=False)
+    try:
+        ids = torch.zeros((2, 8), dtype=torch.long, device="meta")
+        with pytest.raises(ValueError, match="one record changes the others"):
+            computer.compute(ids, ids)
+    finally:
+        computer.remove()
+    meta = torch.nn.Linear(2, 2, bias=False, device="meta")
+    with pytest.raises(ValueError, match="ghost clipping computes a batch in one pass"):
+        GhostClippingComputer(meta, [])
+
+
+def _ids_mask(split, indices):
+    batch = split.collate(indices, "cpu", width=64)
+    return batch.input_ids, batch.attention_mask
