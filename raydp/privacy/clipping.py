@@ -150,7 +150,8 @@ class PerSampleGrads:
 
 
 def isolates_records(device: torch.device | str) -> bool:
-    """Whether per-sample gradients on ``device`` are computed one record at a time: on every device but the CPU.
+    """Whether per-sample gradients on ``device`` are computed one record at a time: on every device but the CPU
+    (ERRATA E17).
 
     The clipped sum's sensitivity is C only if no record changes the others' contributions. On an NVIDIA H200
     (torch 2.11, CUDA 13.0, bf16 base weights as a run loads them) a batch one record larger changed every other
