@@ -111,6 +111,43 @@ def test_trainer_logs_no_training_loss_and_no_private_counts(trained):
     assert "unprotected_train_runtime" in result.metrics
 
 
+@pytest.fixture(scope="module")
+def patient_run(tmp_path_factory, texts):
+    """Two records per privacy unit, unsafe fixed randomness, the Trainer's INFO log captured: (DPTraining,
+    Trainer, the log's messages)."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    loaded = fresh_model()
+    dp = DPTraining(loaded.model, texts, loaded.tokenizer, **PRIVACY, max_steps=2, units=np.arange(N_RECORDS) // 2,
+                    unsafe_fixed_randomness=True, seed=3)
+    args = training_args(tmp_path_factory.mktemp("hf-patients"), dp.planned_steps, logging_steps=1, log_level="info")
+    trainer = Trainer(model=loaded.model, args=args, train_dataset=texts, callbacks=[dp.callback])
+    dp.attach(trainer)
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.get_logger().addHandler(handler)  # the "transformers" logger, which the Trainer's logs go through
+    try:
+        trainer.train()
+    finally:
+        hf_logging.get_logger().removeHandler(handler)
+        hf_logging.set_verbosity(verbosity)
+    return dp, trainer, messages
+
+
+def test_the_trainers_info_log_states_the_number_of_units_not_of_records(patient_run):
+    """The Trainer logs ``Num examples`` (the length of its train dataloader's dataset) at INFO: it must be the
+    released number of privacy units, never the number of records (two per unit here: private, issue 26)."""
+    dp, _, messages = patient_run
+    examples = [m for m in messages if "Num examples" in m]
+    assert examples == [f"  Num examples = {N_RECORDS // 2:,}"], messages  # the units, released as N
+    assert dp.summary()["n_units"] == N_RECORDS // 2
+    assert not any(str(N_RECORDS) in m for m in messages), messages
+
+
 class Capture(TrainerCallback):
     """Records the gradient the Trainer is about to apply (after every other callback has run)."""
 

@@ -272,6 +272,11 @@ class PoissonBatches:
 
 
 class _Indices(torch.utils.data.Dataset):
+    """The train dataloader's dataset: item ``i`` is record index ``i``, drawn by the batch sampler (the DataLoader
+    takes its length from the batch sampler, not from this dataset). Its length is what the Trainer reads of it
+    (transformers 5.24's ``Trainer.num_examples``: ``Num examples`` in its INFO log): ``n`` is a released count,
+    the number of privacy units N, never the number of records (private when a unit has several, issue 26)."""
+
     def __init__(self, n: int):
         self.n = n
 
@@ -466,10 +471,12 @@ class DPTraining:
     # -- the hook (bound onto the Trainer instance) ------------------------------------------------
     def _train_dataloader(self) -> torch.utils.data.DataLoader:
         """Poisson batches of privacy units from the run's secret sampler, collated on the model's device into
-        one opaque input (no tokens or sizes the Trainer could count or log)."""
+        one opaque input (no tokens or sizes the Trainer could count or log; the dataset's length, which it logs,
+        is the released number of units)."""
         split, device = self.split, self.device
-        return torch.utils.data.DataLoader(_Indices(len(split)), batch_sampler=self.batches, num_workers=0,
-                                           collate_fn=lambda indices: {BATCH_KEY: split.collate(indices, device, width=self.width)})
+        return torch.utils.data.DataLoader(
+            _Indices(self.units.public_count), batch_sampler=self.batches, num_workers=0,
+            collate_fn=lambda indices: {BATCH_KEY: split.collate(indices, device, width=self.width)})
 
     def _training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         """The DP step in place of the Trainer's forward/backward; returns a constant 0 (no loss is released)."""
