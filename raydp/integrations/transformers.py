@@ -32,7 +32,8 @@ wired by :func:`raydp.runner.privacy_setup.setup_private_run`, the same object r
     a constant 0;
   - ``log``: the Trainer's ``loss``/``train_loss`` entries (a training loss on private data would be a
     release no accountant counts, E3) are removed; post-processed figures of the release are logged
-    instead (``dp_sigma_eff``, ``dp_noisy_grad_norm``, ``dp_epsilon_spent``, ``dp_steps_charged``); the
+    instead (``dp_sigma_eff``, ``dp_noisy_grad_norm``, ``dp_epsilon_spent``, ``dp_steps_charged``; beside the
+    epsilon, ``dp_epsilon_void: 1`` when the randomness is not secret, E12); the
     Trainer's evaluation metrics (any ``metric_key_prefix``) are logged as ``unprotected_*`` (e.g.
     ``unprotected_eval_loss``) unless ``DPTraining(..., eval_data_is_public=True)``: an eval set of
     private records is covered by no accountant (E15), and selecting a checkpoint on it is refused. The
@@ -520,6 +521,8 @@ class DPTraining:
             logs["dp_steps_charged"] = len(self.run.ledger)
             if self.log_epsilon:  # a fresh composition of the ledger at every logging step
                 logs["dp_epsilon_spent"] = self.epsilon_spent()
+                if not self.run.randomness.is_secret:  # unsafe_fixed_randomness: as the summary's epsilon_void
+                    logs["dp_epsilon_void"] = 1
         return logs
 
     # -- what the callback asks -----------------------------------------------------------------------
