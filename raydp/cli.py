@@ -317,7 +317,9 @@ def cmd_train(args) -> int:
             print(f"  LABEL: {privacy['privacy_label']}")
     phase = summary.get("phase_one")
     if phase and "data" in phase:  # a non-private phase before the DP phase (DualTune-GhostDP)
-        print(f"  phase 1 (non-private)      {phase['data']}: {phase['trained_records']} records, {phase['steps']} steps, "
+        counts = (f"{phase['trained_records']} records, {phase['steps']} steps, " if phase["data"] == "public"
+                  else "")  # a redacted phase's counts are the private record count's: not reported
+        print(f"  phase 1 (non-private)      {phase['data']}: {counts}"
               f"public perplexity {phase['public_perplexity_before']:.4f} -> {phase['public_perplexity_after']:.4f}")
         if phase["data"] == "redacted":
             recall = phase.get("canary_recall_private")

@@ -41,9 +41,13 @@ _PRIVACY_BLOCK = {
         "name", "clip_mode", "allocation", "gradient_source", "privacy_mode", "releases[]", "releases[].name",
         "releases[].noise.relative", "schedule.kind", "schedule.per_epoch[]", "settings.clip", "action_decoding",
         "architecture", "b_sac", "frozen", "k", "noise_control", "policy", "r_max", "reward", "t_rl", "t_warm",
-        "strict_releases[].name", "strict_releases[].noise_multiplier", "settings.*",
+        "strict_releases[].name", "strict_releases[].noise_multiplier", "settings.*", "privacy_label",
         # clip-schedule's r_i: median per-sample norms on the PUBLIC probe under the initial model
-        "public_reference_norms[]")},
+        "public_reference_norms[]",
+        # dualtune: the sigma the paper's Edgeworth calibration would give the plan and what it would spend by
+        # PLD, from the plan's epsilon, delta, q and planned steps, like sigma_0
+        "paper_calibration.accountant", "paper_calibration.sigma", "paper_calibration.epsilon_pld_at_that_sigma",
+        "paper_calibration.note")},
     # from the ledger: charged releases and their accounting
     **{f"privacy.{k}": DP for k in (
         "epsilon", "epsilon_by_accountant.pld", "epsilon_by_accountant.prv", "epsilon_by_accountant.rdp",
@@ -61,7 +65,8 @@ SUMMARY = {
         "eval_note", "public_eval_records", "max_length", "task.kind", "task.metric", "raydp_version", "saved_policy",
         "public_validation", "public_validation_note", "initial_public_value_nll", "final_public_value_nll",
         "best_public_value_nll", "final_public_nll_per_record",
-        "phase_one", "controller",
+        "phase_one",  # null: no phase 1 (its fields: PHASE_ONE below)
+        "controller",
         # public validation split: public records
         "initial_public_perplexity", "final_public_perplexity", "best_public_perplexity")},
     "dataset_id": ID,
@@ -83,6 +88,33 @@ SUMMARY = {
                                            "env_steps_sampled", "replay_size", "alpha", "errors[]")},
     **{f"controller_transport.{k}": PUBLIC for k in ("kind", "address", "note")},
 }
+
+#: DualTune's non-private phase 1 (raydp.runner.phases), by its data. A public phase touches nothing private, not even
+#: the private record count (its size is a public constant or setting), so all it reports is public. A redacted phase
+#: trained a model non-privately on the private records: what it reports of that model or of its work is unprotected,
+#: labelled by phase_one.note and the run's privacy label (ERRATA E16); its record and step counts are not reported.
+_PHASE_ONE_SHARED = {f"phase_one.{k}": PUBLIC for k in (
+    "data", "note", "epochs", "lr", "batch_size",
+    "public_perplexity_before", "public_accuracy_before")}  # the initial model on public validation
+PHASE_ONE = {
+    "public": {**_PHASE_ONE_SHARED, **{f"phase_one.{k}": PUBLIC for k in (
+        "records", "public_seed", "steps", "trained_records", "public_perplexity_after", "public_accuracy_after",
+        "seconds")}},  # public records trained on public work: nothing here depends on a private record
+    "redacted": {
+        **_PHASE_ONE_SHARED,
+        # the detector: its configuration, and its recall on PUBLIC records of the schema
+        **{f"phase_one.{k}": PUBLIC for k in ("detector.*", "field_recall_public.*")},
+        **{f"phase_one.{k}": UNPROTECTED for k in (
+            "public_perplexity_after", "public_accuracy_after",  # a model trained non-privately on private records
+            "seconds",  # its time grows with the private record count (timing, PRIVACY.txt)
+            "canary_recall_private",  # null: the dataset has no canaries
+            # counts of the run's canaries the detector found among the private records, labelled in its note
+            "canary_recall_private.found", "canary_recall_private.total", "canary_recall_private.recall")},
+        "phase_one.canary_recall_private.note": PUBLIC},
+}
+#: a checkpoint from before phase 1's report was kept: the run resumed after phase 1 (when: timing, as
+#: resumed_from_step)
+PHASE_ONE_RESUMED = {"phase_one.resumed": UNPROTECTED}
 
 LEDGER_METADATA = {
     **{k: PUBLIC for k in ("accountant", "delta", "epsilon_target", "format_version", "guarantee", "guarantee_note",
@@ -221,7 +253,8 @@ def unclassified_run(run_dir: Path) -> list[str]:
         if rel in WHOLE_FILES:
             continue
         if rel == "summary.json":
-            _check_json(f, SUMMARY, out)
+            phase = json.loads(f.read_text()).get("phase_one") or {}
+            _check_json(f, {**SUMMARY, **PHASE_ONE.get(phase.get("data"), PHASE_ONE_RESUMED)}, out)
         elif rel == "policy/manifest.json":
             _check_json(f, POLICY_MANIFEST, out)
         elif rel == "train_metrics.parquet":

@@ -29,14 +29,16 @@ def _ledger_epsilon(run, delta):
 def public_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("dualtune") / "public"
     assert main(["train", "--output", str(out), "--strategy", "dualtune", "--epsilon", "2", *SMALL,
-                 "--set", "phase1_epochs=2", "--set", "phase1_lr=0.01", "--set", "clip=0.5"]) == 0
+                 "--set", "phase1_epochs=2", "--set", "phase1_lr=0.01", "--set", "clip=0.5",
+                 "--set", "phase1_records=200"]) == 0
     return out
 
 
 def test_public_phase_one_trains_on_the_public_corpus_and_the_guarantee_covers_the_run(public_run):
     summary = json.loads((public_run / "summary.json").read_text())
     phase, privacy = summary["phase_one"], summary["privacy"]
-    assert phase["data"] == "public" and phase["steps"] > 0 and phase["trained_records"] > 0
+    assert phase["data"] == "public" and phase["records"] == phase["trained_records"] == 200
+    assert phase["steps"] == 26  # 2 epochs of ceil(200 / 16) batches: public counts, reported
     assert phase["public_perplexity_after"] < phase["public_perplexity_before"]  # phase 1 did train
     assert privacy["strategy"]["gradient_source"] == "ghost" and privacy["strategy"]["clip_mode"] == "flat"
     assert privacy["labels"] == [] and privacy["within_budget"]
@@ -54,17 +56,33 @@ def test_redacted_phase_one_is_labelled_and_its_audit_is_not_compared(tmp_path, 
     summary = json.loads((out / "summary.json").read_text())
     phase, privacy = summary["phase_one"], summary["privacy"]
     assert phase["data"] == "redacted"
-    assert phase["records"] == json.loads((out / "private" / "dataset" / "manifest.json").read_text())["sizes"]["train"]
+    # its record and step counts are the private training record count's: not in the summary nor on the terminal
+    assert not {"records", "trained_records", "steps"} & set(phase)
+    n_train = json.loads((out / "private" / "dataset" / "manifest.json").read_text())["sizes"]["train"]
+    printed = capsys.readouterr().out
+    assert f"{n_train} records" not in printed and "phase 1 (non-private)      redacted: public perplexity" in printed
     assert phase["detector"]["level"] == "high_context"
     recall = phase["canary_recall_private"]
     assert recall["total"] == 4 and 0 <= recall["recall"] <= 1 and "not a DP release" in recall["note"]
     assert phase["field_recall_public"]  # measured on public records
     assert REDACTED_LABEL in privacy["labels"] and REDACTED_LABEL in privacy["verdict"]
     assert privacy["strategy"]["gradient_source"] == "per_sample"
-    assert "phase 2 only" in capsys.readouterr().out  # the terminal says it too
+    assert "phase 2 only" in printed  # the terminal says it too
     assert main(["eval", str(out), *QUICK_EVAL]) == 0
     claimed = json.loads((out / "evaluation.json").read_text())["claimed"]
     assert claimed["comparable"] is False and "phase 2 only" in claimed["note"]
+
+
+def test_a_public_phase_one_does_not_depend_on_the_private_training_records(tmp_path):
+    """Its size is a public constant by default, not the private record count (which counts the audit canaries
+    whose coin came up): the same public texts and report whatever the private training set."""
+    from raydp.runner.phases import PUBLIC_PHASE_ONE_RECORDS, phase_one_texts
+    from raydp.strategies.registry import make_strategy
+
+    warm = make_strategy("dualtune").warm_start()
+    texts, report = phase_one_texts(warm, ["a private record"] * 184, tmp_path)
+    assert (texts, report) == phase_one_texts(warm, ["a private record"] * 185, tmp_path)
+    assert len(texts) == report["records"] == PUBLIC_PHASE_ONE_RECORDS
 
 
 def test_dualtune_refuses_bad_settings_with_one_line(tmp_path, capsys):
@@ -87,6 +105,7 @@ def test_a_study_runs_both_dualtune_variants_beside_static_dp_sgd_on_ray(local_r
     study = {"name": "dualtune", "models": ["embedded-tiny"], "epsilons": [8.0], "seeds": [0],
              "strategies": ["static", "dualtune"], "resources": {"cpus_per_trial": 1}, "wandb": {"mode": "disabled"},
              "settings_grid": {"dualtune": {"phase1": ["public", "redacted"]}},
+             "strategy_settings": {"dualtune": {"phase1_records": 200}},
              "evaluate": {"generations": 10, "exposure_candidates": 20, "membership_records": 8, "audit": False},
              "base": {"data": {"n_records": 300, "n_canary": 4}, "epochs": 1, "max_length": 64,
                       "eval_max_records": 32, "public_eval_records": 32}}

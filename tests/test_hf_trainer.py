@@ -103,12 +103,60 @@ def test_trainer_logs_no_training_loss_and_no_private_counts(trained):
     steps = [entry for entry in history if "dp_sigma_eff" in entry]
     assert [entry["step"] for entry in steps] == [3, 6, 6]  # every logging step, and the final metrics
     assert all(0 < entry["dp_epsilon_spent"] <= PRIVACY["epsilon"] for entry in steps)
+    assert not any("dp_epsilon_void" in entry for entry in history)  # secret randomness: a valid epsilon
     assert result.training_loss == 0.0  # a constant: the DP step computes no reportable loss
     assert trainer.state.total_flos == 0  # flops would count the Poisson sample's (private) tokens
     # timings follow the private batch sizes: labelled in the log AND in what train() returns (save_metrics)
     for entry in [*history, result.metrics]:
         assert not {"train_runtime", "train_samples_per_second", "train_steps_per_second"} & set(entry), entry
     assert "unprotected_train_runtime" in result.metrics
+
+
+@pytest.fixture(scope="module")
+def patient_run(tmp_path_factory, texts):
+    """Two records per privacy unit, unsafe fixed randomness, the Trainer's INFO log captured: (DPTraining,
+    Trainer, the log's messages)."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    loaded = fresh_model()
+    dp = DPTraining(loaded.model, texts, loaded.tokenizer, **PRIVACY, max_steps=2, units=np.arange(N_RECORDS) // 2,
+                    unsafe_fixed_randomness=True, seed=3)
+    args = training_args(tmp_path_factory.mktemp("hf-patients"), dp.planned_steps, logging_steps=1, log_level="info")
+    trainer = Trainer(model=loaded.model, args=args, train_dataset=texts, callbacks=[dp.callback])
+    dp.attach(trainer)
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.get_logger().addHandler(handler)  # the "transformers" logger, which the Trainer's logs go through
+    try:
+        trainer.train()
+    finally:
+        hf_logging.get_logger().removeHandler(handler)
+        hf_logging.set_verbosity(verbosity)
+    return dp, trainer, messages
+
+
+def test_the_trainers_info_log_states_the_number_of_units_not_of_records(patient_run):
+    """The Trainer logs ``Num examples`` (the length of its train dataloader's dataset) at INFO: it must be the
+    released number of privacy units, never the number of records (two per unit here: private, issue 26)."""
+    dp, _, messages = patient_run
+    examples = [m for m in messages if "Num examples" in m]
+    assert examples == [f"  Num examples = {N_RECORDS // 2:,}"], messages  # the units, released as N
+    assert dp.summary()["n_units"] == N_RECORDS // 2
+    assert not any(str(N_RECORDS) in m for m in messages), messages
+
+
+def test_an_epsilon_logged_under_fixed_randomness_is_labelled_void(patient_run):
+    """Under unsafe fixed randomness every logged ``dp_epsilon_spent`` has ``dp_epsilon_void`` beside it, as the
+    summary's epsilon has ``epsilon_void`` (ERRATA E12)."""
+    dp, trainer, _ = patient_run
+    summary = dp.summary()
+    assert summary["epsilon_void"] and any("void" in label for label in summary["labels"])
+    logged = [entry for entry in trainer.state.log_history if "dp_epsilon_spent" in entry]
+    assert len(logged) == 3 and all(entry["dp_epsilon_void"] == 1 for entry in logged)  # steps 1, 2 and the end
 
 
 class Capture(TrainerCallback):

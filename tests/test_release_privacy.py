@@ -6,7 +6,9 @@ summary named the dataset by the SHA-256 of its split texts: rebuilding the data
 hashing it recovered the missing value with certainty, whatever epsilon the run claimed. The same search now
 finds nothing: the released id is keyed with the data owner's secret, and no other digest of the records is
 released. A second test checks every field of every releasable file against the allowlist of fields that are
-public, charged to the ledger, the keyed id, or labelled unprotected (tests/releasable.py).
+public, charged to the ledger, the keyed id, or labelled unprotected (tests/releasable.py). Both run on static
+DP-SGD and on DualTune with each phase 1 (public corpus; redacted private records, labelled E16), whose reports of
+phase 1 must not state the private record count.
 """
 
 from __future__ import annotations
@@ -22,23 +24,32 @@ import pytest
 from raydp.config import TrainConfig
 from raydp.data import build_dataset, generate_records, load_manifest
 from raydp.data.identity import keyed_id
+from raydp.runner.phases import PUBLIC_PHASE_ONE_RECORDS
 from raydp.runner.run import run_training
 from releasable import unclassified_run
 
 CANDIDATES = ("NO", ">30", "<30")
 
 
-@pytest.fixture(scope="module")
-def released(tmp_path_factory, raydp_cache):
+#: the runs released: static DP-SGD, and DualTune with each phase 1 (a few steps of it: the public corpus's default
+#: size, 5,000 records, for 0.01 epochs; the redacted private records for one batch)
+RUNS = {"static": ("static", {}),
+        "dualtune-public": ("dualtune", {"phase1_epochs": 0.01}),
+        "dualtune-redacted": ("dualtune", {"phase1": "redacted", "phase1_epochs": 0.1})}
+
+
+@pytest.fixture(scope="module", params=list(RUNS))
+def released(request, tmp_path_factory, raydp_cache):
     """A DP run trained on a CSV table; returns (run directory, the table, the target row, its true value)."""
-    root = tmp_path_factory.mktemp("release")
+    strategy, settings = RUNS[request.param]
+    root = tmp_path_factory.mktemp(f"release-{request.param}")
     table = generate_records(120, seed=11, progress=False)
     singles = table["patient_nbr"].value_counts()
     target = int(table.index[table["patient_nbr"].map(singles) == 1][0])  # a patient with one encounter
     truth = table.at[target, "readmitted"]
     table.to_csv(root / "diabetic_data.csv", index=False)
-    config = TrainConfig(model="embedded-tiny", strategy="static", epsilon=2.0, max_steps=2, eval_every=100,
-                         eval_max_records=8, public_eval_records=8,
+    config = TrainConfig(model="embedded-tiny", strategy=strategy, settings=settings, epsilon=2.0, max_steps=2,
+                         eval_every=100, eval_max_records=8, public_eval_records=8,
                          data={"source": str(root / "diabetic_data.csv"), "n_canary": 2})
     run_training(config, root / "run", progress=False)
     return root / "run", table, target, truth
@@ -102,3 +113,11 @@ def test_every_field_of_every_releasable_file_is_public_charged_or_labelled(rele
     privacy = summary["privacy"]
     assert "replace-one" in privacy["public_counts"]
     assert privacy["epsilon_replace_one"] > privacy["epsilon"] and privacy["delta_replace_one"] == privacy["delta"]
+    # the private record count is not released: a public phase 1's size is a public constant, a redacted one's
+    # counts (the private record count's) are not reported
+    phase = summary["phase_one"]
+    assert (phase is not None) == (summary["strategy"] == "dualtune")
+    if phase is not None and phase["data"] == "public":
+        assert phase["records"] == phase["trained_records"] == PUBLIC_PHASE_ONE_RECORDS
+    elif phase is not None:
+        assert not {"records", "trained_records", "steps"} & set(phase)

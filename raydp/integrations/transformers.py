@@ -32,7 +32,8 @@ wired by :func:`raydp.runner.privacy_setup.setup_private_run`, the same object r
     a constant 0;
   - ``log``: the Trainer's ``loss``/``train_loss`` entries (a training loss on private data would be a
     release no accountant counts, E3) are removed; post-processed figures of the release are logged
-    instead (``dp_sigma_eff``, ``dp_noisy_grad_norm``, ``dp_epsilon_spent``, ``dp_steps_charged``); the
+    instead (``dp_sigma_eff``, ``dp_noisy_grad_norm``, ``dp_epsilon_spent``, ``dp_steps_charged``; beside the
+    epsilon, ``dp_epsilon_void: 1`` when the randomness is not secret, E12); the
     Trainer's evaluation metrics (any ``metric_key_prefix``) are logged as ``unprotected_*`` (e.g.
     ``unprotected_eval_loss``) unless ``DPTraining(..., eval_data_is_public=True)``: an eval set of
     private records is covered by no accountant (E15), and selecting a checkpoint on it is refused. The
@@ -272,6 +273,11 @@ class PoissonBatches:
 
 
 class _Indices(torch.utils.data.Dataset):
+    """The train dataloader's dataset: item ``i`` is record index ``i``, drawn by the batch sampler (the DataLoader
+    takes its length from the batch sampler, not from this dataset). Its length is what the Trainer reads of it
+    (transformers 5.24's ``Trainer.num_examples``: ``Num examples`` in its INFO log): ``n`` is a released count,
+    the number of privacy units N, never the number of records (private when a unit has several, issue 26)."""
+
     def __init__(self, n: int):
         self.n = n
 
@@ -466,10 +472,12 @@ class DPTraining:
     # -- the hook (bound onto the Trainer instance) ------------------------------------------------
     def _train_dataloader(self) -> torch.utils.data.DataLoader:
         """Poisson batches of privacy units from the run's secret sampler, collated on the model's device into
-        one opaque input (no tokens or sizes the Trainer could count or log)."""
+        one opaque input (no tokens or sizes the Trainer could count or log; the dataset's length, which it logs,
+        is the released number of units)."""
         split, device = self.split, self.device
-        return torch.utils.data.DataLoader(_Indices(len(split)), batch_sampler=self.batches, num_workers=0,
-                                           collate_fn=lambda indices: {BATCH_KEY: split.collate(indices, device, width=self.width)})
+        return torch.utils.data.DataLoader(
+            _Indices(self.units.public_count), batch_sampler=self.batches, num_workers=0,
+            collate_fn=lambda indices: {BATCH_KEY: split.collate(indices, device, width=self.width)})
 
     def _training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         """The DP step in place of the Trainer's forward/backward; returns a constant 0 (no loss is released)."""
@@ -513,6 +521,8 @@ class DPTraining:
             logs["dp_steps_charged"] = len(self.run.ledger)
             if self.log_epsilon:  # a fresh composition of the ledger at every logging step
                 logs["dp_epsilon_spent"] = self.epsilon_spent()
+                if not self.run.randomness.is_secret:  # unsafe_fixed_randomness: as the summary's epsilon_void
+                    logs["dp_epsilon_void"] = 1
         return logs
 
     # -- what the callback asks -----------------------------------------------------------------------

@@ -50,7 +50,7 @@ class WarmStart:
     data: str
     epochs: float
     lr: float | None = None  # None: the run's lr
-    records: int | None = None  # public: how many public records (None: as many as the training records)
+    records: int | None = None  # public: how many public records (None: raydp.runner.phases.PUBLIC_PHASE_ONE_RECORDS)
     detector: str = "high_context"  # redacted: the detector's level (raydp.data.redaction)
     detector_pipeline: str | None = None  # redacted: an installed spaCy pipeline (None: rules only)
 

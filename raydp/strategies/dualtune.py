@@ -4,8 +4,10 @@ What the strategy chooses, and nothing else (the runner runs both phases with th
 
 * **Phase 1** (:class:`~raydp.strategies.base.WarmStart`, run by :mod:`raydp.runner.phases`): ordinary
   fine-tuning for ``phase1_epochs`` on
-  - ``phase1: public`` (the default, the sound variant of ERRATA E16): the public corpus, so the run's
-    epsilon covers everything it trained on; or
+  - ``phase1: public`` (the default, the sound variant of ERRATA E16): ``phase1_records`` records of the public
+    corpus (default :data:`~raydp.runner.phases.PUBLIC_PHASE_ONE_RECORDS`, a public constant: a size taken from
+    the private data would make phase 1 a non-DP function of it), so the run's epsilon covers everything it
+    trained on; or
   - ``phase1: redacted`` (the paper's): the private training records after the secret detector
     (:mod:`raydp.data.redaction`, Sec. 4.2). The paper says this phase "does not consume any privacy
     budget"; it does: a detector is a deterministic function of the records, and what it misses (and
@@ -43,8 +45,9 @@ class DualTuneSettings(StrictModel):
                               "training records after the secret detector (not covered; labelled, ERRATA E16)")
     phase1_epochs: float = Field(1.0, ge=0, description="epochs of non-private phase-1 fine-tuning (0: none)")
     phase1_lr: float | None = Field(None, gt=0, description="phase 1's learning rate (default: the run's lr)")
-    phase1_records: int | None = Field(None, ge=1, description="public phase 1: public records to train on "
-                                                              "(default: as many as the training records)")
+    phase1_records: int | None = Field(None, ge=1, description=(
+        "public phase 1: public records to train on (default 5000, raydp.runner.phases.PUBLIC_PHASE_ONE_RECORDS: "
+        "a public constant, never the private record count)"))
     detector: Literal["base", "high_context"] = Field(
         "high_context", description="redacted phase 1: the secret detector's level (raydp.data.redaction)")
     detector_pipeline: str | None = Field(None, description="redacted phase 1: an installed spaCy pipeline (name "
