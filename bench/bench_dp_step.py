@@ -18,8 +18,9 @@ not utility) on random tokens of ``--length``. On CUDA the frozen base is bf16 a
 ``--compare-with DIR`` also runs this bench with the raydp package found in DIR (for example an older
 commit: ``git archive REV raydp | tar -x -C DIR``) in a subprocess, and prints both side by side.
 
-``--graphs`` (CUDA only) also times both steps captured whole in CUDA graphs on the fixed batch: an experiment of
-what the host time costs (``bench_graphed``), not what a run does. ``--profile MODEL`` prints torch.profiler's
+Off the CPU the DP step computes each record alone, replayed from a CUDA graph of one record on CUDA
+(:class:`raydp.privacy.clipping.RecordGraph`, ERRATA E17); Opacus's flat step still computes its batch in one pass.
+``--profile MODEL`` prints torch.profiler's
 tables (host time, and device time on CUDA) to stderr.
 
 Run: python bench/bench_dp_step.py [--models embedded,gpt2-small-config] [--steps 30] [--batch 16] [--length 128]
@@ -183,115 +184,6 @@ def bench_model(model_name: str, texts: list[str], args) -> dict:
     return out
 
 
-class _WithoutMask:
-    """The model called without its attention mask (all ones in the config-built benches): transformers' mask
-    builder reads the mask's values on the host to decide whether it can skip it, a sync that a CUDA graph cannot
-    capture. The loss still gets the mask."""
-
-    def __init__(self, model):
-        self.model = model
-        for module in model.modules():  # and without the pad-token check that reads input_ids on the host
-            if getattr(getattr(module, "config", None), "pad_token_id", None) is not None:
-                module.config.pad_token_id = None
-
-    def __call__(self, input_ids, attention_mask=None):
-        return self.model(input_ids=input_ids)
-
-
-def _graphed(body, generators=(), warmup: int = 3):
-    """``body`` captured in a CUDA graph after warm-up on a side stream (PyTorch's whole-network recipe): returns
-    (graph, the outputs of the captured call). ``generators``: CUDA generators the body draws from, registered so
-    that each replay advances them (fresh draws every replay)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            body()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    for generator in generators:
-        graph.register_generator_state(generator)
-    with torch.cuda.graph(graph):
-        out = body()
-    torch.cuda.synchronize()
-    return graph, out
-
-
-def bench_graphed(model_name: str, texts: list[str], args) -> dict:
-    """EXPERIMENT, not what a run does (issue 28): the non-private and the pairwise DP step each captured whole in a
-    CUDA graph (forward, backward, the DP stages, AdamW with ``capturable=True``) on a FIXED batch, then replayed.
-    The DP step's host stages still run per step outside the graph: the strategy's dials, the noise allocation,
-    the guard, the ledger and the one read of the released noisy norms. What a run would also need and this does
-    not build: Poisson batches padded to a few fixed shapes (one graph each), a clip vector copied into the graph's
-    buffer when it changes. Checks printed beside the times: the graphed clipped sum against the eager one on the same
-    parameters, and fresh noise on every replay."""
-    from raydp.model.loss import per_sequence_nll
-    from raydp.privacy import allocate_noise
-    from raydp.privacy.clipping import group_norms
-    from raydp.privacy.ledger import combine_sigma_eff
-
-    # Non-private: forward, backward, AdamW.
-    loaded, batch = build(model_name, texts, args.batch, args.length)
-    model, params = _WithoutMask(loaded.model), loaded.trainable_parameters()
-    optimizer = torch.optim.AdamW(params, lr=5e-4, weight_decay=0.0, capturable=True)
-
-    def nonprivate_body():
-        for t in params:
-            t.grad = None
-        logits = model(input_ids=batch.input_ids).logits
-        loss = per_sequence_nll(logits, batch.input_ids, batch.attention_mask).mean()
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-
-    np_graph, _ = _graphed(nonprivate_body)
-
-    # Pairwise DP, static clips: the device stages and AdamW in the graph, the host stages around each replay.
-    dp_loaded, dp_batch = build(model_name, texts, args.batch, args.length)
-    dp_params = dp_loaded.trainable_parameters()
-    dp_optimizer = torch.optim.AdamW(dp_params, lr=5e-4, weight_decay=0.0, capturable=True)
-    dp = static_dp_step(dp_loaded, args.batch)
-    strategy, ledger, guard, q = dp.strategy, dp.ledger, dp.guard, dp.q
-    dp.per_sample.model = _WithoutMask(dp_loaded.model)
-    first = dp.prepare(0).dials
-    charged = allocate_noise(first.sigma, first.clip, strategy.allocation)
-
-    def dp_body():
-        for t in dp_params:
-            t.grad = None
-        grads = dp.per_sample_gradients(dp_batch, first)
-        groups = group_norms(grads.pair_norms(), "pairwise")
-        clipped = dp.clip(grads, groups, first, "pairwise")
-        noisy = dp.add_noise(clipped, charged, "pairwise")
-        dp.set_gradient(noisy, first)
-        dp_optimizer.step()
-        return clipped, dp.layout.segment_norms(noisy.double())
-
-    dp_graph, (static_clipped, static_noisy_norms) = _graphed(dp_body, [dp.noise._torch])
-
-    def dp_step():
-        step = len(ledger)
-        dials = dp.prepare(step).dials
-        stds = allocate_noise(dials.sigma, dials.clip, strategy.allocation)
-        releases = dp.declare(dials, stds)
-        guard.admit(ledger, q, combine_sigma_eff(releases))
-        dp_graph.replay()
-        ledger.record(q, releases, clip=dials.clip, allocation=strategy.allocation)
-        dp._prepared = None
-        return static_noisy_norms.cpu().numpy()  # the step's one sync, as in the eager step
-
-    # Checks: the graph's clipped sum equals the eager one on the same parameters; every replay draws new noise.
-    grads = dp.per_sample_gradients(dp_batch, first)  # leaves the parameters as they are
-    eager_clipped = dp.clip(grads, group_norms(grads.pair_norms(), "pairwise"), first, "pairwise").clone()
-    norms_1 = dp_step().copy()
-    clip_error = float((static_clipped - eager_clipped).abs().max() / eager_clipped.abs().max().clamp_min(1e-30))
-    norms_2 = dp_step().copy()
-    medians = interleaved_medians({"plain": np_graph.replay, "dp": dp_step}, args.steps,
-                                  sync=torch.cuda.synchronize)
-    return {"model": model_name, "graph_ms_plain": 1e3 * medians["plain"], "graph_ms_dp": 1e3 * medians["dp"],
-            "graph_clip_rel_error": clip_error, "graph_fresh_noise": bool((norms_1 != norms_2).all())}
-
-
 def profile_steps(fns: dict, sync) -> None:
     """torch.profiler over 5 steps of each: the ops with the most host time, and the launches and syncs per step
     (to stderr, so that --json stays one line)."""
@@ -362,13 +254,6 @@ def measure(args) -> list[dict]:
         gc.collect()  # the three copies of this model go before the next one is built
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        if args.graphs and torch.cuda.is_available():
-            try:
-                rows[-1].update(bench_graphed(name, texts, args))
-            except Exception as error:  # an experiment: report why it did not run, keep the eager figures
-                rows[-1]["graph_error"] = f"{type(error).__name__}: {error}"[:300]
-            gc.collect()
-            torch.cuda.empty_cache()
     return rows
 
 
@@ -383,8 +268,6 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON line (no table)")
     parser.add_argument("--no-accounting", action="store_true")
     parser.add_argument("--profile", default=None, help="a model of --models to profile (torch.profiler, to stderr)")
-    parser.add_argument("--graphs", action="store_true",
-                        help="CUDA only: also time both steps captured whole in CUDA graphs (an experiment; bench_graphed)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -399,7 +282,6 @@ def main() -> None:
         if "--compare-with" in sys.argv:  # its value too
             i = sys.argv.index("--compare-with")
             argv = sys.argv[1:i] + sys.argv[i + 2:]
-        argv = [a for a in argv if a != "--graphs"]  # the experiment runs for this code only
         path = os.pathsep.join(p for p in (os.path.abspath(args.compare_with), os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTHONPATH": path}
         result = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--json"], env=env,
@@ -420,13 +302,6 @@ def main() -> None:
               + "   (target <= 1.0)")
         if other:
             print(f"  {'DP step, this / compared':<28}{row['ms_dp'] / other[row['model']]['ms_dp']:16.3f}")
-        if "graph_ms_dp" in row:
-            print(f"  CUDA graphs (experiment): non-private {row['graph_ms_plain']:.2f} ms, DP {row['graph_ms_dp']:.2f} ms, "
-                  f"ratio {row['graph_ms_dp'] / row['graph_ms_plain']:.3f}; DP graphed / DP eager "
-                  f"{row['graph_ms_dp'] / row['ms_dp']:.3f}; clipped sum vs eager: max rel. error "
-                  f"{row['graph_clip_rel_error']:.1e}; fresh noise each replay: {row['graph_fresh_noise']}")
-        elif "graph_error" in row:
-            print(f"  CUDA graphs (experiment) did not run: {row['graph_error']}")
     if not args.no_accounting:
         acc = accounting_cost(rows[0]["pairs"], rows[0]["ms_dp"] / 1e3)
         print(f"ledger append {acc['us_record']:.1f} us per step; guard call (PLD, new sigma) {acc['ms_guard']:.1f} ms; "

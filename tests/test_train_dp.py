@@ -76,6 +76,7 @@ def test_a_dp_run_pads_every_batch_to_the_public_width(static_run, monkeypatch):
     loaded = load_model("embedded", device="cpu", progress=False)
     public = public_validation_split(loaded.tokenizer, 512, DP_WIDTH_RECORDS, Task())
     assert summary["privacy"]["batch_width"] == max(len(s) for s in public.sequences)
+    assert summary["privacy"]["records_alone"] is False  # a CPU run computes its batch in one pass (ERRATA E17)
     # configured, or capped at max_length; a smaller public split is topped up to DP_WIDTH_RECORDS records
     assert dp_batch_width(40, 512, public, None) == 40 and dp_batch_width(None, 30, public, None) == 30
     fewer = public_validation_split(loaded.tokenizer, 512, 10, Task())

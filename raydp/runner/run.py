@@ -66,6 +66,7 @@ from raydp.runner.local_setup import (
 from raydp.data.tasks import classification_spec
 from raydp.runner.task import Task
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve
+from raydp.privacy.clipping import isolates_records
 from raydp.privacy.ledger import LEDGER_FILENAME
 
 SYNTHETIC_NOTE = "synthetic records: they describe no real patient"
@@ -327,6 +328,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
         if width is not None:
             privacy["batch_width"] = width  # public (dp_batch_width)
         if private is not None:
+            privacy["records_alone"] = isolates_records(loaded.device)  # public: off the CPU (ERRATA E17)
             private.ledger.save(staging / LEDGER_FILENAME)
             controller = private.strategy.finish(staging) or None
             if client is not None and client.service is not None:
