@@ -3,6 +3,7 @@ the study file, the exploit path of a run, and one real PBT study on Ray Tune.""
 
 import io
 import json
+import random
 from pathlib import Path
 
 import numpy as np
@@ -283,6 +284,157 @@ def test_an_exploit_resumes_the_donors_state_with_the_new_settings(tmp_path, ray
     assert privacy["within_budget"] and privacy["steps_charged"] == 6 and np.all(spent <= budget[INTEGER])
     assert privacy["strategy"]["clip"] == 0.2 and privacy["strategy"]["sigma_scale"] == 1.1
     assert privacy["epsilon"] == float("inf")  # this hook states no population epsilon: no guarantee is claimed
+
+
+# -- the synchronous scheduler's decisions ------------------------------------------------------------
+class _Controller:
+    """What the PBT scheduler sees of Ray 2.60's TuneController, with its semantics for the calls it makes:
+    ``get_live_trials`` is every trial not TERMINATED (an ERROR trial stays), a scheduler hears a member's end
+    while the member is still RUNNING and live, and a paused trial's report checkpoint is its latest one."""
+
+    search_alg = None
+
+    def __init__(self, trials):
+        self.trials, self.live = list(trials), set(trials)
+
+    def get_trials(self):
+        return list(self.trials)
+
+    def get_live_trials(self):
+        return set(self.live)
+
+    def _schedule_trial_save(self, trial, result=None):  # the save of a running trial's latest report
+        return trial.checkpoint
+
+    def pause_trial(self, trial, should_checkpoint=True):
+        trial.set_status(trial.PAUSED)
+
+
+class _Population:
+    """Three members A, B, C under the study's scheduler (perturbation every 4 steps, plan of 20 steps) and a
+    fake controller; events are played in the order a test gives. Records every perturbation: the sync step,
+    and each exploit as (sync step, member, donor)."""
+
+    def __init__(self, tmp_path):
+        from ray.train import Checkpoint
+        from ray.tune.experiment import Trial as TuneTrial
+
+        from raydp.study.runner import _pbt_scheduler
+
+        random.seed(0)  # PBT's exploit/explore draws
+        self.checkpoint = Checkpoint.from_directory(str(tmp_path))
+        self.trials = {name: TuneTrial("__fake", config={"lr": 0.1}, stub=True, experiment_tag=name)
+                       for name in "ABC"}
+        self.name = {t: name for name, t in self.trials.items()}
+        self.scheduler = _pbt_scheduler(final_step=20, time_attr="step", metric="score", mode="min",
+                                        perturbation_interval=4, hyperparam_mutations={"lr": [0.1, 0.2, 0.3]},
+                                        quantile_fraction=0.25, resample_probability=0.0, synch=True,
+                                        log_config=False)
+        self.controller = _Controller(self.trials.values())
+        self.syncs, self.exploits = [], []
+        scheduler, exploit, checkpoint_or_exploit = self.scheduler, self.scheduler._exploit, \
+            self.scheduler._checkpoint_or_exploit
+
+        def spy_exploit(controller, trial, donor):
+            self.exploits.append((scheduler._trial_state[trial].last_perturbation_time, self.name[trial],
+                                  self.name[donor]))
+            exploit(controller, trial, donor)
+
+        def spy_sync(trial, *args):
+            sync = scheduler._trial_state[trial].last_perturbation_time
+            if sync not in self.syncs:
+                self.syncs.append(sync)
+            checkpoint_or_exploit(trial, *args)
+
+        scheduler._exploit, scheduler._checkpoint_or_exploit = spy_exploit, spy_sync
+        for trial in self.trials.values():
+            scheduler.on_trial_add(self.controller, trial)
+        self.settle()
+
+    def settle(self):
+        """The controller's loop: start every trial the scheduler chooses to run."""
+        while (trial := self.scheduler.choose_trial_to_run(self.controller)) is not None:
+            trial.set_status(trial.RUNNING)
+
+    def report(self, name, step, score):
+        """A member's report with the checkpoint of ``step``; a PAUSE decision pauses it (its save resolves)."""
+        from ray.train._internal.session import _TrainingResult
+
+        trial = self.trials[name]
+        assert trial.status == trial.RUNNING, f"{name} reports at step {step} but is {trial.status}"
+        metrics = {"step": step, "score": score}
+        trial.run_metadata.checkpoint_manager._latest_checkpoint_result = _TrainingResult(self.checkpoint, metrics)
+        if self.scheduler.on_trial_result(self.controller, trial, dict(metrics)) == self.scheduler.PAUSE:
+            trial.set_status(trial.PAUSED)
+        self.settle()
+
+    def end(self, name, how):
+        """A member's end: its last report then done (``complete``), or a failure Tune does not retry (``error``:
+        the trial stays among the live ones, as in Ray 2.60)."""
+        trial = self.trials[name]
+        if how == "complete":
+            self.scheduler.on_trial_complete(self.controller, trial, {"step": 6, "score": 1.0})
+            trial.set_status(trial.TERMINATED)
+            self.controller.live.discard(trial)
+        else:
+            self.scheduler.on_trial_error(self.controller, trial)
+            trial.set_status(trial.ERROR)
+        self.settle()
+
+    def fail_and_retry(self, name):
+        """A failure Tune retries (Ray 2.60's _try_recover): the scheduler hears ``on_trial_error`` with the trial
+        in ERROR, then ``on_trial_add``, and the trial is PENDING again (to resume from its checkpoint)."""
+        trial = self.trials[name]
+        trial.set_status(trial.ERROR)
+        self.scheduler.on_trial_error(self.controller, trial)
+        trial.set_status(trial.PENDING)
+        self.scheduler.on_trial_add(self.controller, trial)
+        self.settle()
+
+
+@pytest.mark.parametrize("how", ["complete", "error"])
+@pytest.mark.parametrize("order", ["ends_first", "ends_between", "ends_last"])
+def test_a_sync_point_does_not_depend_on_when_an_ended_member_ends(tmp_path, order, how):
+    """Member A stops after step 6 (its filter refused step 7), before the sync point at step 8. Whether its end
+    reaches the driver before, between or after B's and C's results at step 8 follows their step times (the
+    private batch sizes), so it must change nothing: the sync at 8 is performed among B and C in every order,
+    and the next one is at 12, on the grid."""
+    population = _Population(tmp_path)
+    for name, score in (("A", 1.0), ("B", 2.0), ("C", 3.0)):
+        population.report(name, 4, score)  # all three at the first sync point
+    population.report("A", 6, 1.0)  # A's last evaluation (stopped early), between sync points
+    events = {"ends_first": ["end", "B", "C"], "ends_between": ["B", "end", "C"],
+              "ends_last": ["B", "C", "end"]}[order]
+    for event in events:
+        if event == "end":
+            population.end("A", how)
+        else:
+            population.report(event, 8, {"B": 2.0, "C": 3.0}[event])
+    assert population.scheduler._next_perturbation_sync == 12
+    for name in "BC":
+        population.report(name, 12, {"B": 2.0, "C": 3.0}[name])
+    assert population.syncs == [4, 8, 12]
+    assert population.exploits == [(4, "C", "A"), (8, "C", "B"), (12, "C", "B")]
+    assert population.scheduler._next_perturbation_sync == 16
+
+
+@pytest.mark.parametrize("fails", ["before", "after"])
+def test_a_retried_member_is_waited_for(tmp_path, fails):
+    """A member whose failure Tune retries has not ended: the sync point waits for it, whether it failed before
+    or after the others reached the sync point."""
+    population = _Population(tmp_path)
+    for name, score in (("A", 1.0), ("B", 2.0), ("C", 3.0)):
+        population.report(name, 4, score)
+    if fails == "before":
+        population.fail_and_retry("A")
+    population.report("B", 8, 2.0)
+    population.report("C", 8, 3.0)
+    if fails == "after":
+        population.fail_and_retry("A")
+    assert population.syncs == [4]
+    population.report("A", 8, 1.0)  # resumed from its checkpoint at 4, it reaches the sync point
+    assert population.syncs == [4, 8] and population.exploits == [(4, "C", "A"), (8, "C", "A")]
+    assert population.scheduler._next_perturbation_sync == 12
 
 
 # -- one real PBT study on Ray Tune -------------------------------------------------------------------

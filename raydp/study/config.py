@@ -126,7 +126,8 @@ class PBTStudySettings(StrictModel):
     ``perturbation_interval`` evaluations (of ``eval_every`` steps each) the worst ``quantile_fraction``
     copy a top member's checkpoint (its ledger included) and perturb its settings (x0.8 / x1.2, or a fresh
     draw with ``resample_probability``), clamped to the ranges. ``synch``: Tune's synchronous PBT (every
-    member reaches the perturbation point before any exploits), the only mode offered: asynchronous
+    member still training reaches the perturbation point before any exploits; a member that ended before it
+    takes no part), the only mode offered: asynchronous
     exploits are a function of timing, which depends on private batch sizes. The metric is the PUBLIC validation perplexity (ERRATA E15), minimised."""
 
     members: int = Field(4, ge=2, description="population size M")

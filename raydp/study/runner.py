@@ -1050,14 +1050,26 @@ class _ClampToRanges:
 
 def _pbt_scheduler(**kwargs):
     """Ray Tune's ``PopulationBasedTraining`` with two changes for a DP population (:class:`_PBTScheduler`)."""
-    from ray.tune.schedulers import PopulationBasedTraining  # lazy: `raydp study --check` loads no Ray
+    from ray.tune.experiment import Trial as TuneTrial  # lazy: `raydp study --check` loads no Ray
+    from ray.tune.schedulers import PopulationBasedTraining  # lazy: as above
 
     class _PBTScheduler(PopulationBasedTraining):
         """* No perturbation at a member's last planned step (``final_step``): its plan is done, and an exploit
           there would only copy another member's final weights over its own, at the cost of a restart.
-        * Synchronous mode: a member that ends early (budget exhausted, population filter refused a step)
-          releases the members waiting for it at the sync point (Ray 2.60's synchronous PBT waits for it
-          forever): that sync point is skipped."""
+        * Synchronous mode: every sync point is performed, on a grid fixed before training (the first
+          perturbation step, then every ``perturbation_interval`` steps), among the members that reach it;
+          a member that ended before it (its plan's budget exhausted, the population filter refused a step, a
+          failure Tune does not retry) takes no part. Which sync points happen, who takes part and the next
+          sync step are functions of the members' step counts, never of the order in which their results
+          and ends reach the driver (which follows their step times, hence their private batch sizes).
+
+        How: a member's result at or past the next sync step S records it and pauses it (Tune's function
+        trainable blocks in ``tune.report`` until the driver lets it go on, so it runs no step past S). The
+        perturbation at S is taken in :meth:`choose_trial_to_run`, which Tune's controller calls at every
+        loop, once every member that has not ended is PAUSED at S (its checkpoint at S saved) and at least
+        one is; then S advances by one interval. Ray 2.60's synchronous PBT instead perturbs inside the
+        result of the last member to arrive, so when the last member it waits for ends rather than reports,
+        it waits forever; and a member that errors stays among Tune's live trials."""
 
         def __init__(self, *, final_step: int, **kw):
             super().__init__(**kw)
@@ -1067,27 +1079,38 @@ def _pbt_scheduler(**kwargs):
             if result.get(self._time_attr, 0) >= self._final_step and trial in self._trial_state:
                 self._trial_state[trial].last_train_time = result[self._time_attr]
                 return self.CONTINUE
-            return super().on_trial_result(tune_controller, trial, result)
+            if not self._synch or self._metric not in result or self._time_attr not in result:
+                return super().on_trial_result(tune_controller, trial, result)
+            step = result[self._time_attr]
+            if step < self._next_perturbation_sync:  # burn-in included: the first sync step is after it
+                return self.CONTINUE
+            self._save_trial_state(self._trial_state[trial], step, result, trial)  # score and step at S
+            return self.PAUSE  # it waits at S for the others (its report's checkpoint is saved on pausing)
 
-        def _release(self, tune_controller, ended) -> None:
-            if not self._synch:
-                return
-            live = [t for t in tune_controller.get_live_trials() if t is not ended and t in self._trial_state]
-            times = [self._trial_state[t].last_train_time for t in live]
-            if live and min(times) >= self._next_perturbation_sync:
-                self._next_perturbation_sync = max(times) + self._perturbation_interval
+        def _sync_ready(self, tune_controller) -> bool:
+            """Whether the sync point ``S = _next_perturbation_sync`` can be performed now: every member that
+            has not ended (TERMINATED or ERROR) is PAUSED with its recorded step at or past S."""
+            members = [t for t in tune_controller.get_trials() if not t.is_finished()]
+            return bool(members) and all(
+                t.status == TuneTrial.PAUSED and t in self._trial_state
+                and self._trial_state[t].last_train_time >= self._next_perturbation_sync for t in members)
 
-        def on_trial_complete(self, tune_controller, trial, result):
-            super().on_trial_complete(tune_controller, trial, result)
-            self._release(tune_controller, trial)
+        def _perform_sync(self, tune_controller) -> None:
+            """Exploit/explore among the members paused at S (Ray's synchronous step, from the ranked
+            population: upper quantile checkpointed first, then the lower quantile exploits), then S += interval."""
+            sync = self._next_perturbation_sync
+            lower, upper = self._quantiles()  # members not ended, by their score at S
+            members = [t for t in tune_controller.get_trials() if not t.is_finished()]
+            middle = [t for t in members if t not in lower and t not in upper]
+            for t in upper + middle + lower:
+                self._trial_state[t].last_perturbation_time = sync
+                self._checkpoint_or_exploit(t, tune_controller, upper, lower)
+            self._next_perturbation_sync = sync + self._perturbation_interval
 
-        def on_trial_error(self, tune_controller, trial):
-            super().on_trial_error(tune_controller, trial)
-            self._release(tune_controller, trial)
-
-        def on_trial_remove(self, tune_controller, trial):
-            super().on_trial_remove(tune_controller, trial)
-            self._release(tune_controller, trial)
+        def choose_trial_to_run(self, tune_controller):
+            if self._synch and self._sync_ready(tune_controller):
+                self._perform_sync(tune_controller)
+            return super().choose_trial_to_run(tune_controller)
 
     return _PBTScheduler(**kwargs)
 
