@@ -129,3 +129,63 @@ def test_batched_passes_are_refused_off_the_cpu(model_and_split):
 def _ids_mask(split, indices):
     batch = split.collate(indices, "cpu", width=64)
     return batch.input_ids, batch.attention_mask
+
+
+def test_a_transform_that_mixes_coordinates_sees_one_contribution_at_a_time():
+    """GeoClip's basis is a matrix product over the per-sample gradients; computed over the whole batch, its kernels
+    followed the batch's size and one unit moved the others' transformed rows (review: up to 9e-8 relative on this
+    CPU at B >= 2). The DP step applies a transform row by row."""
+    import numpy as np
+
+    from raydp.privacy.engine import transform_rows
+    from raydp.strategies.geoclip import SketchBasis
+
+    rng = np.random.default_rng(0)
+    d, k = 8192, 16
+    basis, _ = np.linalg.qr(rng.normal(size=(d, k)))
+    transform = SketchBasis(rng.normal(size=d) * 1e-3, basis, rng.uniform(0.5, 2.0, size=k))
+    torch.manual_seed(0)
+    rows = torch.randn(41, d) * 1e-2
+    alone = [transform_rows(transform, rows[i:i + 1]) for i in range(41)]
+    moved_batched = 0
+    for b in (2, 3, 4, 8, 12, 17, 40):
+        together = transform_rows(transform, rows[:b + 1])
+        assert all(torch.equal(together[i], alone[i][0]) for i in range(b + 1))
+        batched = transform.forward(rows[:b + 1])  # what the step did before
+        moved_batched += sum(not torch.equal(batched[i], alone[i][0]) for i in range(b + 1))
+    assert moved_batched > 0  # the batched product does move rows here: the check above can fail
+
+
+def test_only_a_model_that_attends_backwards_is_graphed_without_its_mask():
+    """A record graph calls the model without its mask, exact for a causal decoder only; a model that attends both
+    ways would see its padding, so it is checked first."""
+    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+
+    from raydp.privacy.clipping import attends_backwards_only
+
+    torch.manual_seed(0)
+    causal = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=64, n_embd=32, n_layer=2, n_head=2))
+    both_ways = BertForMaskedLM(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                           intermediate_size=37, max_position_embeddings=64))
+    assert attends_backwards_only(causal, 32, "cpu")
+    assert not attends_backwards_only(both_ways, 32, "cpu")
+    assert causal.training and both_ways.training  # the check leaves the mode as it was
+
+
+def test_a_record_graph_is_captured_again_when_a_parameter_moves(model_and_split):
+    from raydp.privacy.clipping import PerSampleGradientComputer, RecordGraph
+
+    loaded, _ = model_and_split
+    computer = PerSampleGradientComputer(loaded.model, loaded.pairs, isolate=True)
+    try:
+        graph = RecordGraph(computer, 16, torch.device("cpu"), capture=lambda body, device: (body, body()))
+        assert graph.current()
+        with torch.no_grad():
+            loaded.pairs[0].a.add_(0.0)  # in place: the graph reads the new values
+        assert graph.current()
+        saved = loaded.pairs[0].a.data
+        loaded.pairs[0].a.data = saved.clone()  # new storage: a replay would read freed memory
+        assert not graph.current()
+        loaded.pairs[0].a.data = saved
+    finally:
+        computer.remove()

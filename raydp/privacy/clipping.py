@@ -204,6 +204,28 @@ def _without_pad_token(model: torch.nn.Module):
             config.pad_token_id = saved[key]
 
 
+def attends_backwards_only(model: torch.nn.Module, width: int, device) -> bool:
+    """Whether the model's outputs at a position ignore every later position (a causal decoder), checked on made-up
+    tokens: the first half's logits with the second half's tokens changed must stay within 1e-3 of their scale. A
+    record graph calls the model without its mask (:class:`RecordGraph`), which is exact only then: a model that
+    attends both ways (an encoder loaded as a causal LM without ``is_decoder``) would see its padding."""
+    if width < 4:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 100)
+    ids = torch.randint(0, vocab, (2, width), generator=generator)
+    ids[1, : width // 2] = ids[0, : width // 2]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids.to(device)).logits[:, : width // 2].float()
+    finally:
+        model.train(was_training)
+    scale = float(logits[0].abs().max().clamp_min(1e-6))
+    return float((logits[0] - logits[1]).abs().max()) <= 1e-3 * scale
+
+
 def cuda_graph_capture(body, device: torch.device):
     """``body()`` captured in a CUDA graph after three warm-up calls on a side stream (PyTorch's whole-network
     recipe); returns (replay, the captured call's outputs, whose memory each replay rewrites)."""
@@ -230,18 +252,30 @@ class RecordGraph:
     The model is called without the attention mask (transformers' mask builder reads the mask on the host, which a
     capture cannot do). That is exact for a causal decoder's right-padded record: a real token attends only to
     earlier positions, all real, so the padding is never seen, and the loss still takes the mask. An encoder
-    attends both ways and is not graphed. The parameters are read where they live at every replay: an optimizer
-    that updates them in place (torch's do) is seen by the next replay. ``capture`` is
+    attends both ways and is not graphed (:func:`attends_backwards_only` checks every model first). The
+    parameters are read where they live at every replay: an optimizer that updates them in place (torch's do) is
+    seen by the next replay, and a parameter whose storage moved makes the graph be captured again
+    (:meth:`current`). ``capture`` is
     :func:`cuda_graph_capture` (a test passes one that calls the body again at every replay)."""
 
     def __init__(self, computer: PerSampleGradientComputer, width: int, device: torch.device,
                  capture=cuda_graph_capture):
+        self.model = computer.model
+        self.storage = self._storage()
         self.ids = torch.zeros((1, width), dtype=torch.long, device=device)
         self.mask = torch.ones((1, width), dtype=torch.long, device=device)
         with deterministic_kernels(), _without_pad_token(computer.model):
             self.replay, out = capture(lambda: computer._compute(self.ids, self.mask, None, model_mask=False),
                                        device)
         self.flat, self.losses, self.layout = out.flat, out.losses, out.layout
+
+    def _storage(self) -> tuple:
+        return tuple((p.data_ptr(), p.dtype, p.device) for p in self.model.parameters())
+
+    def current(self) -> bool:
+        """Whether every parameter still lives where the graph reads it (a replay after ``model.to(dtype)`` or a
+        non-in-place load would read freed memory): else the graph is captured again."""
+        return self._storage() == self.storage
 
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PerSampleGrads:
         flats, losses = [], []
@@ -340,7 +374,13 @@ class PerSampleGradientComputer:
         if (input_ids.device.type != "cuda" or labels is not None or not self.graphs
                 or getattr(getattr(self.model, "config", None), "model_type", None) in ENCODERS):
             return None
+        graph = self._graphs.get(width)
+        if graph is not None and not graph.current():  # a parameter's storage moved: capture again
+            del self._graphs[width]
         if width not in self._graphs:
+            if not attends_backwards_only(self.model, width, input_ids.device):
+                self.graphs = False  # a bidirectional model needs its mask: every record runs eagerly
+                return None
             try:
                 self._graphs[width] = RecordGraph(self, width, input_ids.device)
             except Exception as error:  # noqa: BLE001  (a capture can fail in many ways; the eager path is exact)
