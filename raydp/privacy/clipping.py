@@ -444,8 +444,12 @@ def combine_units(grads: PerSampleGrads, unit_index: torch.Tensor | None, n_unit
         return grads
     if n_units is None:
         n_units = int(unit_index.max()) + 1 if unit_index.numel() else 0
-    flat = grads.flat.new_zeros((n_units, grads.flat.shape[1])).index_add_(0, unit_index, grads.flat)
-    losses = grads.losses.new_zeros(n_units).index_add_(0, unit_index, grads.losses)
+    # Off the CPU index_add_ adds with atomics, in an order the other rows can change: torch's deterministic
+    # algorithm sums each unit's records in their order instead (ERRATA E17).
+    context = deterministic_kernels() if isolates_records(grads.flat.device) else contextlib.nullcontext()
+    with context:
+        flat = grads.flat.new_zeros((n_units, grads.flat.shape[1])).index_add_(0, unit_index, grads.flat)
+        losses = grads.losses.new_zeros(n_units).index_add_(0, unit_index, grads.losses)
     counts = torch.bincount(unit_index, minlength=n_units).to(grads.losses.dtype)
     return PerSampleGrads(flat, grads.layout, losses / counts.clamp_min(1))
 
