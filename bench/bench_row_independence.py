@@ -92,7 +92,8 @@ def build(model_name: str, texts: list[str], n_rows: int, width: int, base_dtype
 def per_sample(computers: dict, ids, mask, mode: str, chunk: int) -> torch.Tensor:
     """Per-sample gradients [rows, D] in float64: ``batch`` (the batch's natural shape), ``chunked`` (fixed chunks of
     ``chunk`` rows, the last one filled with empty rows: one token, no target, loss 0, dropped afterwards) or
-    ``isolated`` (each record alone with deterministic kernels: what a DP run does off the CPU)."""
+    ``isolated`` (each record alone with deterministic kernels, eagerly) or ``graphed`` (the same, replayed from a
+    CUDA graph: what a DP run of a decoder does on CUDA)."""
     computer = computers["isolated"]
     if mode == "graphed":
         return computers["graphed"].compute(ids, mask).flat.double()
@@ -117,7 +118,7 @@ def compare(g: torch.Tensor, h: torch.Tensor) -> dict:
     """Rows of g and h are the same records. Largest relative row change, and the clipped sums' difference in C."""
     norms = g.norm(dim=1)
     c = float(norms.min())
-    factors_g = (c / g.norm(dim=1)).clamp(max=1.0)
+    factors_g = (c / norms).clamp(max=1.0)
     factors_h = (c / h.norm(dim=1)).clamp(max=1.0)
     drift = float(((g * factors_g[:, None]).sum(0) - (h * factors_h[:, None]).sum(0)).norm()) / c
     rel = float(((g - h).norm(dim=1) / norms).max())

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from raydp.model.adapters import AdapterPair
-from raydp.model.loading import ENCODERS
 from raydp.model.loss import per_sequence_nll
 from raydp.privacy.mechanism import CLIP, CLIP_EPS, flatten_pairs  # noqa: F401  (CLIP_EPS: Eq. 5's stabiliser)
 
@@ -156,7 +155,7 @@ def isolates_records(device: torch.device | str) -> bool:
     The clipped sum's sensitivity is C only if no record changes the others' contributions. On an NVIDIA H200
     (torch 2.11, CUDA 13.0, bf16 base weights as a run loads them) a batch one record larger changed every other
     record's per-sample gradient at GPT-2 small's shape, by up to 1.3e-2 of its norm, and their clipped sum by up
-    to 6.5e-2 C; with fp32 base weights by 3e-6 and 1.4e-5 C; in batches of a fixed shape a record's position
+    to 6.7e-2 C; with fp32 base weights by 3e-6 and 1.4e-5 C; in batches of a fixed shape a record's position
     still mattered. The matrix library chooses its kernels by shape and splits reductions by position. One record
     alone, at the run's fixed width, with deterministic kernels, changed nothing
     (``bench/bench_row_independence.py``; docs/privacy.md). On this project's 2-core CPU a fixed width was enough
@@ -368,11 +367,11 @@ class PerSampleGradientComputer:
 
     def _record_graph(self, input_ids: torch.Tensor, labels) -> RecordGraph | None:
         """The CUDA graph of one record at this width (captured at its first use), or None: not on CUDA, a task with
-        labels, an encoder (its records need their mask, which a graph cannot take: :class:`RecordGraph`), or a
-        capture that failed once (then every record runs eagerly, as correct and slower)."""
+        labels, a model that attends both ways (its records need their mask, which a graph cannot take:
+        :func:`attends_backwards_only`), or a capture that failed once (then every record runs eagerly, as
+        correct and slower)."""
         width = int(input_ids.shape[1])
-        if (input_ids.device.type != "cuda" or labels is not None or not self.graphs
-                or getattr(getattr(self.model, "config", None), "model_type", None) in ENCODERS):
+        if input_ids.device.type != "cuda" or labels is not None or not self.graphs:
             return None
         graph = self._graphs.get(width)
         if graph is not None and not graph.current():  # a parameter's storage moved: capture again
