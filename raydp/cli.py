@@ -371,7 +371,13 @@ def cmd_study(args) -> int:
             return 0
         with tempfile.TemporaryDirectory() as tmp:
             _, trials = prepare_study(study, Path(tmp), progress=False)
-        print(f"study {study.name}: {len(trials)} trials, all configs valid and every budget reachable")
+        from raydp.study.config import search_cells  # lazy: as above
+
+        cells = search_cells(study)
+        searched = "" if not cells else (
+            f" and {study.bandit.num_samples * len(cells)} chosen by the bandit" if study.search == "bandit" else
+            f" and {study.optuna.num_samples * len(cells)} sampled by Optuna in {len(cells)} search cell(s)")
+        print(f"study {study.name}: {len(trials)} grid trials{searched}, all configs valid and every budget reachable")
         for t in trials[:20]:
             print(f"  {t.name}")
         if len(trials) > 20:

@@ -176,6 +176,9 @@ STUDY_SUMMARY = {
     # a search's winners per cell: the values and final public-validation figure of DP-trained trials
     **{f"search_best[].{k}": DP for k in ("strategy", "model", "epsilon", "trials", "best.*", "trial",
                                           "final_public_value_nll", "final_public_perplexity")},
+    # search: bandit: each cell's values are the bandit's decision, with its posterior for them
+    "search_best[].decided_by": PUBLIC,
+    **{f"search_best[].{k}": DP for k in ("predicted", "predicted_sd")},
     "tuning_aware_epsilon": PUBLIC,  # the 'not applicable' note of a public study
     **{_FIGURE + k: DP for k in (
         "composed[].curve", "composed[].epsilon_rdp", "composition_epsilon_rdp", "max_single_trial_epsilon_rdp",
@@ -273,6 +276,12 @@ def unclassified_run(run_dir: Path) -> list[str]:
     return out
 
 
+#: search: bandit's bandit.json: the study's choices (PUBLIC) and every episode's values and final public-validation
+#: loss (DP: figures of DP-trained runs, as search_best's)
+BANDIT = {**{k: PUBLIC for k in ("format", "seed", "candidates", "epsilon_range[]", "space.*")},
+          **{f"observations[].{k}": DP for k in ("epsilon", "values.*", "loss")}}
+
+
 def unclassified_study(study_dir: Path, nonprivate_trials=()) -> list[str]:
     """The same for a study directory: ``results.parquet`` (but its private attack columns),
     ``study_summary.json`` and every DP trial's run directory (non-private trials are not releasable)."""
@@ -280,6 +289,8 @@ def unclassified_study(study_dir: Path, nonprivate_trials=()) -> list[str]:
     out: list[str] = []
     _check_columns(study_dir / "results.parquet", RESULTS, out, RESULTS_PRIVATE_PREFIXES)
     _check_json(study_dir / "study_summary.json", STUDY_SUMMARY, out)
+    if (study_dir / "bandit.json").exists():
+        _check_json(study_dir / "bandit.json", BANDIT, out)
     for trial in sorted((study_dir / "trials").iterdir()):
         if trial.name not in nonprivate_trials:
             out.extend(unclassified_run(trial))

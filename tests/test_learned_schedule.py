@@ -216,7 +216,7 @@ def _write(tmp_path, **changes):
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"search": "grid"}, "search_space is searched by Optuna (search: optuna) or drawn independently"),
+    ({"search": "grid"}, "search_space is searched by Optuna (search: optuna), a bandit (search: bandit) or drawn independently"),
     ({"seeds": [0, 1]}, "give one seed"),
     ({"search_space": {"static": {"clip": {"low": 0.1, "high": 1}}}}, "search_space.static: not a strategy"),
     ({"search_space": {"clip-schedule": {"colour": {"low": 0.1, "high": 1}}}}, "search_space.clip-schedule.colour"),

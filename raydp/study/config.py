@@ -69,6 +69,15 @@ class OptunaSettings(StrictModel):
                                 "results (Optuna's TPE default, 10, would make a 10-trial search a random one)")
 
 
+class BanditSettings(StrictModel):
+    """``search: bandit``: the episode-level contextual bandit over a ``search_space`` (raydp.control.bandit)."""
+
+    num_samples: int = Field(10, gt=0, description="episodes per epsilon (the study runs num_samples x epsilons)")
+    seed: int = Field(0, description="seeds the random start, the candidates and the Thompson draws (public)")
+    startup_trials: int = Field(2, ge=1, description="random episodes per epsilon before Thompson sampling")
+    candidates: int = Field(1024, ge=16, description="random arms scored per decision (besides those tried)")
+
+
 class SearchDimension(StrictModel):
     """One searched value: a range (``low``, ``high``, ``log``) or a list of ``choices``."""
 
@@ -257,10 +266,12 @@ class StudyConfig(StrictModel):
         "a finished search study's directory (search_space, on PUBLIC data): each trial of a strategy it searched "
         "runs with the best values of its (strategy, model, epsilon) cell (study_summary.json search_best)"))
     sac_grid: SACGrid = SACGrid()
-    search: Literal["grid", "optuna", "pbt", "random"] = Field("grid", description=(
+    search: Literal["grid", "optuna", "pbt", "random", "bandit"] = Field("grid", description=(
         "grid; optuna (a search_space or RLDP's SAC cell); pbt; random: independent draws from search_space, "
-        "with selection: private-dp only"))
+        "with selection: private-dp only; bandit: one contextual bandit over one strategy's search_space across "
+        "the epsilons, on public episodes"))
     optuna: OptunaSettings = OptunaSettings()
+    bandit: BanditSettings = BanditSettings()
     search_space: dict[str, dict[str, SearchDimension]] = Field(default_factory=dict, description=(
         "search: optuna: per strategy, the settings (and run fields lr, lr_decay, lr_end, warmup_steps, "
         "rescale_moments) Optuna searches, one search of optuna.num_samples trials per model and epsilon at the "
@@ -322,6 +333,8 @@ class StudyConfig(StrictModel):
             self._check_private_selection()
         if self.search_space:
             self._check_search_space()
+        elif self.search == "bandit":
+            raise ValueError("search: bandit chooses one strategy's values: give its search_space")
         elif self.search == "optuna":
             if self.controller_strategy is None:
                 raise ValueError("search: optuna without a search_space tunes a controller's SAC settings; it needs "
@@ -444,10 +457,17 @@ class StudyConfig(StrictModel):
         return self.private_selection or PrivateSelectionSettings()
 
     def _check_search_space(self) -> None:
-        if self.search not in ("optuna", "random"):
-            raise ValueError("search_space is searched by Optuna (search: optuna) or drawn independently "
-                             "(search: random, selection: private-dp)")
-        if self.search == "optuna" and len(self.seeds) != 1:
+        if self.search not in ("optuna", "random", "bandit"):
+            raise ValueError("search_space is searched by Optuna (search: optuna), a bandit (search: bandit) or "
+                             "drawn independently (search: random, selection: private-dp)")
+        if self.search == "bandit":
+            if self.private_data or self.selection != "public":
+                raise ValueError("search: bandit learns from public episodes only: set private_data: false (and "
+                                 "selection: public)")
+            if len(self.search_space) != 1 or len(self.models) != 1:
+                raise ValueError("search: bandit learns one strategy's values on one model across the epsilons: "
+                                 "give one search_space strategy and one model")
+        if self.search in ("optuna", "bandit") and len(self.seeds) != 1:
             raise ValueError("a search_space search runs every candidate at the study's one seed (common random "
                              "numbers on public data): give one seed, and run the chosen values on more seeds after")
         for strategy, space in self.search_space.items():

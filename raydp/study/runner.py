@@ -609,6 +609,7 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     storage = TuneStorage.for_study(study, study_dir)
     if resume and not any(storage.can_restore(name)
                           for name in (f"{study.name}-source", study.name, f"{study.name}-optuna",
+                                       f"{study.name}-bandit",
                                        *(search_run_name(study, cell) for cell in search_cells(study)))):
         # A fresh Tuner here would overwrite the trials already run, and their spend on the same private data
         # would drop out of the tuning-aware epsilon (ERRATA E7/E14).
@@ -678,7 +679,10 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
             stopped = unfinished_in(grids[-1])
             if stopped:  # Ctrl-C: Tune saved this stage and returned; the next stages wait for --resume
                 break
-        if not stopped and study.search_space:
+        if not stopped and study.search == "bandit":
+            grids.append(_fit_bandit(trainable, study, common, storage, progress, resume))
+            stopped = unfinished_in(grids[-1], planned=study.bandit.num_samples * len(search_cells(study)))
+        elif not stopped and study.search_space:
             for cell in search_cells(study):  # one Tuner per cell: a Ctrl-C in one must not go on to the next
                 grids.append(_fit_search(trainable, study, cell, common, storage, progress, resume))
                 stopped = unfinished_in(grids[-1], planned=study.optuna.num_samples)
@@ -703,6 +707,11 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     summary = {"study": study.name, "trials": len(trials), "wall_seconds": round(wall, 1),
                "results": str(study_dir / "results.parquet"), **_overheads(results, fit_started)}
     summary.update(table.attrs if hasattr(table, "attrs") else {})
+    if study.search == "bandit":  # each cell's values are the bandit's decision, not its best episode
+        from raydp.study.bandit import bandit_best  # lazy: imports Ray, which `raydp study --check` does not load
+
+        selection = summary["selection"]
+        summary["search_best"] = bandit_best(study, table, selection["split"], selection["metric"], study_dir)
     summary.update(population_summary(study_dir))  # PBT: the population's epsilon (empty otherwise)
     if shared_counters is not None:
         summary["shared_policy"] = shared_counters
@@ -996,6 +1005,28 @@ def _fit_search(trainable, study: StudyConfig, cell: Trial, common: dict, storag
         param_space={**common, "search_cell": cell.to_dict(),
                      "search": _search_space(study.search_space[cell.strategy])},
         tune_config=tune.TuneConfig(search_alg=searcher, num_samples=study.optuna.num_samples,
+                                    max_concurrent_trials=_search_concurrency(study)),
+        run_config=_run_config(name, storage, study, progress),
+    )
+    return tuner.fit()
+
+
+def _fit_bandit(trainable, study: StudyConfig, common: dict, storage: TuneStorage, progress: bool, resume: bool):
+    """``search: bandit``: one Tune experiment of ``bandit.num_samples`` episodes per epsilon, each trial's
+    context and values from :class:`raydp.study.bandit.BanditSearch` (Tune checkpoints the searcher, so
+    ``--resume`` goes on with what it had learned)."""
+    from ray import tune  # lazy: `raydp study --check` loads no Ray
+
+    from raydp.study.bandit import BanditSearch  # lazy: imports Ray, as above
+
+    name = f"{study.name}-bandit"
+    if resume and storage.can_restore(name):
+        return storage.restore(name, trainable, resume_errored=True).fit()
+    tuner = tune.Tuner(
+        trainable,
+        param_space=dict(common),
+        tune_config=tune.TuneConfig(search_alg=BanditSearch(study),
+                                    num_samples=study.bandit.num_samples * len(search_cells(study)),
                                     max_concurrent_trials=_search_concurrency(study)),
         run_config=_run_config(name, storage, study, progress),
     )
