@@ -91,7 +91,7 @@ BANDIT_STUDY = {
     "seeds": [0],
     "strategies": ["clip-schedule"],
     "search": "bandit",
-    "bandit": {"num_samples": 2, "seed": 0, "startup_trials": 1, "candidates": 64},
+    "bandit": {"num_samples": 1, "seed": 0, "startup_trials": 1, "candidates": 64},
     "search_space": {"clip-schedule": {"clip": {"low": 0.3, "high": 3.0, "log": True},
                                        "lr": {"low": 1e-4, "high": 2e-3, "log": True},
                                        "lr_decay": {"choices": ["constant", "cosine"]}}},
@@ -109,6 +109,40 @@ def _write(tmp_path, **changes):
     path = tmp_path / "bandit.yaml"
     path.write_text(yaml.safe_dump(values))
     return path
+
+
+def test_the_searcher_cycles_the_epsilons_learns_from_finished_episodes_and_resumes(tmp_path):
+    """Tune's side, driven by hand: contexts in a fixed cycle, random values for the start-up rounds, then
+    Thompson draws from what finished; a failed episode teaches nothing; a saved searcher goes on where it was."""
+    from ray.tune.search import Searcher
+
+    from raydp.config import validate_config
+    from raydp.study.bandit import BanditSearch
+    from raydp.study.config import StudyConfig
+
+    study = validate_config(StudyConfig, {**json.loads(json.dumps(BANDIT_STUDY)),
+                                          "bandit": {"num_samples": 3, "seed": 0, "startup_trials": 1,
+                                                     "candidates": 64}})
+    searcher = BanditSearch(study)
+    first = [searcher.suggest(f"t{i}") for i in range(2)]
+    assert [c["search_cell"]["epsilon"] for c in first] == [1.0, 4.0]
+    for i, config in enumerate(first):
+        assert 0.3 <= config["search"]["clip"] <= 3.0
+        searcher.on_trial_complete(f"t{i}", {"selection_score": 60.0 + i})
+    searcher.on_trial_complete("t9", {"selection_score": 1.0})  # unknown trial: ignored
+    assert [o.loss for o in searcher.bandit.observations] == [60.0, 61.0]
+    third = searcher.suggest("t2")  # a Thompson draw given the two episodes
+    assert third["search_cell"]["epsilon"] == 1.0
+    assert third["search"] == searcher.bandit.suggest(1.0, 2)  # the bandit's draw number 2, reproducible
+    searcher.on_trial_complete("t2", error=True)
+    assert len(searcher.bandit.observations) == 2
+    searcher.save(str(tmp_path / "searcher.pkl"))
+    again = BanditSearch(study)
+    again.restore(str(tmp_path / "searcher.pkl"))
+    assert again.suggest("t3") == searcher.suggest("t3")
+    for i in range(4, 6):
+        assert searcher.suggest(f"t{i}") is not None
+    assert searcher.suggest("t6") == Searcher.FINISHED  # num_samples x epsilons in all
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -135,8 +169,8 @@ def test_a_bandit_study_learns_across_epsilons_and_its_decisions_drive_a_later_s
     study_dir = run_study(_write(tmp_path), results_dir=tmp_path / "out", progress=False)
     table = pd.read_parquet(study_dir / "results.parquet")
     searched = table[table["search"].notna()]
-    assert len(searched) == 4 and (searched["status"] == "TERMINATED").all()
-    assert sorted(searched["epsilon_target"]) == [1.0, 1.0, 4.0, 4.0]  # the contexts, each num_samples times
+    assert len(searched) == 2 and (searched["status"] == "TERMINATED").all()
+    assert sorted(searched["epsilon_target"]) == [1.0, 4.0]  # the contexts, each num_samples times
     for _, row in searched.iterrows():  # each trial ran with the values the bandit chose for it
         config, v = json.loads(row["config"]), json.loads(row["search"])
         assert 0.3 <= v["clip"] <= 3.0 and config["settings"]["clip"] == pytest.approx(v["clip"])
@@ -146,13 +180,13 @@ def test_a_bandit_study_learns_across_epsilons_and_its_decisions_drive_a_later_s
     assert unclassified_study(study_dir) == []
     # the saved bandit holds every finished episode, and its decisions are each cell's search_best
     bandit = ScheduleBandit.load(study_dir / "bandit.json")
-    assert len(bandit.observations) == 4
+    assert len(bandit.observations) == 2
     assert sorted(o.loss for o in bandit.observations) == pytest.approx(sorted(searched["final_public_value_nll"]))
     summary = json.loads((study_dir / "study_summary.json").read_text())
     best = {b["epsilon"]: b for b in summary["search_best"]}
     assert set(best) == {1.0, 4.0}
     for eps, b in best.items():
-        assert b["best"] == bandit.decide(eps) and b["trials"] == 2 and b["decided_by"].startswith("bandit")
+        assert b["best"] == bandit.decide(eps) and b["trials"] == 1 and b["decided_by"].startswith("bandit")
     record = json.loads((study_dir / "tuning_record.json").read_text())
     (tmp_path / "trials" / "tuned").mkdir(parents=True)
     (tmp_path / "trials" / "tuned" / "bandit.json").write_text(json.dumps(record))

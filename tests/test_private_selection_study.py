@@ -274,11 +274,10 @@ def test_cell_plan_meets_its_end_to_end_epsilon_and_is_tight(tiny_dataset):
 def test_a_search_space_that_changes_the_plan_is_refused(tiny_dataset):
     # ewpba's step distance shapes its sigma schedule over the epochs, so its corners plan different curves
     # (every choice is checked, not only the first two: [1, 1, 3] was accepted by the first version)
-    for choices in ([1, 3], [1, 1, 3]):
-        study = study_of(strategies=["ewpba"], search_space={"ewpba": {"step_distance": {"choices": choices}}},
-                         base={"data": {"n_records": 600}, "epochs": 3})
-        with pytest.raises(ConfigError, match="corners plan different privacy curves"):
-            ps.plan_cell(study, tiny_dataset, "embedded-tiny", 4.0, 0)
+    study = study_of(strategies=["ewpba"], search_space={"ewpba": {"step_distance": {"choices": [1, 1, 3]}}},
+                     base={"data": {"n_records": 600}, "epochs": 2})
+    with pytest.raises(ConfigError, match="corners plan different privacy curves"):
+        ps.plan_cell(study, tiny_dataset, "embedded-tiny", 4.0, 0)
     # a strategy with a phase before DP-SGD (DualTune's phase 1, redacted or public) is refused (review 2, finding A)
     study = study_of(strategies=["dualtune"], search_space={"dualtune": {"clip": {"low": 0.1, "high": 1.0}}})
     with pytest.raises(ConfigError, match="warm_start"):

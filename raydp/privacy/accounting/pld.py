@@ -21,6 +21,7 @@ Very small sigma: the single-step PLD's support grows like 1/sigma^2; when it wo
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections import OrderedDict
@@ -125,12 +126,20 @@ class PLDAccountant(Accountant):
             warnings.warn("sigma too small for a PLD of manageable size; accounting with RDP instead",
                           RuntimeWarning, stacklevel=3)
             return RDPAccountant(grid=None)._epsilon_groups(groups, delta)
-        acc = pld_privacy_accountant.PLDAccountant(_ADD_REMOVE, value_discretization_interval=vdi)
-        acc.compose(dp_event_of_groups(groups))
-        return float(acc.get_epsilon(delta))
+        return _pld_epsilon(tuple((float(q), float(s), int(c)) for q, s, c in groups), float(delta), float(vdi))
 
     def composition(self) -> PLDComposition:
         return PLDComposition(self)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pld_epsilon(groups: tuple[tuple[float, float, int], ...], delta: float, vdi: float) -> float:
+    """dp_accounting's PLD epsilon of the groups, remembered: calibration searches a grid of sigmas (and a private
+    selection plan searches trial epsilons, each a calibration), so the same compositions recur within a process.
+    A pure function of public plan values: a remembered figure is the figure."""
+    acc = pld_privacy_accountant.PLDAccountant(_ADD_REMOVE, value_discretization_interval=vdi)
+    acc.compose(dp_event_of_groups(groups))
+    return float(acc.get_epsilon(delta))
 
 
 class PLDComposition(Composition):
