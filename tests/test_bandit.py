@@ -60,6 +60,17 @@ def test_the_bandits_decisions_rank_near_the_best_of_a_brute_force_search_in_eve
         assert float((losses < _surface(eps, random_pick.random_values(np.random.default_rng(int(eps * 10))))).mean()) > 0.03
 
 
+def test_one_diverged_episode_does_not_derail_the_decisions():
+    """A run that diverges (a loss 100x the others, as one public episode of trials/bandit-search.yaml did) must
+    not set the model's scale: the bandit caps losses at Tukey's fence before it fits them."""
+    bandit = _learned(budget_per_context=10, noise=0.05)
+    worst = max(range(len(bandit.observations)), key=lambda i: bandit.observations[i].loss)
+    bandit.observations[worst].loss = 1e3 * max(o.loss for o in bandit.observations)
+    bandit._fitted = None
+    for eps in EPSILONS:
+        assert float((_grid_losses(eps) < _surface(eps, bandit.decide(eps))).mean()) < 0.05
+
+
 def test_thompson_sampling_explores_and_is_reproducible():
     bandit = _learned(budget_per_context=3, noise=0.05)
     again = _learned(budget_per_context=3, noise=0.05)
@@ -76,6 +87,9 @@ def test_encoding_saving_and_bad_observations():
     copy = ScheduleBandit.from_dict(json.loads(json.dumps(bandit.to_dict())))
     assert copy.decide(2.0) == bandit.decide(2.0) and copy.predict(2.0, bandit.decide(2.0)) == \
         pytest.approx(bandit.predict(2.0, bandit.decide(2.0)))
+    mean, low, high = bandit.predict(2.0, bandit.decide(2.0))
+    losses = [o.loss for o in bandit.observations]
+    assert min(losses) <= low <= mean <= high <= max(losses)
     with pytest.raises(ValueError, match="finite"):
         bandit.observe(2.0, bandit.decide(2.0), float("nan"))
     with pytest.raises(ValueError, match="lacks 'decay'"):

@@ -105,9 +105,9 @@ def bandit_best(study: StudyConfig, table: pd.DataFrame, split: str, metric: str
     out = []
     for cell in search_cells(study):
         best = bandit.decide(cell.epsilon)
-        mean, sd = bandit.predict(cell.epsilon, best)
+        mean, low, high = bandit.predict(cell.epsilon, best)
         out.append({"strategy": cell.strategy, "model": cell.model, "epsilon": float(cell.epsilon),
                     "trials": int((done["epsilon_target"] == cell.epsilon).sum()), "best": best,
                     "decided_by": "bandit: lowest posterior mean", "predicted": round(mean, 4),
-                    "predicted_sd": round(sd, 4)})
+                    "predicted_range": [round(low, 4), round(high, 4)]})
     return out
