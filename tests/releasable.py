@@ -178,7 +178,7 @@ STUDY_SUMMARY = {
                                           "final_public_value_nll", "final_public_perplexity")},
     # search: bandit: each cell's values are the bandit's decision, with its posterior for them
     "search_best[].decided_by": PUBLIC,
-    **{f"search_best[].{k}": DP for k in ("predicted", "predicted_range[]")},
+    **{f"search_best[].{k}": DP for k in ("predicted", "predicted_range[]", "length_scales.*")},
     "tuning_aware_epsilon": PUBLIC,  # the 'not applicable' note of a public study
     **{_FIGURE + k: DP for k in (
         "composed[].curve", "composed[].epsilon_rdp", "composition_epsilon_rdp", "max_single_trial_epsilon_rdp",

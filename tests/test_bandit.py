@@ -66,7 +66,6 @@ def test_one_diverged_episode_does_not_derail_the_decisions():
     bandit = _learned(budget_per_context=10, noise=0.05)
     worst = max(range(len(bandit.observations)), key=lambda i: bandit.observations[i].loss)
     bandit.observations[worst].loss = 1e3 * max(o.loss for o in bandit.observations)
-    bandit._fitted = None
     for eps in EPSILONS:
         assert float((_grid_losses(eps) < _surface(eps, bandit.decide(eps))).mean()) < 0.05
 
@@ -88,8 +87,20 @@ def test_encoding_saving_and_bad_observations():
     assert copy.decide(2.0) == bandit.decide(2.0) and copy.predict(2.0, bandit.decide(2.0)) == \
         pytest.approx(bandit.predict(2.0, bandit.decide(2.0)))
     mean, low, high = bandit.predict(2.0, bandit.decide(2.0))
-    losses = [o.loss for o in bandit.observations]
-    assert min(losses) <= low <= mean <= high <= max(losses)
+    assert low < mean < high
+
+
+def test_predictions_are_in_nats_and_a_diverged_episode_does_not_pull_them():
+    """At a tried arm, with little noise, the prediction is that episode's loss (the standardisation undone, an
+    independent check of the back-transform); a diverged episode elsewhere moves it by little."""
+    bandit = _learned(budget_per_context=6, noise=0.0)
+    probe = bandit.observations[-1]
+    mean, low, high = bandit.predict(probe.epsilon, probe.values)
+    assert mean == pytest.approx(probe.loss, abs=0.05 * (high - low) + 0.05)
+    worst = max(range(len(bandit.observations) - 1), key=lambda i: bandit.observations[i].loss)
+    bandit.observations[worst].loss = 1e3  # the fit's cache follows the observations' content
+    assert bandit.predict(probe.epsilon, probe.values)[0] == pytest.approx(probe.loss, abs=0.5)
+    assert set(bandit.length_scales()) == {"epsilon", "clip", "lr", "decay=constant", "decay=cosine"}
     with pytest.raises(ValueError, match="finite"):
         bandit.observe(2.0, bandit.decide(2.0), float("nan"))
     with pytest.raises(ValueError, match="lacks 'decay'"):
@@ -164,6 +175,7 @@ def test_the_searcher_cycles_the_epsilons_learns_from_finished_episodes_and_resu
     ({"models": ["embedded-tiny", "embedded"]}, "one search_space strategy and one model"),
     ({"search_space": {}}, "search: bandit chooses one strategy's values: give its search_space"),
     ({"seeds": [0, 1]}, "give one seed"),
+    ({"selection": "private"}, "public episodes only"),
 ])
 def test_invalid_bandit_studies_fail_with_one_line(tmp_path, changes, message, capsys):
     from raydp.cli import main
@@ -192,6 +204,13 @@ def test_a_bandit_study_learns_across_epsilons_and_its_decisions_drive_a_later_s
     from tests.releasable import unclassified_study
 
     assert unclassified_study(study_dir) == []
+    # Tune handed each finished episode's score to the searcher (its saved state, as Tune checkpoints it)
+    import pickle
+
+    states = sorted((study_dir / "tune" / "bandit-bandit").glob("searcher-state-*.pkl"))
+    assert states, "Tune saved no searcher state"
+    learned = ScheduleBandit.from_dict(pickle.loads(states[-1].read_bytes())["bandit"])
+    assert sorted(o.loss for o in learned.observations) == pytest.approx(sorted(searched["final_public_value_nll"]))
     # the saved bandit holds every finished episode, and its decisions are each cell's search_best
     bandit = ScheduleBandit.load(study_dir / "bandit.json")
     assert len(bandit.observations) == 2

@@ -87,20 +87,21 @@ class Dimension:
         return cls(low=float(d["low"]), high=float(d["high"]), log=bool(d.get("log", False)))
 
 
-def standard_scores(y: np.ndarray) -> np.ndarray:
-    """The losses the GP fits: capped at Tukey's upper fence, Q3 + 1.5 IQR (Tukey, *Exploratory Data Analysis*,
-    1977), then standardised. A GP on raw losses is wrecked by one diverged run: a 209-nat episode among 67-71 ones
-    (trials/bandit-search.yaml) set the scale, and the bandit decided an epsilon-8 learning rate whose episodes
-    had all ended near 69.5. Capped, a diverged run counts as bad, not as the scale; the bulk keeps its magnitudes
-    (ranks alone, a Gaussian copula, decided worse on tests/test_bandit.py's surface: 3.7% of the space better on
-    average against 1.9%)."""
+def standard_scores(y: np.ndarray) -> tuple[np.ndarray, float, float]:
+    """The losses the GP fits, and the affine map back (loss = mean + sd * score, for a loss below the cap):
+    capped at Tukey's upper fence, Q3 + 1.5 IQR (Tukey, *Exploratory Data Analysis*, 1977), then standardised. A
+    GP on raw losses is wrecked by one diverged run: a 209-nat episode among 67-71 ones (trials/bandit-search.yaml)
+    set the scale, and the bandit decided an epsilon-8 learning rate whose episodes had all ended near 69.5.
+    Capped, a diverged run counts as bad, not as the scale; the bulk keeps its magnitudes (ranks alone, a Gaussian
+    copula, decided worse on tests/test_bandit.py's surface: 3.7% of the space better on average against 1.9%)."""
     y = np.asarray(y, dtype=float)
     if len(y) < 2:
-        return np.zeros(len(y))
+        return np.zeros(len(y)), float(y.mean()) if len(y) else 0.0, 1.0
     q1, q3 = np.percentile(y, [25, 75])
     y = np.minimum(y, q3 + 1.5 * (q3 - q1))
-    sd = float(y.std(ddof=1))
-    return (y - y.mean()) / sd if sd > 0 else y - y.mean()
+    mean, sd = float(y.mean()), float(y.std(ddof=1))
+    sd = sd if sd > 0 else 1.0
+    return (y - mean) / sd, mean, sd
 
 
 @dataclass
@@ -151,7 +152,8 @@ class ScheduleBandit:
     def _fit(self):
         """Hyperparameters by maximising the log marginal likelihood (R&W 2006, eq. 2.30) on standardised losses;
         returns what the posterior needs. Deterministic for given observations (and kept until the next one)."""
-        key = len(self.observations)
+        key = tuple((o.epsilon, tuple(sorted(o.values.items(), key=lambda kv: kv[0])), o.loss)
+                    for o in self.observations)
         if self._fitted is None or self._fitted[0] != key:
             self._fitted = (key, self._fit_now())
         return self._fitted[1]
@@ -159,7 +161,7 @@ class ScheduleBandit:
     def _fit_now(self):
         x = np.array([self._x(o.epsilon, o.values) for o in self.observations])
         y = np.array([o.loss for o in self.observations])
-        z = standard_scores(y)
+        z, mean, sd = standard_scores(y)
         d = x.shape[1]
 
         def unpack(theta):
@@ -180,7 +182,7 @@ class ScheduleBandit:
         theta = minimize(nlml, start, method="L-BFGS-B", bounds=bounds).x
         lengths, signal, noise = unpack(theta)
         chol = cho_factor(_matern52(x, x, lengths, signal) + (noise + 1e-8) * np.eye(len(x)), lower=True)
-        return x, chol, cho_solve(chol, z), lengths, signal, (np.sort(z), np.sort(y))
+        return x, chol, cho_solve(chol, z), lengths, signal, (mean, sd)
 
     def _candidates(self, epsilon: float, draw: int) -> list[dict]:
         rng = np.random.default_rng([self.seed, draw])
@@ -191,8 +193,8 @@ class ScheduleBandit:
         x, chol, alpha, lengths, signal, _ = self._fit()
         xs = np.array([self._x(epsilon, v) for v in arms])
         ks = _matern52(xs, x, lengths, signal)
-        mu = ks @ alpha  # R&W eq. 2.25
-        cov = _matern52(xs, xs, lengths, signal) - ks @ cho_solve(chol, ks.T)  # R&W eq. 2.26
+        mu = ks @ alpha  # R&W eq. 2.23 (2.25 for one point)
+        cov = _matern52(xs, xs, lengths, signal) - ks @ cho_solve(chol, ks.T)  # R&W eq. 2.24
         return mu, cov
 
     def suggest(self, epsilon: float, draw: int) -> dict:
@@ -204,12 +206,14 @@ class ScheduleBandit:
         mu, cov = self._posterior(epsilon, arms)
         cov = 0.5 * (cov + cov.T)
         jitter = 1e-8 * max(float(np.mean(np.diag(cov))), 1e-12)
-        while True:  # jitter grows until the factor exists (candidates may be nearly collinear)
+        for _ in range(12):  # jitter grows until the factor exists (candidates may be nearly collinear)
             try:
                 chol = np.linalg.cholesky(cov + jitter * np.eye(len(arms)))
                 break
             except np.linalg.LinAlgError:
                 jitter *= 10.0
+        else:
+            raise ValueError("the bandit's posterior covariance has no Cholesky factor (not finite?)")
         sample = mu + chol @ np.random.default_rng([self.seed, draw, 1]).standard_normal(len(arms))
         return dict(arms[int(np.argmin(sample))])
 
@@ -222,13 +226,22 @@ class ScheduleBandit:
         return dict(arms[int(np.argmin(mu))])
 
     def predict(self, epsilon: float, values: dict) -> tuple[float, float, float]:
-        """The loss of ``values`` at ``epsilon``: the posterior mean and mean -/+ one sd, each mapped back from
-        scores to losses through the observed pairs (so within the observed range)."""
+        """The loss of ``values`` at ``epsilon``: the posterior mean and mean -/+ one sd, in nats (the
+        standardisation undone; a figure above Tukey's cap means "at least as bad as the cap")."""
         mu, cov = self._posterior(epsilon, [values])
         sd = math.sqrt(max(float(cov[0, 0]), 0.0))
-        scores, losses = self._fit()[-1]
-        back = [float(np.interp(v, scores, losses)) for v in (float(mu[0]), float(mu[0]) - sd, float(mu[0]) + sd)]
-        return back[0], back[1], back[2]
+        mean, scale = self._fit()[-1]
+        m = float(mu[0])
+        return mean + scale * m, mean + scale * (m - sd), mean + scale * (m + sd)
+
+    def length_scales(self) -> dict[str, float]:
+        """The fitted length scales, in units of each value's range (log epsilon's for ``epsilon``); one at
+        :data:`MAX_LENGTH` means the episodes showed no effect of that value (for ``epsilon``: the contexts were
+        pooled)."""
+        lengths = self._fit()[3]
+        names = ["epsilon"] + [name if dim.choices is None else f"{name}={c}"
+                               for name, dim in self.space.items() for c in (dim.choices or [None])]
+        return {n: round(float(v), 4) for n, v in zip(names, lengths)}
 
     # -- saving -----------------------------------------------------------------------------------------
     def to_dict(self) -> dict:

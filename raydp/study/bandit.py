@@ -109,5 +109,5 @@ def bandit_best(study: StudyConfig, table: pd.DataFrame, split: str, metric: str
         out.append({"strategy": cell.strategy, "model": cell.model, "epsilon": float(cell.epsilon),
                     "trials": int((done["epsilon_target"] == cell.epsilon).sum()), "best": best,
                     "decided_by": "bandit: lowest posterior mean", "predicted": round(mean, 4),
-                    "predicted_range": [round(low, 4), round(high, 4)]})
+                    "predicted_range": [round(low, 4), round(high, 4)], "length_scales": bandit.length_scales()})
     return out

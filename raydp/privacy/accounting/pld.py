@@ -136,7 +136,8 @@ class PLDAccountant(Accountant):
 def _pld_epsilon(groups: tuple[tuple[float, float, int], ...], delta: float, vdi: float) -> float:
     """dp_accounting's PLD epsilon of the groups, remembered: calibration searches a grid of sigmas (and a private
     selection plan searches trial epsilons, each a calibration), so the same compositions recur within a process.
-    A pure function of public plan values: a remembered figure is the figure."""
+    A pure function of its arguments (the groups' q, sigma and counts, delta and the discretisation; the
+    neighbouring relation is fixed), so a remembered figure is the figure; nothing but numbers is kept."""
     acc = pld_privacy_accountant.PLDAccountant(_ADD_REMOVE, value_discretization_interval=vdi)
     acc.compose(dp_event_of_groups(groups))
     return float(acc.get_epsilon(delta))
