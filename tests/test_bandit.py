@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from raydp.control.bandit import Dimension, ScheduleBandit
+from tests.test_learned_schedule import SEARCH_STUDY
 
 
 def _surface(epsilon: float, values: dict) -> float:
@@ -109,31 +110,16 @@ def test_predictions_are_in_nats_and_a_diverged_episode_does_not_pull_them():
         ScheduleBandit(space=SPACE, epsilon_range=(0.5, 8.0)).decide(2.0)
 
 
-BANDIT_STUDY = {
-    "name": "bandit",
-    "models": ["embedded-tiny"],
-    "epsilons": [1.0, 4.0],
-    "seeds": [0],
-    "strategies": ["clip-schedule"],
-    "search": "bandit",
-    "bandit": {"num_samples": 1, "seed": 0, "startup_trials": 1, "candidates": 64},
-    "search_space": {"clip-schedule": {"clip": {"low": 0.3, "high": 3.0, "log": True},
-                                       "lr": {"low": 1e-4, "high": 2e-3, "log": True},
-                                       "lr_decay": {"choices": ["constant", "cosine"]}}},
-    "resources": {"cpus_per_trial": 1},
-    "private_data": False,
-    "wandb": {"mode": "disabled"},
-    "base": {"data": {"source": "public", "n_records": 300}, "max_steps": 6, "eval_max_records": 16,
-             "public_eval_records": 16, "warmup_steps": 2, "common_random_numbers": True},
-}
+#: the Optuna search study of tests/test_learned_schedule.py, searched by the bandit over two epsilons
+BANDIT_STUDY = {**SEARCH_STUDY, "name": "bandit", "epsilons": [1.0, 4.0], "search": "bandit",
+                "bandit": {"num_samples": 1, "seed": 0, "startup_trials": 1, "candidates": 64},
+                "base": {**SEARCH_STUDY["base"], "max_steps": 6}}
+del BANDIT_STUDY["optuna"]
 
 
 def _write(tmp_path, **changes):
-    values = json.loads(json.dumps(BANDIT_STUDY))
-    values.update(changes)
-    path = tmp_path / "bandit.yaml"
-    path.write_text(yaml.safe_dump(values))
-    return path
+    (tmp_path / "bandit.yaml").write_text(yaml.safe_dump({**BANDIT_STUDY, **changes}))
+    return tmp_path / "bandit.yaml"
 
 
 def test_the_searcher_cycles_the_epsilons_learns_from_finished_episodes_and_resumes(tmp_path):
