@@ -321,6 +321,34 @@ def test_rldp_trials_can_share_one_policy(tiny_study, tmp_path, monkeypatch):
     # the study refuses to overwrite the saved policy, before running anything
     assert main(["study", str(path), "--results-dir", str(tmp_path / "again")]) == 2
     assert not (tmp_path / "again").exists()
+    # a later study names the saved policy relative to where it runs: the driver hands each trial the
+    # absolute path (Tune starts a trial in its own directory, and the policy service elsewhere again)
+    from raydp.study.config import trial_config
+    from raydp.study.runner import prepare_study
+
+    monkeypatch.chdir(tmp_path)
+    rldp = {**TINY_STUDY["strategy_settings"]["rldp"], "policy": "pre", "policy_dir": "policies"}
+    study = load_study(write_study(tmp_path, name="reuse", strategies=["rldp"], strategy_settings={"rldp": rldp}))
+    dataset, (trial,) = prepare_study(study, tmp_path / "reuse")
+    assert trial.policy_path == str((tmp_path / "policies" / "pre").resolve())
+    monkeypatch.chdir(tmp_path / "reuse")  # as in a Tune trial
+    assert trial_config(study, trial, dataset, trial.policy_path).strategy_settings().policy == trial.policy_path
+
+
+# slow (~35 s on CI): continuing a saved policy runs a second study; the first study, its record and the policy
+# service's lifetime counts are test_rldp_trials_can_share_one_policy's, and a snapshot's counts are
+# tests/test_policy_provenance.py's
+@pytest.mark.slow
+def test_a_shared_study_continues_a_saved_policy_and_inherits_its_provenance(local_ray, tmp_path):
+    from raydp.study.runner import run_study
+
+    base = {**TINY_STUDY["base"], "data": {"source": "public", "n_records": 400}}
+    path = write_study(tmp_path, name="shared", strategies=["rldp"], seeds=[0, 1], policy="shared",
+                       wandb={"mode": "disabled"}, base=base, private_data=False, save_policy="pre",
+                       policy_dir=str(tmp_path / "policies"))
+    run_study(path, tmp_path / "out", progress=False)
+    manifest = json.loads((tmp_path / "policies" / "pre" / "manifest.json").read_text())
+    record = manifest["trained_on"]["pretraining"]
     # a shared study whose controller settings name a policy continues it: its provenance is inherited (a shared
     # session used to start a fresh policy and ignore the setting)
     rldp = {**TINY_STUDY["strategy_settings"]["rldp"], "policy": "pre", "policy_dir": str(tmp_path / "policies")}
@@ -339,18 +367,6 @@ def test_rldp_trials_can_share_one_policy(tiny_study, tmp_path, monkeypatch):
     assert later["totals"]["cpu_seconds"] == pytest.approx(record["cpu_seconds"] + later["cpu_seconds"], abs=0.11)
     # the manifest's lifetime (every save writes it) agrees with the record's totals: nothing counted twice
     assert continued["lifetime"] == {k: later["totals"][k] for k in ("transitions", "sac_updates")} | {"runs": 3}
-    # a later study names the saved policy relative to where it runs: the driver hands each trial the
-    # absolute path (Tune starts a trial in its own directory, and the policy service elsewhere again)
-    from raydp.study.config import trial_config
-    from raydp.study.runner import prepare_study
-
-    monkeypatch.chdir(tmp_path)
-    rldp = {**TINY_STUDY["strategy_settings"]["rldp"], "policy": "pre", "policy_dir": "policies"}
-    study = load_study(write_study(tmp_path, name="reuse", strategies=["rldp"], strategy_settings={"rldp": rldp}))
-    dataset, (trial,) = prepare_study(study, tmp_path / "reuse")
-    assert trial.policy_path == str((tmp_path / "policies" / "pre").resolve())
-    monkeypatch.chdir(tmp_path / "reuse")  # as in a Tune trial
-    assert trial_config(study, trial, dataset, trial.policy_path).strategy_settings().policy == trial.policy_path
 
 
 def _trial_footprint(study_dir: Path) -> tuple[dict, dict, list]:
@@ -707,6 +723,21 @@ def test_a_trial_config_holds_its_own_spec_whatever_the_study_size():
     assert first_config_size(10) == first_config_size(5000)
 
 
+def test_tunes_best_result_ranks_dp_runs_only():
+    """What ResultGrid.get_best_result() ranks (the study's Tune metric): a DP run's selection score, NaN (which
+    Tune skips) for a non-private run. The whole study is test_tune_keeps_two_checkpoints_and_ranks_dp_trials_only
+    (slow)."""
+    from raydp.study.runner import evaluation_metrics
+
+    row = {"value_nll": 66.0, "public_value_nll": 67.0, "perplexity": 9.0, "public_perplexity": 9.5}
+    dp, plain = evaluation_metrics(row, "public"), evaluation_metrics(row, "public", private_run=False)
+    assert dp["dp_selection_score"] == dp["selection_score"] == 67.0
+    assert math.isnan(plain["dp_selection_score"]) and plain["selection_score"] == 67.0
+
+
+# slow (~30 s on CI): a study of its own; the fast tier checks a study's checkpoints with its evaluations
+# (test_evaluations_reach_tune_only_with_their_checkpoint) and what Tune ranks (test_tunes_best_result_ranks_dp_runs_only)
+@pytest.mark.slow
 def test_tune_keeps_two_checkpoints_and_ranks_dp_trials_only(local_ray, tmp_path):
     from ray import tune
 
