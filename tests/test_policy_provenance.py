@@ -416,6 +416,9 @@ def _drive_broker(client, layout, decisions: int, seed: int, reward: float | Non
         reward = float(rng.normal())
 
 
+# slow (~30 s on CI): the live service; the lifetime arithmetic is test_a_save_adds_its_sessions_counts_to_the_restored_
+# lifetime_once (fast), and a shared study's saved lifetime is tests/test_study.py's test_rldp_trials_can_share_one_policy
+@pytest.mark.slow
 def test_the_policy_service_saves_lifetime_figures_and_a_snapshot_counts_nothing_twice(local_ray, tmp_path):
     """The live service: a policy saved before the lifetime field existed is continued by a session that snapshots
     it (as a checkpoint does) and then saves it; a third session continues the snapshot."""
