@@ -56,11 +56,6 @@ class Dimension:
     log: bool = False
     choices: tuple | None = None
 
-    @property
-    def width(self) -> int:
-        """Coordinates in the unit cube: 1 for a range, one per choice (one-hot) for choices."""
-        return 1 if self.choices is None else len(self.choices)
-
     def encode(self, value) -> list[float]:
         if self.choices is not None:
             return [1.0 if value == c else 0.0 for c in self.choices]
@@ -140,6 +135,10 @@ class ScheduleBandit:
     def random_values(self, rng: np.random.Generator) -> dict:
         return {name: dim.draw(rng) for name, dim in self.space.items()}
 
+    def random_draw(self, draw: int) -> dict:
+        """Values drawn uniformly from the space, seeded by ``draw`` (a learning run's number: public)."""
+        return self.random_values(np.random.default_rng([self.seed, draw]))
+
     def observe(self, epsilon: float, values: dict, loss: float) -> None:
         if not math.isfinite(loss):
             raise ValueError(f"a bandit loss must be finite, got {loss}")
@@ -184,7 +183,7 @@ class ScheduleBandit:
         chol = cho_factor(_matern52(x, x, lengths, signal) + (noise + 1e-8) * np.eye(len(x)), lower=True)
         return x, chol, cho_solve(chol, z), lengths, signal, (mean, sd)
 
-    def _candidates(self, epsilon: float, draw: int) -> list[dict]:
+    def _candidates(self, draw: int) -> list[dict]:
         rng = np.random.default_rng([self.seed, draw])
         tried = [o.values for o in self.observations]
         return tried + [self.random_values(rng) for _ in range(self.candidates)]
@@ -201,8 +200,8 @@ class ScheduleBandit:
         """Thompson sampling: the candidate that one joint posterior draw at ``epsilon`` ranks best (random
         values before any observation). ``draw`` seeds the candidates and the draw (public randomness)."""
         if not self.observations:
-            return self.random_values(np.random.default_rng([self.seed, draw]))
-        arms = self._candidates(epsilon, draw)
+            return self.random_draw(draw)
+        arms = self._candidates(draw)
         mu, cov = self._posterior(epsilon, arms)
         cov = 0.5 * (cov + cov.T)
         jitter = 1e-8 * max(float(np.mean(np.diag(cov))), 1e-12)
@@ -221,7 +220,7 @@ class ScheduleBandit:
         """The run's values: the candidate (or tried arm) with the lowest posterior mean loss at ``epsilon``."""
         if not self.observations:
             raise ValueError("the bandit has no observations to decide from")
-        arms = self._candidates(epsilon, draw=DECISION_DRAW)
+        arms = self._candidates(DECISION_DRAW)
         mu, _ = self._posterior(epsilon, arms)
         return dict(arms[int(np.argmin(mu))])
 

@@ -59,12 +59,7 @@ class BanditSearch(Searcher):
         cell, draw = self.plan[self.issued], self.issued
         self.issued += 1
         epsilon = float(cell["epsilon"])
-        if draw < self.startup:
-            import numpy as np  # (only here: the random start)
-
-            values = self.bandit.random_values(np.random.default_rng([self.bandit.seed, draw]))
-        else:
-            values = self.bandit.suggest(epsilon, draw)
+        values = self.bandit.random_draw(draw) if draw < self.startup else self.bandit.suggest(epsilon, draw)
         self.pending[trial_id] = (epsilon, values)
         return {"search_cell": cell, "search": values}
 
