@@ -10,7 +10,6 @@ divided by the expected batch size) over sequences.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def token_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor):
@@ -19,12 +18,14 @@ def token_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: tor
     Returns ``(nll, mask)``, both of shape ``[batch, seq_len - 1]``: position ``t`` scores the
     prediction of token ``t + 1`` and counts only when that token is not padding.
     """
-    shift_logits = logits[:, :-1, :].float()
+    # cross-entropy as its two parts, the log-softmax over the whole (contiguous) logits and a gather of the shifted
+    # targets: F.cross_entropy of the shifted slice copies it first (issue 28). The same kernels on the same rows:
+    # the NLL and its gradient equal cross_entropy's to the last bit (tests/test_throughput.py); the last
+    # position's row, which predicts nothing, gets a zero gradient either way
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
     targets = input_ids[:, 1:]
-    mask = attention_mask[:, 1:].to(shift_logits.dtype)
-    nll = F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)), targets.reshape(-1), reduction="none"
-    ).view_as(targets)
+    mask = attention_mask[:, 1:].to(log_probs.dtype)
+    nll = -log_probs[:, :-1].gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return nll * mask, mask
 
 

@@ -42,6 +42,7 @@ from raydp.errors import ConfigError, DataError
 from raydp.model import LoraSettings, disable_dropout, load_model
 from raydp.model.batches import TokenizedSplit
 from raydp.model.loading import check_model_name
+from raydp.runner.allocator import keep_freed_memory
 from raydp.runner.gradients import NonPrivateGradient
 from raydp.runner.loop import OptimizerSettings, Trainer
 from raydp.runner.output import staged_output
@@ -223,6 +224,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
     trials itself, before they start)."""
     started = time.perf_counter()
     check_model_name(config.model)  # fail on a bad model before building anything
+    keep_freed_memory()  # every step reuses the last step's pages (raydp.runner.allocator; nothing computed changes)
     if config.is_controlled and client is None:
         raise ConfigError(f"a {config.strategy} run needs a policy client; start it with raydp.runner.launch.train")
     with staged_output(output, overwrite=overwrite) as staging:
