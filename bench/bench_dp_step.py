@@ -271,6 +271,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    from raydp.runner.allocator import keep_freed_memory
+
+    keep_freed_memory()  # as a run does (raydp.runner.run.run_training); RAYDP_KEEP_FREED_MEMORY=0 turns it off
 
     rows = measure(args)
     if args.json:
