@@ -736,3 +736,18 @@ def test_a_public_dataset_built_for_a_study_is_reused_by_its_resume(tmp_path):
     assert resolve_dataset(data, tmp_path / "dataset", progress=False) == first  # the resume finds it as built
     with pytest.raises(Exception, match="other data settings"):  # a leftover of other settings is still refused
         resolve_dataset(DataConfig(source="public", n_records=300, seed=1), tmp_path / "dataset", progress=False)
+
+
+def test_value_spans_column_matches_a_nested_list_of_pairs():
+    """The spans column is built from flat arrays (issue 28); it equals pyarrow's conversion of the nested Python
+    lists it replaced, empty texts and an empty split included."""
+    import pyarrow as pa
+
+    from raydp.data.splits import _spans_array
+
+    def nested(spans):
+        return pa.array([[[int(a), int(b)] for a, b in sp] for sp in spans], type=pa.list_(pa.list_(pa.int32(), 2)))
+
+    spans = [[(0, 4), (9, 12)], [], [(3, 3)], [(7, 100), (120, 121), (130, 2_000_000)]]
+    assert _spans_array(spans).equals(nested(spans))
+    assert _spans_array([]).equals(nested([])) and _spans_array([[]]).equals(nested([[]]))
