@@ -4,8 +4,10 @@ Prints, from one process:
   * a profile of one DP run (static-pairwise, epsilon 2, the embedded default) by phase, as shares of the run's wall
     time: data (build, verbalise, tokenise), model (build or load), forward, backward, per-sample norms and
     clipping, noise, optimizer, evaluation on each split, accounting and the guard, the rest;
-  * the wall time of ``--runs`` runs of each configuration in ``--configs`` (interleaved), their median, and
-    episodes per CPU-hour (one CPU per run, as a study gives each trial);
+  * the wall time of ``--runs`` runs of each configuration in ``--configs`` (interleaved, each run in a fresh
+    subprocess so that every configuration starts with cold caches), their median, and episodes per CPU-hour (one CPU
+    per run, as a study gives each trial); ``default-memory-returned`` is the default without
+    :mod:`raydp.runner.allocator`;
   * the DP / non-private step time ratio on the default.
 
 Times are CPU times on this machine (2 cores here, shared with whatever else runs); compare configurations
@@ -61,7 +63,13 @@ CONFIGS = {
     # the word-level tokenizer (~340 tokens per narrative) with the old cadence: the benchmark default as run before
     # the clause tokenizer (issue 28's "today")
     "words-eval-7": {"model": "embedded-words", "eval_every": 250},
+    # the default with glibc's own allocator settings (raydp.runner.allocator turned off): the allocator's share
+    "default-memory-returned": {},
 }
+#: environment a configuration's subprocess runs with
+CONFIG_ENV = {"default-memory-returned": {"RAYDP_KEEP_FREED_MEMORY": "0"}}
+#: the directory holding this checkout's raydp package
+HERE = Path(__file__).resolve().parents[1]
 
 
 def config(name: str, strategy: str = "static-pairwise", **extra):
@@ -97,10 +105,12 @@ def timed(cfg, out: Path) -> float:
 
 
 def timed_elsewhere(name: str, package: str, threads: int) -> float:
-    """One run of ``name`` with the raydp package in the directory ``package`` (another commit), in a subprocess."""
+    """One run of ``name`` with the raydp package in the directory ``package`` (this checkout or another commit's), in
+    a fresh subprocess: every configuration pays the same imports and cold caches."""
     path = os.pathsep.join(p for p in (os.path.abspath(package), os.environ.get("PYTHONPATH")) if p)
     result = subprocess.run([sys.executable, os.path.abspath(__file__), "--time-one", name, "--threads", str(threads)],
-                            env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, check=True)
+                            env={**os.environ, **CONFIG_ENV.get(name, {}), "PYTHONPATH": path}, capture_output=True,
+                            text=True, check=True)
     return float(result.stdout.strip().splitlines()[-1])
 
 
@@ -133,8 +143,7 @@ def main() -> None:
     for _ in range(args.runs):
         for name in names:  # interleaved: fair under drifting load
             config_name, _, package = name.partition("@")
-            walls[name].append(timed_elsewhere(config_name, package, args.threads) if package
-                               else timed(config(config_name), root / config_name))
+            walls[name].append(timed_elsewhere(config_name, package or str(HERE), args.threads))
     base = statistics.median(walls[names[0]])
     print(f"\nwall per run, median of {args.runs} (episodes per CPU-hour at {args.threads} CPU per run):")
     for name in names:

@@ -117,8 +117,9 @@ def test_the_loaded_model_keeps_no_key_value_cache_unless_asked(raydp_cache):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_token_nll_is_cross_entropy_of_the_shifted_logits_to_the_last_bit(dtype):
     """:func:`token_nll` takes the log-softmax of the whole logits and gathers the shifted targets (no copy of the
-    shifted slice); its NLL and the gradient it sends back equal ``F.cross_entropy`` of the shifted slice, the
-    computation it replaced, bit for bit, padded positions and the last (unscored) position included."""
+    shifted slice); its NLL and the gradient it sends back have the values of ``F.cross_entropy`` of the shifted
+    slice, the computation it replaced (``torch.equal``: a zero's sign aside), padded positions and the last
+    (unscored) position included."""
     import torch.nn.functional as F
 
     from raydp.model.loss import per_sequence_nll, token_nll

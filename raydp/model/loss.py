@@ -20,8 +20,9 @@ def token_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: tor
     """
     # cross-entropy as its two parts, the log-softmax over the whole (contiguous) logits and a gather of the shifted
     # targets: F.cross_entropy of the shifted slice copies it first (issue 28). The same kernels on the same rows:
-    # the NLL and its gradient equal cross_entropy's to the last bit (tests/test_throughput.py); the last
-    # position's row, which predicts nothing, gets a zero gradient either way
+    # the NLL and its gradient have cross_entropy's values (tests/test_throughput.py; a masked position's zero
+    # gradient may now be +0.0 where it was -0.0). The last position's row, which predicts nothing, gets a zero
+    # gradient (NaN if its logits hold an infinity, as a padded position's always did; it stays in that record)
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     targets = input_ids[:, 1:]
     mask = attention_mask[:, 1:].to(log_probs.dtype)
