@@ -751,3 +751,5 @@ def test_value_spans_column_matches_a_nested_list_of_pairs():
     spans = [[(0, 4), (9, 12)], [], [(3, 3)], [(7, 100), (120, 121), (130, 2_000_000)]]
     assert _spans_array(spans).equals(nested(spans))
     assert _spans_array([]).equals(nested([])) and _spans_array([[]]).equals(nested([[]]))
+    with pytest.raises(ValueError):  # a span that is not a pair is refused, as the nested conversion refused it
+        _spans_array([[(0, 4, 9)]])

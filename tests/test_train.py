@@ -58,6 +58,10 @@ def test_embedded_model_is_cached_and_deterministic(raydp_cache, tmp_path):
 
 def test_evaluation_schedule_every_48_and_epoch_ends():
     assert evaluation_steps(200, 90.0, 48) == {48, 90, 96, 144, 180, 192, 200}
+    # an epoch ends at the first step by which its batches are drawn: 3 epochs of 234.07 steps end at 235, 469 and
+    # 703 (the last step: evaluated once, not at 702 and 703)
+    assert evaluation_steps(703, 234.07, 0) == {235, 469, 703}
+    assert evaluation_steps(993, 331.0, 0) == {331, 662, 993}
 
 
 def test_the_loop_stops_cleanly_on_the_gradient_computations_stop_reason(tiny_tokenizer_dir, capsys):

@@ -260,7 +260,7 @@ def _spans_array(spans: list[list[tuple[int, int]]]) -> pa.Array:
     """Each text's spans as a ``list<fixed_size_list<int32, 2>>`` column, built from flat arrays (a nested list of
     Python ints took about a quarter of building the benchmark default's dataset)."""
     counts = np.fromiter((len(sp) for sp in spans), dtype=np.int64, count=len(spans))
-    flat = np.fromiter((v for sp in spans for pair in sp for v in pair), dtype=np.int64, count=2 * int(counts.sum()))
+    flat = np.fromiter((v for sp in spans for a, b in sp for v in (a, b)), dtype=np.int64, count=2 * int(counts.sum()))
     if flat.size and (flat.min() < np.iinfo(np.int32).min or flat.max() > np.iinfo(np.int32).max):
         raise DataError("a value span's offset does not fit in 32 bits")
     offsets = pa.array(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32), type=pa.int32())
