@@ -152,10 +152,10 @@ def main() -> None:
               f"{med / base:5.2f}x of {names[0]}")
 
     base = names[0].split("@")[0]
+    from raydp.runner.run import run_training
+
     loops = {}
     for strategy in ("static-pairwise", "nonprivate"):  # not under cProfile, which slows Python-heavy code more
-        from raydp.runner.run import run_training
-
         summary = run_training(config(base, strategy=strategy, max_steps=100, eval_every=100_000),
                                root / strategy, overwrite=True, progress=False)
         loops[strategy] = summary["train_loop_seconds"] / summary["steps"]

@@ -113,7 +113,6 @@ def test_the_loaded_model_keeps_no_key_value_cache_unless_asked(raydp_cache):
         assert loaded.model(input_ids=ids, use_cache=True).past_key_values is not None
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_token_nll_is_cross_entropy_of_the_shifted_logits_to_the_last_bit(dtype):
     """:func:`token_nll` takes the log-softmax of the whole logits and gathers the shifted targets (no copy of the

@@ -4,9 +4,10 @@ A CPU training step allocates and frees the same large tensors every step (the l
 gradient: about 8 MiB each on the benchmark default). glibc's dynamic mmap threshold soon serves them from the heap,
 but when they are freed the top of the heap is trimmed (returned with ``brk``), so every step faults the same pages
 in again and the kernel zeroes them: on this project's 2-core CPU machine about 250,000 minor page faults in 30 DP
-steps against about 70,000 with this setting (``strace -c``, in the review of this change). That made a run's
-training loop 1.15-1.2x and one fixed-batch step about 1.4x slower (docs/throughput.md). Raising both thresholds
-(``mallopt(3)``: ``M_MMAP_THRESHOLD``, ``M_TRIM_THRESHOLD``) keeps the pages for reuse. Nothing computed changes:
+steps against about 70,000 with this setting (counted in the review of this change; ``strace -c`` showed the same
+number of ``mmap`` calls either way). That made a run's training loop 1.15-1.2x and one fixed-batch step about 1.4x
+slower (docs/throughput.md). Raising both thresholds (``mallopt(3)``: ``M_MMAP_THRESHOLD``, ``M_TRIM_THRESHOLD``)
+keeps the pages for reuse. Nothing computed changes:
 only where the memory comes from (a run with and without it gives the same figures, tests/test_throughput.py).
 The process keeps up to its peak heap, which a training process reaches on its first steps anyway.
 
