@@ -18,8 +18,9 @@ not utility) on random tokens of ``--length``. On CUDA the frozen base is bf16 a
 ``--compare-with DIR`` also runs this bench with the raydp package found in DIR (for example an older
 commit: ``git archive REV raydp | tar -x -C DIR``) in a subprocess, and prints both side by side.
 
-Off the CPU the DP step computes each record alone, replayed from a CUDA graph of one record on CUDA
-(:class:`raydp.privacy.clipping.RecordGraph`, ERRATA E17); Opacus's flat step still computes its batch in one pass.
+Off the CPU the DP step computes records in passes of a fixed shape, on CUDA a graph of ``RECORD_SLOTS`` rows with each
+record in a random slot (:class:`raydp.privacy.clipping.RecordGraph`, ERRATA E17); ``--slots 1,16`` also times other
+slot counts (1: one record per pass). Opacus's flat step still computes its batch in one pass.
 ``--profile MODEL`` prints torch.profiler's
 tables (host time, and device time on CUDA) to stderr.
 
@@ -61,6 +62,27 @@ def interleaved_medians(fns: dict, rounds: int, warmup: int = 3, sync=lambda: No
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def config_base(model_name: str, device: torch.device):
+    """(base model, model type, vocabulary) of a shape built from config with random weights: GPT-2 small's or Llama
+    3.2 1B's; on CUDA the base is bf16, as ``load_model`` loads it (LoRA stays fp32)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    with torch.device(device):
+        if model_name == "gpt2-small-config":
+            base = GPT2LMHeadModel(GPT2Config(vocab_size=50_257, n_positions=1024, n_embd=768, n_layer=12, n_head=12))
+            model_type, vocab = "gpt2", 50_257
+        elif model_name == "llama-1b-config":
+            base = LlamaForCausalLM(LlamaConfig(
+                vocab_size=128_256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048, tie_word_embeddings=True))
+            model_type, vocab = "llama", 128_256
+        else:
+            raise ValueError(f"unknown config-built model {model_name!r}; one of {CONFIG_MODELS}")
+    if torch.device(device).type == "cuda" and torch.cuda.is_bf16_supported():
+        base = base.to(torch.bfloat16)
+    return base, model_type, vocab
+
+
 def build(model_name: str, texts: list[str], batch_size: int, length: int):
     """(loaded model, batch): an embedded model on its narratives, or a config-built shape on random tokens."""
     from raydp.model import disable_dropout, load_model
@@ -71,22 +93,8 @@ def build(model_name: str, texts: list[str], batch_size: int, length: int):
     torch.manual_seed(0)
     loaded = load_model("embedded" if model_name in CONFIG_MODELS else model_name, device="auto", progress=False)
     if model_name in CONFIG_MODELS:
-        from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
         device = loaded.device
-        with torch.device(device):
-            if model_name == "gpt2-small-config":
-                base = GPT2LMHeadModel(GPT2Config(vocab_size=50_257, n_positions=1024, n_embd=768, n_layer=12,
-                                                  n_head=12))
-                model_type, vocab = "gpt2", 50_257
-            else:
-                base = LlamaForCausalLM(LlamaConfig(
-                    vocab_size=128_256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
-                    tie_word_embeddings=True))
-                model_type, vocab = "llama", 128_256
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            base = base.to(torch.bfloat16)  # as load_model: bf16 base, fp32 LoRA
+        base, model_type, vocab = config_base(model_name, device)
         loaded.model = apply_lora(base, model_type, LoraSettings())
         loaded.model.to(device)
         loaded.pairs = discover_adapter_pairs(loaded.model)
@@ -101,9 +109,11 @@ def build(model_name: str, texts: list[str], batch_size: int, length: int):
     return loaded, batch
 
 
-def static_dp_step(loaded, batch_size: int):
+def static_dp_step(loaded, batch_size: int, slots: int | None = None):
     """Our pairwise DP step with static clips (0.1) and the PLD-calibrated sigma of epsilon 8 over 3,600 steps at
-    q = batch / 20,000; the guard is consulted once (constant sigma)."""
+    q = batch / 20,000; the guard is consulted once (constant sigma). ``slots``: rows of a slotted CUDA pass
+    (None: the default, ``RECORD_SLOTS``; 1: one record per pass)."""
+    from raydp.privacy.clipping import RECORD_SLOTS, PerSampleGradientComputer
     from raydp.privacy import BudgetGuard, PrivacyLedger, calibrate_sigma
     from raydp.privacy.engine import DPStep
     from raydp.strategies.base import StrategyContext
@@ -117,8 +127,9 @@ def static_dp_step(loaded, batch_size: int):
                                    epsilon, 1e-5))
     ledger = PrivacyLedger(delta=1e-5, epsilon_target=epsilon)
     guard = BudgetGuard("pld", epsilon_target=epsilon, delta=1e-5, planned_steps=planned, q=q)
+    gradients = PerSampleGradientComputer(loaded.model, loaded.pairs, slots=slots or RECORD_SLOTS)
     return DPStep(loaded.model, loaded.pairs, strategy, ledger, guard, q=q, expected_batch_size=batch_size,
-                  planned_steps=planned + 10_000, device=loaded.device)
+                  planned_steps=planned + 10_000, device=loaded.device, gradients=gradients)
 
 
 def bench_model(model_name: str, texts: list[str], args) -> dict:
@@ -162,6 +173,18 @@ def bench_model(model_name: str, texts: list[str], args) -> dict:
         noise_multiplier=sigma_0, max_grad_norm=1.0, expected_batch_size=args.batch,
     )
 
+    extra = {}  # other slot counts (--slots): a DP step each, on a model of its own
+    for slots in [int(v) for v in args.slots.split(",") if v.strip()]:
+        s_loaded, s_batch, s_optimizer = fresh()
+        s_dp = static_dp_step(s_loaded, args.batch, slots)
+
+        def slotted_step(s_loaded=s_loaded, s_batch=s_batch, s_optimizer=s_optimizer, s_dp=s_dp):
+            s_dp.compute(s_loaded.model, s_batch)
+            s_optimizer.step()
+            s_optimizer.zero_grad(set_to_none=True)
+            s_dp.after_update(s_loaded.model)
+        extra[f"dp_s{slots}"] = (slotted_step, s_dp)
+
     def opacus_step():
         logits = module(input_ids=opacus_batch.input_ids, attention_mask=opacus_batch.attention_mask).logits
         per_sequence_nll(logits, opacus_batch.input_ids, opacus_batch.attention_mask).sum().backward()
@@ -174,11 +197,15 @@ def bench_model(model_name: str, texts: list[str], args) -> dict:
         profile_steps({"non-private": nonprivate_step, "pairwise DP": dp_step, "Opacus flat": opacus_step}, sync)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    medians = interleaved_medians({"plain": nonprivate_step, "dp": dp_step, "opacus": opacus_step}, args.steps,
-                                  sync=sync)
+    medians = interleaved_medians({"plain": nonprivate_step, "dp": dp_step, "opacus": opacus_step,
+                                   **{name: fn for name, (fn, _) in extra.items()}}, args.steps, sync=sync)
     out = {"model": model_name, "pairs": n_pairs, "batch": args.batch, "device": str(dp_loaded.device),
            "device_name": torch.cuda.get_device_name() if cuda else "cpu", "threads": torch.get_num_threads(),
-           "tokens": int(dp_batch.input_ids.shape[1]), "sigma_0": sigma_0, **{f"ms_{k}": 1e3 * v for k, v in medians.items()}}
+           "tokens": int(dp_batch.input_ids.shape[1]), "sigma_0": sigma_0,
+           **{f"ms_{k}": 1e3 * v for k, v in medians.items()},
+           # slots in use after the first capture: 1 where the pass's rows moved each other (the check fell back)
+           "slots_dp": dp.per_sample.slots,
+           **{f"slots_{name}": step.per_sample.slots for name, (_, step) in extra.items()}}
     if cuda:
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
@@ -267,6 +294,8 @@ def main() -> None:
     parser.add_argument("--compare-with", default=None, help="a directory holding another raydp package to time too")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON line (no table)")
     parser.add_argument("--no-accounting", action="store_true")
+    parser.add_argument("--slots", default="", help="other slot counts of the CUDA pass to time as DP steps of their "
+                        "own (comma-separated; 1: one record per pass)")
     parser.add_argument("--profile", default=None, help="a model of --models to profile (torch.profiler, to stderr)")
     args = parser.parse_args()
     if args.threads:
@@ -292,6 +321,7 @@ def main() -> None:
         other = {r["model"]: r for r in json.loads(result.stdout.strip().splitlines()[-1])}
     for row in rows:
         print(f"model={row['model']} pairs={row['pairs']} batch={row['batch']} tokens={row['tokens']} "
+              f"slots={row['slots_dp']} "
               f"device={row['device_name']} threads={row['threads']}"
               + (f" peak={row['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in row else ""))
         columns = [("this code", row)] + ([("--compare-with", other[row["model"]])] if other else [])
@@ -299,6 +329,11 @@ def main() -> None:
         for key, label in (("ms_plain", "non-private LoRA step (ms)"), ("ms_dp", "pairwise DP step (ms)"),
                            ("ms_opacus", "Opacus flat DP step (ms)")):
             print(f"  {label:<28}" + "".join(f"{r[key]:16.2f}" for _, r in columns))
+        for key in sorted(k for k in row if k.startswith("ms_dp_s")):
+            name = key[3:]
+            print(f"  {'DP step, ' + str(row['slots_' + name]) + ' slots (ms)':<28}{row[key]:16.2f}"
+                  f"   DP / non-private {row[key] / row['ms_plain']:.3f}, "
+                  f"DP / Opacus {row[key] / row['ms_opacus']:.3f}")
         print(f"  {'ratio DP / non-private':<28}" + "".join(f"{r['ms_dp'] / r['ms_plain']:16.3f}" for _, r in columns)
               + "   (target <= 1.05)")
         print(f"  {'ratio DP / Opacus flat':<28}" + "".join(f"{r['ms_dp'] / r['ms_opacus']:16.3f}" for _, r in columns)

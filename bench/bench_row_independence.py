@@ -13,9 +13,14 @@ fp32 LoRA, as in a run). Three ways to compute a batch (``--modes``):
   so every matrix has the same shape;
 * ``isolated``: each record in a pass of its own with deterministic kernels, eagerly (what a DP run does off the
   CPU where no CUDA graph can be used: :func:`raydp.privacy.clipping.isolates_records`);
-* ``graphed`` (CUDA only): the same pass captured once in a CUDA graph and replayed per record (what a DP run of a
-  decoder does on CUDA: :class:`raydp.privacy.clipping.RecordGraph`); its extra case ``vs isolated`` compares it
-  with the eager isolated rows.
+* ``graphed`` (CUDA only): the same pass captured once in a CUDA graph and replayed per record (a DP run of a
+  decoder on CUDA with ``slots=1``: :class:`raydp.privacy.clipping.RecordGraph`); its extra case ``vs isolated``
+  compares it with the eager isolated rows;
+* ``slotted`` (CUDA only): a CUDA graph of a pass of ``--slots`` rows with deterministic kernels, each record in a
+  slot of its own drawn once per record (what a DP run of a decoder does on CUDA by default); records that share a
+  slot go to different passes. A record keeps its slot in every case below, so a change is the other records'
+  doing; ``vs isolated`` gives how far the slotted rows are from the records computed alone (rounding, not
+  privacy).
 
 and, for each, the situations a Poisson batch meets:
 
@@ -44,12 +49,13 @@ import time
 
 import torch
 
-CONFIG_MODELS = ("gpt2-small-config",)
+CONFIG_MODELS = ("gpt2-small-config", "llama-1b-config")
 
 
 def build(model_name: str, texts: list[str], n_rows: int, width: int, base_dtype: str):
     """(model, pairs, input_ids [n_rows, width], attention_mask): the embedded model on its narratives padded to
-    ``width``, or GPT-2 small's shape from config on random tokens of random lengths (right padding)."""
+    ``width``, or GPT-2 small's or Llama 3.2 1B's shape from config on random tokens of random lengths (right
+    padding)."""
     from raydp.model import disable_dropout, load_model
     from raydp.model.adapters import discover_adapter_pairs
     from raydp.model.batches import TokenizedSplit
@@ -59,16 +65,13 @@ def build(model_name: str, texts: list[str], n_rows: int, width: int, base_dtype
     loaded = load_model("embedded", device="auto", progress=False)
     device = loaded.device
     if model_name in CONFIG_MODELS:
-        from transformers import GPT2Config, GPT2LMHeadModel
+        from bench_dp_step import config_base  # this directory's DP-step bench: the same shapes
 
-        with torch.device(device):
-            base = GPT2LMHeadModel(GPT2Config(vocab_size=50_257, n_positions=1024, n_embd=768, n_layer=12, n_head=12))
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            base = base.to(torch.bfloat16)  # as load_model: bf16 base, fp32 LoRA
-        loaded.model = apply_lora(base, "gpt2", LoraSettings()).to(device)
+        base, model_type, vocab = config_base(model_name, device)
+        loaded.model = apply_lora(base, model_type, LoraSettings()).to(device)
         loaded.pairs = discover_adapter_pairs(loaded.model)
         generator = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, 50_257, (n_rows, width), generator=generator)
+        ids = torch.randint(0, vocab, (n_rows, width), generator=generator)
         lengths = torch.randint(width // 2, width + 1, (n_rows,), generator=generator)
         mask = (torch.arange(width)[None, :] < lengths[:, None]).long()
         ids = torch.where(mask.bool(), ids, torch.zeros_like(ids))
@@ -89,12 +92,18 @@ def build(model_name: str, texts: list[str], n_rows: int, width: int, base_dtype
     return loaded.model, loaded.pairs, ids, mask
 
 
-def per_sample(computers: dict, ids, mask, mode: str, chunk: int) -> torch.Tensor:
+def per_sample(computers: dict, ids, mask, mode: str, chunk: int, records=None) -> torch.Tensor:
     """Per-sample gradients [rows, D] in float64: ``batch`` (the batch's natural shape), ``chunked`` (fixed chunks of
     ``chunk`` rows, the last one filled with empty rows: one token, no target, loss 0, dropped afterwards) or
     ``isolated`` (each record alone with deterministic kernels, eagerly) or ``graphed`` (the same, replayed from a
     CUDA graph: what a DP run of a decoder does on CUDA)."""
     computer = computers["isolated"]
+    if mode == "slotted":
+        slotted = computers["slotted"]
+        graph = slotted._record_graph(ids, None)
+        if graph.rows == 1:  # the capture's check found rows that move each other: records alone
+            return slotted.compute(ids, mask).flat.double()
+        return graph.run(ids, mask, computers["slot_of"][list(records)]).flat.double()
     if mode == "graphed":
         return computers["graphed"].compute(ids, mask).flat.double()
     if mode == "isolated":
@@ -136,32 +145,42 @@ def measure(model_name: str, texts: list[str], args, base_dtype: str) -> list[di
     sync = torch.cuda.synchronize if ids.device.type == "cuda" else (lambda: None)
     computers = {"isolated": PerSampleGradientComputer(model, pairs, isolate=True, graphs=False)}
     modes = args.modes.split(",")
+    for name in ("graphed", "slotted"):
+        if name in modes and ids.device.type != "cuda":
+            modes.remove(name)
     if "graphed" in modes:
-        if ids.device.type != "cuda":
-            modes.remove("graphed")
-        else:
-            computers["graphed"] = PerSampleGradientComputer(model, pairs, isolate=True)  # what a run uses on CUDA
+        computers["graphed"] = PerSampleGradientComputer(model, pairs, isolate=True, slots=1)
+    if "slotted" in modes:
+        import numpy as np
+
+        computers["slotted"] = PerSampleGradientComputer(model, pairs, isolate=True, slots=args.slots)  # a run's
+        computers["slot_of"] = np.random.default_rng(2).integers(0, args.slots, size=n_rows)  # one slot per record
     extra = n_rows - 1  # the inserted record: never among the B shared ones
     rows = []
     for mode in modes:
         for b in sizes:
             shared = list(range(b))
-            per_sample(computers, ids[shared], mask[shared], mode, args.chunk)  # warm-up
+            def rows_of(records, how=mode):
+                return per_sample(computers, ids[records], mask[records], how, args.chunk, records)
+
+            rows_of(shared)  # warm-up
             sync()
             started = time.perf_counter()
-            base = per_sample(computers, ids[shared], mask[shared], mode, args.chunk)
+            base = rows_of(shared)
             sync()
             elapsed_ms = 1e3 * (time.perf_counter() - started)
             cases = {
-                "insert front": per_sample(computers, ids[[extra] + shared], mask[[extra] + shared], mode, args.chunk)[1:],
-                "insert back": per_sample(computers, ids[shared + [extra]], mask[shared + [extra]], mode, args.chunk)[:-1],
-                "repeat": per_sample(computers, ids[shared], mask[shared], mode, args.chunk),
-                "reversed": per_sample(computers, ids[shared[::-1]], mask[shared[::-1]], mode, args.chunk).flip(0),
+                "insert front": rows_of([extra] + shared)[1:],
+                "insert back": rows_of(shared + [extra])[:-1],
+                "repeat": rows_of(shared),
+                "reversed": rows_of(shared[::-1]).flip(0),
             }
             if mode == "graphed" and not computers["graphed"]._graphs:
                 print(f"graphed mode on {model_name}: the capture failed and the records ran eagerly")
-            if mode == "graphed":
-                cases["vs isolated"] = per_sample(computers, ids[shared], mask[shared], "isolated", args.chunk)
+            if mode == "slotted" and computers["slotted"].slots == 1:
+                print(f"slotted mode on {model_name}: the capture's check fell back to one record per pass")
+            if mode in ("graphed", "slotted"):
+                cases["vs isolated"] = rows_of(shared, "isolated")
             if mode == "batch":  # control: the batch at its natural width, as before the fixed width
                 natural = int(mask[shared].sum(1).max())
                 cases[f"width {natural}"] = per_sample(computers, ids[shared, :natural], mask[shared, :natural], mode,
@@ -170,7 +189,7 @@ def measure(model_name: str, texts: list[str], args, base_dtype: str) -> list[di
                 rows.append({"mode": mode, "case": case, "B": b, "ms": elapsed_ms, **compare(base, other)})
     device = next(model.parameters()).device
     for row in rows:
-        row.update(model=model_name, base=base_dtype, width=width, chunk=args.chunk,
+        row.update(model=model_name, base=base_dtype, width=width, chunk=args.chunk, slots=args.slots,
                    device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
     return rows
 
@@ -180,6 +199,8 @@ def main() -> None:
     parser.add_argument("--models", default="embedded")
     parser.add_argument("--sizes", default="8,16,17,32,64", help="batch sizes B (records shared by both batches)")
     parser.add_argument("--chunk", type=int, default=32, help="rows per fixed chunk in the chunked cases")
+    parser.add_argument("--slots", type=int, default=8,
+                        help="rows of a slotted pass (slotted mode; a run's default: RECORD_SLOTS)")
     parser.add_argument("--length", type=int, default=128, help="tokens per sequence of the config-built model")
     parser.add_argument("--fp32-base", action="store_true", help="also with fp32 base weights (a GPU run loads bf16)")
     parser.add_argument("--json", default=None, help="also write every row to this JSON file")

@@ -609,3 +609,15 @@ def test_pair_norms_by_views_keep_a_run_bit_identical(monkeypatch):
     monkeypatch.setattr(PairLayout, "segment_norms", _index_add_norms)
     before = run()
     assert all(torch.equal(a, b) for a, b in zip(now, before))
+
+
+def test_the_step_draws_the_slots_of_a_slotted_pass_from_the_runs_secret_randomness():
+    """A slotted GPU pass puts each record in a slot drawn at random (raydp.privacy.clipping.RecordGraph); the DP
+    step hands its per-sample source the run's own stream for them (replayed with an unsafe fixed seed; fresh and
+    apart from the noise's stream: tests/test_record_isolation.py)."""
+    a = _pairwise_step(_PairwiseWith(0.1))[1]
+    b = _pairwise_step(_PairwiseWith(0.1))[1]
+    draws = [step.per_sample._draw_slots(64, 8) for step in (a, b)]
+    assert a.per_sample._slot_rng is not None and (draws[0] == draws[1]).all()  # unsafe seed 3 in both
+    expected = PrivateRandomness.unsafe_from_seed(3).slot_rng().integers(0, 8, size=64)
+    assert (draws[0] == expected).all()

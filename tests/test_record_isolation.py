@@ -192,3 +192,100 @@ def test_a_record_graph_is_captured_again_when_a_parameter_moves(model_and_split
         loaded.pairs[0].a.data = saved
     finally:
         computer.remove()
+
+
+def test_slot_passes_put_each_record_in_one_pass_and_each_slot_once_per_pass():
+    import numpy as np
+
+    from raydp.privacy.clipping import slot_passes
+
+    rng = np.random.default_rng(3)
+    for n, rows in ((1, 4), (16, 16), (40, 8), (7, 1)):
+        slots = rng.integers(0, rows, size=n)
+        passes = slot_passes(slots)
+        records = np.concatenate([r for r, _ in passes])
+        assert sorted(records.tolist()) == list(range(n))  # every record once
+        assert len(passes) == int(np.bincount(slots).max())  # as many passes as the fullest slot's records
+        for k, (r, s) in enumerate(passes):
+            assert len(set(s.tolist())) == len(s) and np.array_equal(slots[r], s)  # a slot at most once per pass
+            for record, slot in zip(r, s):  # the k-th record (in batch order) that drew this slot
+                assert int(np.sum(slots[:record] == slot)) == k
+    assert slot_passes(np.zeros(0, dtype=np.int64)) == []
+
+
+def _in_place(mix: float = 0.0):
+    """A stand-in for a CUDA graph capture (CUDA graphs need a GPU): each replay runs the body again and rewrites the
+    captured outputs in place, as a replay does. ``mix`` > 0 makes a pass whose rows feel each other (each row moved
+    by ``mix`` times the rows' mean), as a kernel whose reduction crossed rows would."""
+    def capture(body, device):
+        out = body()
+
+        def replay():
+            fresh = body()
+            out.flat.copy_(fresh.flat + mix * fresh.flat.mean(0, keepdim=True) if mix else fresh.flat)
+            out.losses.copy_(fresh.losses)
+        return replay, out
+    return capture
+
+
+def test_a_slotted_pass_gives_each_record_its_own_gradient_whatever_its_neighbours(model_and_split):
+    """Records in slots of one [rows, width] pass: each record's gradient and loss come back in the batch's order,
+    equal to its gradient computed alone; and with its slot kept, a record's row is bit for bit the same whatever
+    else the batch holds (a record inserted in front, the order reversed), as the privacy argument needs."""
+    import numpy as np
+
+    from raydp.privacy.clipping import PerSampleGradientComputer, RecordGraph
+
+    loaded, split = model_and_split
+    computer = PerSampleGradientComputer(loaded.model, loaded.pairs, isolate=True, slots=4)
+    alone = PerSampleGradientComputer(loaded.model, loaded.pairs, isolate=True)
+    try:
+        graph = RecordGraph(computer, 64, torch.device("cpu"), capture=_in_place(), rows=4)
+        slot_of = {0: 2, 1: 2, 2: 0, 3: 2, 4: 1, 9: 3}  # three records in slot 2: three passes
+        records = [4, 0, 2, 1, 3]
+        ids, mask = _ids_mask(split, records)
+        got = graph.run(ids, mask, np.array([slot_of[r] for r in records]))
+        reference = alone.compute(ids, mask)
+        front = graph.run(*_ids_mask(split, [9] + records), np.array([slot_of[r] for r in [9] + records]))
+        back = graph.run(*_ids_mask(split, records[::-1]), np.array([slot_of[r] for r in records[::-1]]))
+        with pytest.raises(ValueError, match="slots"):
+            graph.run(ids, mask, np.array([0, 1, 2, 3, 4]))  # slot 4 of 4 rows
+    finally:
+        computer.remove()
+        alone.remove()
+    assert float((got.flat - reference.flat).norm(dim=1).max() / reference.flat.norm(dim=1).min()) < 1e-5
+    assert torch.allclose(got.losses, reference.losses, rtol=1e-5, atol=0)
+    assert len({tuple(row[:8].tolist()) for row in got.flat}) == 5
+    assert torch.equal(front.flat[1:], got.flat) and torch.equal(front.losses[1:], got.losses)
+    assert torch.equal(back.flat.flip(0), got.flat) and torch.equal(back.losses.flip(0), got.losses)
+
+
+def test_a_pass_whose_rows_move_each_other_is_replaced_by_records_alone(model_and_split):
+    """The capture's check (RecordGraph.rows_independent) passes a pass whose rows are independent and catches
+    one where a row's gradient moves with another's; the computer then replays one record per pass."""
+    from raydp.privacy.clipping import PerSampleGradientComputer
+
+    loaded, _ = model_and_split
+    vocab = loaded.model.config.vocab_size
+    computer = PerSampleGradientComputer(loaded.model, loaded.pairs, isolate=True, slots=4)
+
+    before = [pair.b.detach().clone() for pair in loaded.pairs]
+    try:
+        honest = computer._capture(32, torch.device("cpu"), capture=_in_place())
+        assert all(torch.equal(pair.b, b) for pair, b in zip(loaded.pairs, before))  # the check's B put back
+        assert honest.rows == 4 and honest.rows_independent(vocab) and computer.slots == 4
+        with pytest.warns(UserWarning, match="one row moved another"):
+            graph = computer._capture(32, torch.device("cpu"), capture=_in_place(mix=1e-3))
+    finally:
+        computer.remove()
+    assert graph.rows == 1 and computer.slots == 1
+
+
+def test_slots_come_from_the_runs_secret_randomness():
+    from raydp.privacy.randomness import PrivateRandomness
+
+    fixed = PrivateRandomness.unsafe_from_seed(5)
+    assert (fixed.slot_rng().integers(0, 16, 64) == fixed.slot_rng().integers(0, 16, 64)).all()  # replayable
+    fresh = [PrivateRandomness.fresh().slot_rng().integers(0, 2**62, 4).tolist() for _ in range(2)]
+    assert fresh[0] != fresh[1]
+    assert not (fixed.slot_rng().standard_normal(8) == fixed.noise("cpu").randn((8,), torch.float64).numpy()).all()

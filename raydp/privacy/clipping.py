@@ -18,6 +18,7 @@ per pair (issue 28), and nothing in it waits for the device.
 from __future__ import annotations
 
 import contextlib
+import secrets
 import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -157,8 +158,9 @@ def isolates_records(device: torch.device | str) -> bool:
     record's per-sample gradient at GPT-2 small's shape, by up to 1.3e-2 of its norm, and their clipped sum by up
     to 6.7e-2 C; with fp32 base weights by 3e-6 and 1.4e-5 C; in batches of a fixed shape a record's position
     still mattered. The matrix library chooses its kernels by shape and splits reductions by position. One record
-    alone, at the run's fixed width, with deterministic kernels, changed nothing
-    (``bench/bench_row_independence.py``; docs/privacy.md). On this project's 2-core CPU a fixed width was enough
+    alone, at the run's fixed width, with deterministic kernels, changed nothing, and neither did a record kept in
+    its slot of a fixed-shape pass whatever the other rows held (:class:`RecordGraph`;
+    ``bench/bench_row_independence.py``; docs/privacy.md). On this project's 2-core CPU a fixed width was enough
     (no row moved at batch sizes 1 to 256); an untested device is treated as a GPU."""
     return torch.device(device).type != "cpu"
 
@@ -240,13 +242,45 @@ def cuda_graph_capture(body, device: torch.device):
     return graph.replay, out
 
 
+#: Rows of one slotted pass on CUDA (:class:`RecordGraph` with ``rows > 1``): each record of a batch draws a slot
+#: among these at random, independently of the others, and records that drew the same slot go to different passes.
+#: Chosen on an NVIDIA H200 by ``bench/bench_dp_step.py --slots`` (docs/throughput.md).
+RECORD_SLOTS = 8
+
+
+def slot_passes(slots: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The passes of a slotted batch: pass k holds, for every slot, the k-th record (in batch order) that drew it.
+    Returns (record indices, their slots) per pass; there are as many passes as the fullest slot has records."""
+    slots = np.asarray(slots, dtype=np.int64)
+    if slots.size == 0:
+        return []
+    order = np.argsort(slots, kind="stable")
+    ordered = slots[order]
+    rank = np.empty_like(slots)
+    rank[order] = np.arange(slots.size) - np.searchsorted(ordered, ordered, side="left")  # k-th record of its slot
+    return [(np.flatnonzero(rank == k), slots[rank == k]) for k in range(int(rank.max()) + 1)]
+
+
 class RecordGraph:
-    """One record's forward and backward at a fixed width, with deterministic kernels, captured once and replayed
-    for every record of a batch: the record is copied into the graph's input buffers, the graph runs, its
-    per-sample gradient and loss are copied out. A replay runs the kernels chosen at capture on a [1, width]
-    record, so a record's contribution is a function of that record alone, as in the eager isolated pass, without
-    the host's time per kernel (on an H200 at GPT-2 small's shape, 16 records took 67 ms against 1,038 ms eagerly:
+    """A fixed-shape forward and backward of ``rows`` records at a fixed width, with deterministic kernels, captured
+    once and replayed for a whole batch.
+
+    ``rows == 1`` (records alone): each record is copied into the graph's input buffers, the graph runs, its
+    per-sample gradient and loss are copied out. A replay runs the kernels chosen at capture on a [1, width] record,
+    so a record's contribution is a function of that record alone, as in the eager isolated pass, without the
+    host's time per kernel (on an H200 at GPT-2 small's shape, 16 records took 67 ms against 1,038 ms eagerly:
     ``bench/bench_row_independence.py``).
+
+    ``rows > 1`` (slotted passes): each record sits in a slot of a [rows, width] pass, the slots drawn by the caller
+    independently for every record (:meth:`run`); records that drew the same slot go to different passes
+    (:func:`slot_passes`), and the empty slots of a pass hold an empty row (no token counted, loss 0). Every pass
+    runs the same captured kernels on the same shape. On a GPU a row's result depends on its position in a pass
+    (docs/privacy.md), so a record's contribution is a function of the record and its slot. It must not depend on
+    what the other rows hold: the capture checks that on made-up rows (:meth:`rows_independent`) and a pass whose
+    rows move each other is not used. Then adding or removing one record leaves every other record's slot
+    distribution, and so its contribution given its slot, unchanged: the clipped sum of a neighbouring batch
+    differs by that one record's contribution, norm <= C, for every draw of the slots (docs/privacy.md, "Slotted
+    passes").
 
     The model is called without the attention mask (transformers' mask builder reads the mask on the host, which a
     capture cannot do). That is exact for a causal decoder's right-padded record: a real token attends only to
@@ -254,15 +288,17 @@ class RecordGraph:
     attends both ways and is not graphed (:func:`attends_backwards_only` checks every model first). The
     parameters are read where they live at every replay: an optimizer that updates them in place (torch's do) is
     seen by the next replay, and a parameter whose storage moved makes the graph be captured again
-    (:meth:`current`). ``capture`` is
-    :func:`cuda_graph_capture` (a test passes one that calls the body again at every replay)."""
+    (:meth:`current`). ``capture`` is :func:`cuda_graph_capture` (a test passes one that calls the body again at
+    every replay)."""
 
     def __init__(self, computer: PerSampleGradientComputer, width: int, device: torch.device,
-                 capture=cuda_graph_capture):
+                 capture=cuda_graph_capture, rows: int = 1):
         self.model = computer.model
+        self.pairs = computer.pairs
+        self.rows = int(rows)
         self.storage = self._storage()
-        self.ids = torch.zeros((1, width), dtype=torch.long, device=device)
-        self.mask = torch.ones((1, width), dtype=torch.long, device=device)
+        self.ids = torch.zeros((self.rows, width), dtype=torch.long, device=device)
+        self.mask = torch.ones((self.rows, width), dtype=torch.long, device=device)
         with deterministic_kernels(), _without_pad_token(computer.model):
             self.replay, out = capture(lambda: computer._compute(self.ids, self.mask, None, model_mask=False),
                                        device)
@@ -276,15 +312,83 @@ class RecordGraph:
         non-in-place load would read freed memory): else the graph is captured again."""
         return self._storage() == self.storage
 
-    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PerSampleGrads:
-        flats, losses = [], []
-        for i in range(int(input_ids.shape[0])):
-            self.ids.copy_(input_ids[i:i + 1])
-            self.mask.copy_(attention_mask[i:i + 1])
+    def rows_independent(self, vocab: int, probes: int = 2) -> bool:
+        """Whether a row's outputs (gradient and loss) stay bit for bit the same when every other row of the pass
+        changes: made-up rows of random tokens and lengths, one half of the rows kept and the other half replaced by
+        other made-up rows or by empty rows, both halves in turn, ``probes`` times. Every LoRA B is made nonzero
+        meanwhile (a fresh adapter's B is zero, which would leave every A's gradient zero) and restored in place
+        afterwards. True for a graph of one row."""
+        if self.rows == 1:
+            return True
+        generator = torch.Generator().manual_seed(0)
+        saved = [pair.b.detach().clone() for pair in self.pairs]
+        try:
+            with torch.no_grad():
+                for pair in self.pairs:
+                    pair.b.copy_(0.02 * torch.randn(tuple(pair.b.shape), generator=generator))
+            return self._rows_independent(vocab, probes, generator)
+        finally:
+            with torch.no_grad():
+                for pair, value in zip(self.pairs, saved):
+                    pair.b.copy_(value)
+
+    def _rows_independent(self, vocab: int, probes: int, generator: torch.Generator) -> bool:
+        rows, width = self.ids.shape
+        device = self.ids.device
+
+        def made_up():
+            ids = torch.randint(0, max(int(vocab), 2), (rows, width), generator=generator)
+            lengths = torch.randint(1, width + 1, (rows, 1), generator=generator)
+            return ids.to(device), (torch.arange(width)[None, :] < lengths).long().to(device)
+
+        def outputs(ids, mask):
+            self.ids.copy_(ids)
+            self.mask.copy_(mask)
             self.replay()
-            flats.append(self.flat.clone())
-            losses.append(self.losses.clone())
-        return PerSampleGrads(torch.cat(flats), self.layout, torch.cat(losses))
+            return self.flat.clone(), self.losses.clone()
+
+        empty = (torch.zeros_like(self.ids), torch.zeros_like(self.mask))
+        for _ in range(probes):
+            first, other = made_up(), made_up()
+            base = outputs(*first)
+            for kept in (torch.arange(rows, device=device) % 2 == 0, torch.arange(rows, device=device) % 2 == 1):
+                for fill in (other, empty):
+                    flat, losses = outputs(torch.where(kept[:, None], first[0], fill[0]),
+                                           torch.where(kept[:, None], first[1], fill[1]))
+                    if not (torch.equal(flat[kept], base[0][kept]) and torch.equal(losses[kept], base[1][kept])):
+                        return False
+        return True
+
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, slots=None) -> PerSampleGrads:
+        """Per-sample gradients of the batch's records, in the batch's order. ``slots`` (``rows > 1``): each
+        record's slot in ``[0, rows)``, drawn independently of the other records (the caller's secret generator)."""
+        n = int(input_ids.shape[0])
+        if self.rows == 1:
+            flats, losses = [], []
+            for i in range(n):
+                self.ids.copy_(input_ids[i:i + 1])
+                self.mask.copy_(attention_mask[i:i + 1])
+                self.replay()
+                flats.append(self.flat.clone())
+                losses.append(self.losses.clone())
+            return PerSampleGrads(torch.cat(flats), self.layout, torch.cat(losses))
+        slots = np.asarray(slots, dtype=np.int64)
+        if slots.shape != (n,) or (n and (slots.min() < 0 or slots.max() >= self.rows)):
+            raise ValueError(f"slots: one in [0, {self.rows}) per record of the batch ({n}), got {slots.shape}")
+        device = self.ids.device
+        flat = self.flat.new_empty((n, self.flat.shape[1]))
+        losses = self.losses.new_empty((n,))
+        for records, places in slot_passes(slots):
+            records = torch.from_numpy(records).to(device)
+            places = torch.from_numpy(places).to(device)
+            self.ids.zero_()
+            self.mask.zero_()  # empty rows: no token counted, loss 0
+            self.ids.index_copy_(0, places, input_ids.index_select(0, records))
+            self.mask.index_copy_(0, places, attention_mask.index_select(0, records))
+            self.replay()
+            flat.index_copy_(0, records, self.flat.index_select(0, places))
+            losses.index_copy_(0, records, self.losses.index_select(0, places))
+        return PerSampleGrads(flat, self.layout, losses)
 
 
 class PerSampleGradientComputer:
@@ -301,20 +405,27 @@ class PerSampleGradientComputer:
     through untouched.
 
     Off the CPU each record is computed alone (:func:`isolates_records`): a batched GPU pass lets one record move
-    the others' gradients. On CUDA a decoder's record is replayed from a CUDA graph of one record's pass
-    (:class:`RecordGraph`): without it, host time per kernel makes the isolated step about 20 times slower."""
+    the others' gradients. On CUDA a decoder's records are replayed from a CUDA graph (:class:`RecordGraph`):
+    without it, host time per kernel makes the isolated step about 20 times slower. The graph holds ``slots``
+    rows, each record in a slot it draws at random (a record's contribution depends on its slot, never on the
+    other records); ``slots=1`` replays one record at a time."""
 
     def __init__(self, model: torch.nn.Module, pairs: list[AdapterPair], loss=per_sequence_nll,
-                 isolate: bool | None = None, graphs: bool = True):
+                 isolate: bool | None = None, graphs: bool = True, slots: int = RECORD_SLOTS):
         """``loss(logits, input_ids, attention_mask[, labels]) -> [batch]``: the task's per-sample loss
         (language modelling's per-sequence NLL by default; a classification task passes its own, which
         also takes the batch's labels). ``isolate``: compute each record in a pass of its own with deterministic
         kernels (None: off the CPU only, :func:`isolates_records`; True on a CPU too; False is refused off the
-        CPU). ``graphs``: on CUDA, replay one record's pass from a CUDA graph (:class:`RecordGraph`) where it
-        can."""
+        CPU). ``graphs``: on CUDA, replay the records' passes from a CUDA graph (:class:`RecordGraph`) where it
+        can. ``slots``: rows of the graph's pass (1: one record per pass); the slots are drawn from
+        :meth:`draw_slots_from`'s generator (the DP step passes the run's secret one; else fresh OS entropy)."""
+        if int(slots) < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
         self.isolate = isolate
         self.graphs = graphs
-        self._graphs: dict[int, RecordGraph] = {}  # width -> one record's graph (CUDA)
+        self.slots = int(slots)
+        self._slot_rng: np.random.Generator | None = None
+        self._graphs: dict[int, RecordGraph] = {}  # width -> the graph of one pass (CUDA)
         self.model = model
         self.pairs = pairs
         self.loss = loss
@@ -359,17 +470,29 @@ class PerSampleGradientComputer:
             return self._compute(input_ids, attention_mask, labels)
         graph = self._record_graph(input_ids, labels)
         if graph is not None:
-            return graph.run(input_ids, attention_mask)
+            slots = None if graph.rows == 1 else self._draw_slots(rows, graph.rows)
+            return graph.run(input_ids, attention_mask, slots)
         with deterministic_kernels():
             parts = [self._compute(input_ids[i:i + 1], attention_mask[i:i + 1],
                                    None if labels is None else labels[i:i + 1]) for i in range(rows)]
         return PerSampleGrads(torch.cat([p.flat for p in parts]), self.layout, torch.cat([p.losses for p in parts]))
 
+    def draw_slots_from(self, rng: np.random.Generator) -> None:
+        """The generator of the records' slots (a DP run's secret one: :meth:`PrivateRandomness.slot_rng`)."""
+        self._slot_rng = rng
+
+    def _draw_slots(self, n: int, rows: int) -> np.ndarray:
+        """A slot for each of ``n`` records, uniform on ``[0, rows)`` and independent of everything else."""
+        if self._slot_rng is None:
+            self._slot_rng = np.random.default_rng(secrets.randbits(128))
+        return self._slot_rng.integers(0, rows, size=n)
+
     def _record_graph(self, input_ids: torch.Tensor, labels) -> RecordGraph | None:
-        """The CUDA graph of one record at this width (captured at its first use), or None: not on CUDA, a task with
+        """The CUDA graph of a pass at this width (captured at its first use), or None: not on CUDA, a task with
         labels, a model that attends both ways (its records need their mask, which a graph cannot take:
         :func:`attends_backwards_only`), or a capture that failed once (then every record runs eagerly, as
-        correct and slower)."""
+        correct and slower). A slotted graph whose rows move each other (:meth:`RecordGraph.rows_independent`)
+        is replaced by a graph of one record, and ``slots`` becomes 1."""
         width = int(input_ids.shape[1])
         if input_ids.device.type != "cuda" or labels is not None or not self.graphs:
             return None
@@ -381,13 +504,23 @@ class PerSampleGradientComputer:
                 self.graphs = False  # a bidirectional model needs its mask: every record runs eagerly
                 return None
             try:
-                self._graphs[width] = RecordGraph(self, width, input_ids.device)
+                self._graphs[width] = self._capture(width, input_ids.device)
             except Exception as error:  # noqa: BLE001  (a capture can fail in many ways; the eager path is exact)
                 warnings.warn(f"per-sample gradients: a CUDA graph of one record could not be captured "
                               f"({type(error).__name__}: {str(error)[:200]}); each record runs eagerly (slower)")
                 self.graphs = False
                 return None
         return self._graphs[width]
+
+    def _capture(self, width: int, device: torch.device, capture=cuda_graph_capture) -> RecordGraph:
+        graph = RecordGraph(self, width, device, capture=capture, rows=self.slots)
+        vocab = int(getattr(getattr(self.model, "config", None), "vocab_size", 0) or 2)
+        if graph.rows > 1 and not graph.rows_independent(vocab):
+            warnings.warn(f"per-sample gradients: in a pass of {graph.rows} rows at width {width} one row moved "
+                          "another's gradient on this device; each record runs in a pass of its own (slower)")
+            self.slots = 1
+            graph = RecordGraph(self, width, device, capture=capture)
+        return graph
 
     def _compute(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  labels: torch.Tensor | None, model_mask: bool = True) -> PerSampleGrads:

@@ -89,8 +89,9 @@ class DPStep:
     ``guard``: a :class:`~raydp.privacy.guard.BudgetGuard` (fixed schedules) or a
     :class:`~raydp.privacy.filter.FilterGuard` (adaptive sigma). ``sigma_0``: the plan's scale (default:
     the strategy context's). ``randomness``: the run's secret seeds (default: fresh OS entropy, ERRATA
-    E12); only the noise seed is used here. ``gradients``: the per-sample gradient source (default:
-    one hook per LoRA matrix, :class:`~raydp.privacy.clipping.PerSampleGradientComputer`)."""
+    E12); only the noise seed is used here (the noise, and the slots of a slotted GPU pass). ``gradients``: the
+    per-sample gradient source (default: one hook per LoRA matrix,
+    :class:`~raydp.privacy.clipping.PerSampleGradientComputer`)."""
 
     def __init__(
         self,
@@ -123,6 +124,9 @@ class DPStep:
         self._constants: dict[tuple, torch.Tensor] = {}  # small host values on the device, by value (no copy per step)
         self.randomness = randomness if randomness is not None else PrivateRandomness.fresh()
         self.noise = self.randomness.noise(device)
+        bind_slots = getattr(self.per_sample, "draw_slots_from", None)
+        if bind_slots is not None:  # a slotted GPU pass draws its records' slots from the run's secret randomness
+            bind_slots(self.randomness.slot_rng())
         self.adaptive = bool(strategy.adaptive_sigma)
         self.schedule: SigmaSchedule = strategy.schedule()
         if self.adaptive and not self.schedule.is_constant:

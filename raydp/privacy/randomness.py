@@ -54,6 +54,7 @@ VOID_LABEL = ("epsilon is void: sampling and noise randomness came from the writ
 
 _SAMPLING_STREAM = 0x53414D50  # "SAMP"
 _NOISE_STREAM = 0x4E4F4953  # "NOIS"
+_SLOT_STREAM = 0x534C4F54  # "SLOT"
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,11 @@ class PrivateRandomness:
 
     def noise(self, device: torch.device | str = "cpu") -> GaussianNoise:
         return GaussianNoise(self.noise_seed, device)
+
+    def slot_rng(self) -> np.random.Generator:
+        """The generator of the records' slots in a slotted GPU pass (:class:`raydp.privacy.clipping.RecordGraph`):
+        a stream of its own, spawned from the noise seed (secret with it; replayed with it in an unsafe run)."""
+        return np.random.default_rng(np.random.SeedSequence(self.noise_seed, spawn_key=(_SLOT_STREAM,)))
 
 
 class GaussianNoise:
