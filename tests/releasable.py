@@ -34,7 +34,7 @@ _PRIVACY_BLOCK = {
         "releases_per_step[]", "schedule.kind", "schedule.per_epoch[]", "guarantee", "guarantee_note",
         "calibration_accountant", "enforcing_accountant", "gdp_note", "edgeworth_note", "privacy_mode", "randomness",
         "epsilon_void", "labels[]", "privacy_label", "public_counts", "replace_one_note", "epsilon_by_accountant_note",
-        "planned_steps", "sigma_eff_0", "batch_width", "records_alone", "record_slots", "filter", "filter.name", "filter.theorem", "filter.orders[]",
+        "planned_steps", "sigma_eff_0", "batch_width", "records_alone", "record_slots[]", "filter", "filter.name", "filter.theorem", "filter.orders[]",
         "filter.budget_rdp[]", "filter.delta", "filter.epsilon")},
     # the strategy's description: its settings (public configuration) and declared releases
     **{f"privacy.strategy.{k}": PUBLIC for k in (

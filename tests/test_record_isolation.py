@@ -213,16 +213,21 @@ def test_slot_passes_put_each_record_in_one_pass_and_each_slot_once_per_pass():
     assert slot_passes(np.zeros(0, dtype=np.int64)) == []
 
 
-def _in_place(mix: float = 0.0):
+def _in_place(mix: float = 0.0, position: float = 0.0):
     """A stand-in for a CUDA graph capture (CUDA graphs need a GPU): each replay runs the body again and rewrites the
     captured outputs in place, as a replay does. ``mix`` > 0 makes a pass whose rows feel each other (each row moved
-    by ``mix`` times the rows' mean), as a kernel whose reduction crossed rows would."""
+    by ``mix`` times the rows' mean), as a kernel whose reduction crossed rows would. ``position`` > 0 makes a row's
+    gradient depend on its position (row r scaled by 1 + position * r), as a GPU's kernels do: then a record that
+    did not keep its slot comes out changed."""
     def capture(body, device):
         out = body()
 
         def replay():
             fresh = body()
-            out.flat.copy_(fresh.flat + mix * fresh.flat.mean(0, keepdim=True) if mix else fresh.flat)
+            flat = fresh.flat
+            if position:
+                flat = flat * (1 + position * torch.arange(flat.shape[0], dtype=flat.dtype))[:, None]
+            out.flat.copy_(flat + mix * flat.mean(0, keepdim=True) if mix else flat)
             out.losses.copy_(fresh.losses)
         return replay, out
     return capture
@@ -231,7 +236,8 @@ def _in_place(mix: float = 0.0):
 def test_a_slotted_pass_gives_each_record_its_own_gradient_whatever_its_neighbours(model_and_split):
     """Records in slots of one [rows, width] pass: each record's gradient and loss come back in the batch's order,
     equal to its gradient computed alone; and with its slot kept, a record's row is bit for bit the same whatever
-    else the batch holds (a record inserted in front, the order reversed), as the privacy argument needs."""
+    else the batch holds (a record inserted in front, the order reversed), as the privacy argument needs, in a pass
+    whose rows depend on their position as on a GPU."""
     import numpy as np
 
     from raydp.privacy.clipping import PerSampleGradientComputer, RecordGraph
@@ -239,25 +245,58 @@ def test_a_slotted_pass_gives_each_record_its_own_gradient_whatever_its_neighbou
     loaded, split = model_and_split
     computer = PerSampleGradientComputer(loaded.model, loaded.pairs, isolate=True, slots=4)
     alone = PerSampleGradientComputer(loaded.model, loaded.pairs, isolate=True)
+    slot_of = {0: 2, 1: 2, 2: 0, 3: 2, 4: 1, 9: 3}  # three records in slot 2: three passes
+    records = [4, 0, 2, 1, 3]
     try:
         graph = RecordGraph(computer, 64, torch.device("cpu"), capture=_in_place(), rows=4)
-        slot_of = {0: 2, 1: 2, 2: 0, 3: 2, 4: 1, 9: 3}  # three records in slot 2: three passes
-        records = [4, 0, 2, 1, 3]
         ids, mask = _ids_mask(split, records)
         got = graph.run(ids, mask, np.array([slot_of[r] for r in records]))
         reference = alone.compute(ids, mask)
-        front = graph.run(*_ids_mask(split, [9] + records), np.array([slot_of[r] for r in [9] + records]))
-        back = graph.run(*_ids_mask(split, records[::-1]), np.array([slot_of[r] for r in records[::-1]]))
         with pytest.raises(ValueError, match="slots"):
             graph.run(ids, mask, np.array([0, 1, 2, 3, 4]))  # slot 4 of 4 rows
+        positional = RecordGraph(computer, 64, torch.device("cpu"), capture=_in_place(position=1e-3), rows=4)
+        base = positional.run(ids, mask, np.array([slot_of[r] for r in records]))
+        front = positional.run(*_ids_mask(split, [9] + records), np.array([slot_of[r] for r in [9] + records]))
+        back = positional.run(*_ids_mask(split, records[::-1]), np.array([slot_of[r] for r in records[::-1]]))
+        moved = positional.run(ids, mask, np.array([0, 1, 2, 3, 0]))  # other slots: the rows change
     finally:
         computer.remove()
         alone.remove()
     assert float((got.flat - reference.flat).norm(dim=1).max() / reference.flat.norm(dim=1).min()) < 1e-5
     assert torch.allclose(got.losses, reference.losses, rtol=1e-5, atol=0)
     assert len({tuple(row[:8].tolist()) for row in got.flat}) == 5
-    assert torch.equal(front.flat[1:], got.flat) and torch.equal(front.losses[1:], got.losses)
-    assert torch.equal(back.flat.flip(0), got.flat) and torch.equal(back.losses.flip(0), got.losses)
+    assert torch.equal(front.flat[1:], base.flat) and torch.equal(front.losses[1:], base.losses)
+    assert torch.equal(back.flat.flip(0), base.flat) and torch.equal(back.losses.flip(0), base.losses)
+    assert not torch.equal(moved.flat, base.flat)  # the stand-in does depend on position: the checks above can fail
+
+
+def test_compute_puts_each_record_in_the_slot_the_bound_generator_drew(model_and_split):
+    """Through PerSampleGradientComputer.compute, as a DP step calls it: record i of the batch sits in slot
+    draws[i] of the run's slot stream (recovered here from a position-dependent pass, against each record's
+    gradient computed alone), and the passes used are reported."""
+    from raydp.privacy.clipping import PerSampleGradientComputer
+    from raydp.privacy.randomness import PrivateRandomness
+
+    loaded, split = model_and_split
+    computer = PerSampleGradientComputer(loaded.model, loaded.pairs, isolate=True, slots=4)
+    alone = PerSampleGradientComputer(loaded.model, loaded.pairs, isolate=True)
+    randomness = PrivateRandomness.unsafe_from_seed(11)
+    computer.draw_slots_from(randomness.slot_rng())
+    records = [5, 1, 7, 0, 3, 2, 6, 4, 8, 9, 10]
+    try:
+        graph = computer._capture(64, torch.device("cpu"), capture=_in_place(position=1e-3))
+        computer._record_graph = lambda input_ids, labels: graph  # the CUDA graph's place (CUDA graphs need a GPU)
+        ids, mask = _ids_mask(split, records)
+        got = computer.compute(ids, mask)
+        reference = alone.compute(ids, mask)
+    finally:
+        computer.remove()
+        alone.remove()
+    slots = randomness.slot_rng().integers(0, 4, size=len(records))  # the same stream, drawn again
+    assert len(set(slots.tolist())) > 1
+    expected = reference.flat * (1 + 1e-3 * torch.from_numpy(slots).to(reference.flat.dtype))[:, None]
+    assert float((got.flat - expected).norm(dim=1).max() / reference.flat.norm(dim=1).min()) < 1e-5
+    assert computer.rows_used == {4}
 
 
 def test_a_pass_whose_rows_move_each_other_is_replaced_by_records_alone(model_and_split):

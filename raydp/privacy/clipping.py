@@ -314,8 +314,8 @@ class RecordGraph:
 
     def rows_independent(self, vocab: int, probes: int = 2) -> bool:
         """Whether a row's outputs (gradient and loss) stay bit for bit the same when every other row of the pass
-        changes: made-up rows of random tokens and lengths, one half of the rows kept and the other half replaced by
-        other made-up rows or by empty rows, both halves in turn, ``probes`` times. Every LoRA B is made nonzero
+        changes: made-up rows of random tokens and lengths, some rows kept (alternate rows, either half, one row alone)
+        and the others replaced by other made-up rows or by empty rows, ``probes`` times. Every LoRA B is made nonzero
         meanwhile (a fresh adapter's B is zero, which would leave every A's gradient zero) and restored in place
         afterwards. True for a graph of one row."""
         if self.rows == 1:
@@ -348,10 +348,12 @@ class RecordGraph:
             return self.flat.clone(), self.losses.clone()
 
         empty = (torch.zeros_like(self.ids), torch.zeros_like(self.mask))
+        index = torch.arange(rows, device=device)
+        kept_rows = (index % 2 == 0, index % 2 == 1, index < rows // 2, index >= rows // 2, index == rows // 2)
         for _ in range(probes):
             first, other = made_up(), made_up()
             base = outputs(*first)
-            for kept in (torch.arange(rows, device=device) % 2 == 0, torch.arange(rows, device=device) % 2 == 1):
+            for kept in kept_rows:  # alternate rows, either half, one row alone
                 for fill in (other, empty):
                     flat, losses = outputs(torch.where(kept[:, None], first[0], fill[0]),
                                            torch.where(kept[:, None], first[1], fill[1]))
@@ -425,6 +427,7 @@ class PerSampleGradientComputer:
         self.graphs = graphs
         self.slots = int(slots)
         self._slot_rng: np.random.Generator | None = None
+        self.rows_used: set[int] = set()  # rows per pass of the isolated passes computed so far (1: one record)
         self._graphs: dict[int, RecordGraph] = {}  # width -> the graph of one pass (CUDA)
         self.model = model
         self.pairs = pairs
@@ -469,6 +472,7 @@ class PerSampleGradientComputer:
         if not (self.isolate or isolates_records(device)) or rows == 0:
             return self._compute(input_ids, attention_mask, labels)
         graph = self._record_graph(input_ids, labels)
+        self.rows_used.add(1 if graph is None else graph.rows)
         if graph is not None:
             slots = None if graph.rows == 1 else self._draw_slots(rows, graph.rows)
             return graph.run(input_ids, attention_mask, slots)
@@ -506,7 +510,7 @@ class PerSampleGradientComputer:
             try:
                 self._graphs[width] = self._capture(width, input_ids.device)
             except Exception as error:  # noqa: BLE001  (a capture can fail in many ways; the eager path is exact)
-                warnings.warn(f"per-sample gradients: a CUDA graph of one record could not be captured "
+                warnings.warn(f"per-sample gradients: a CUDA graph of a pass could not be captured "
                               f"({type(error).__name__}: {str(error)[:200]}); each record runs eagerly (slower)")
                 self.graphs = False
                 return None
@@ -519,6 +523,7 @@ class PerSampleGradientComputer:
             warnings.warn(f"per-sample gradients: in a pass of {graph.rows} rows at width {width} one row moved "
                           "another's gradient on this device; each record runs in a pass of its own (slower)")
             self.slots = 1
+            del graph  # its memory goes before the graph of one record is captured
             graph = RecordGraph(self, width, device, capture=capture)
         return graph
 

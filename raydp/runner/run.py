@@ -331,8 +331,8 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             privacy["batch_width"] = width  # public (dp_batch_width)
         if private is not None:
             privacy["records_alone"] = isolates_records(loaded.device)  # public: off the CPU (ERRATA E17)
-            if privacy["records_alone"]:  # rows of the slotted CUDA pass (1: one record per pass; public)
-                privacy["record_slots"] = getattr(private.step.per_sample, "slots", None)
+            if privacy["records_alone"]:  # rows per pass the run used ([8]: slotted; [1]: one record per pass; public)
+                privacy["record_slots"] = sorted(getattr(private.step.per_sample, "rows_used", ()))
             private.ledger.save(staging / LEDGER_FILENAME)
             controller = private.strategy.finish(staging) or None
             if client is not None and client.service is not None:
