@@ -406,7 +406,7 @@ class PerSampleGradientComputer:
     :meth:`compute`; other forward passes of the model (evaluation, a public probe of another source) pass
     through untouched.
 
-    Off the CPU each record is computed alone (:func:`isolates_records`): a batched GPU pass lets one record move
+    Off the CPU no batch is computed in one pass (:func:`isolates_records`): a batched GPU pass lets one record move
     the others' gradients. On CUDA a decoder's records are replayed from a CUDA graph (:class:`RecordGraph`):
     without it, host time per kernel makes the isolated step about 20 times slower. The graph holds ``slots``
     rows, each record in a slot it draws at random (a record's contribution depends on its slot, never on the
