@@ -363,18 +363,10 @@ class RecordGraph:
 
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, slots=None) -> PerSampleGrads:
         """Per-sample gradients of the batch's records, in the batch's order. ``slots`` (``rows > 1``): each
-        record's slot in ``[0, rows)``, drawn independently of the other records (the caller's secret generator)."""
+        record's slot in ``[0, rows)``, drawn independently of the other records (the caller's secret generator);
+        with one row every record is in slot 0, so each has a pass of its own."""
         n = int(input_ids.shape[0])
-        if self.rows == 1:
-            flats, losses = [], []
-            for i in range(n):
-                self.ids.copy_(input_ids[i:i + 1])
-                self.mask.copy_(attention_mask[i:i + 1])
-                self.replay()
-                flats.append(self.flat.clone())
-                losses.append(self.losses.clone())
-            return PerSampleGrads(torch.cat(flats), self.layout, torch.cat(losses))
-        slots = np.asarray(slots, dtype=np.int64)
+        slots = np.zeros(n, dtype=np.int64) if self.rows == 1 else np.asarray(slots, dtype=np.int64)  # 1: a pass each
         if slots.shape != (n,) or (n and (slots.min() < 0 or slots.max() >= self.rows)):
             raise ValueError(f"slots: one in [0, {self.rows}) per record of the batch ({n}), got {slots.shape}")
         device = self.ids.device
