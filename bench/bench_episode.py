@@ -21,7 +21,13 @@ Issue 28's comparison, this code against 034c558 (before the issue's changes) an
 (``words-eval-7`` needs the ``embedded-words`` preset, which 034c558 lacks: time it with this code, or add the
 preset to the old package's copy.)
 
+``--study FILE`` instead runs a study (``raydp study FILE``, into a temporary directory) with every trial's trainable
+under cProfile (``RAYDP_PROFILE_DIR``, :data:`raydp.study.runner.PROFILE_ENV`) and prints a trial's cost by phase:
+the run's phases, the controller's start and decisions, checkpoints, the attacks and audit, and what Ray and Tune add
+outside the trainables. cProfile slows Python-heavy phases (the controller, reporting) more than the arithmetic.
+
 Run: python bench/bench_episode.py [--runs 2] [--threads 1] [--configs default,eval-start-end]
+     python bench/bench_episode.py --study trials/quickstart.yaml
 """
 
 from __future__ import annotations
@@ -51,6 +57,18 @@ PHASES = {
     "train: accounting and guard": ("raydp/privacy/guard.py", "admit"),
     "evaluation: private eval split": ("raydp/runner/loop.py", "evaluate"),
     "evaluation: public validation": ("raydp/runner/loop.py", "evaluate_public"),
+}
+
+#: a study trial's phases (its trainable profiled, ``--study``): the run's, and what a trial adds around it
+TRIAL_PHASES = {
+    "the trainable, whole": ("raydp/study/runner.py", "run_trial"),
+    "train: steps (forward, backward, DP stages, update)": ("raydp/runner/loop.py", "train_step"),
+    **{k: v for k, v in PHASES.items() if k != "data: build and verbalise"},  # a study builds its dataset once
+    "data: public corpus": ("raydp/data/public.py", "public_corpus"),
+    "controller: policy start": ("raydp/runner/launch.py", "start_policy"),
+    "controller: decisions": ("raydp/strategies/rldp.py", "between_steps"),
+    "checkpoints (state, policy snapshot, Tune report)": ("raydp/study/runner.py", "checkpoint"),
+    "attacks and audit": ("raydp/evaluation/evaluate.py", "evaluate_run"),
 }
 
 CONFIGS = {
@@ -88,12 +106,51 @@ def profile(cfg, out: Path) -> dict:
     summary = run_training(cfg, out, overwrite=True, progress=False)
     profiler.disable()
     wall = time.perf_counter() - started
-    stats = pstats.Stats(profiler).stats
-    shares = {}
-    for phase, (module, function) in PHASES.items():
-        total = sum(v[3] for (path, _, name), v in stats.items() if path.endswith(module) and name == function)
-        shares[phase] = total
-    return {"wall": wall, "train_loop": summary["train_loop_seconds"], "steps": summary["steps"], "phases": shares}
+    return {"wall": wall, "train_loop": summary["train_loop_seconds"], "steps": summary["steps"],
+            "phases": phase_seconds(pstats.Stats(profiler).stats, PHASES)}
+
+
+def phase_seconds(stats: dict, phases: dict) -> dict:
+    """Each phase's cumulative seconds in a cProfile statistics table (``pstats.Stats.stats``)."""
+    return {phase: sum(v[3] for (path, _, name), v in stats.items() if path.endswith(module) and name == function)
+            for phase, (module, function) in phases.items()}
+
+
+def profile_study(study_file: str, root: Path) -> dict:
+    """Run the study in ``study_file`` (``raydp study``, in a subprocess, into ``root``) with every trial's trainable
+    under cProfile (:data:`raydp.study.runner.PROFILE_ENV`); return its wall time, each trial's phases and what
+    Tune measured (the study summary's start latency and per-trial overhead)."""
+    profiles = root / "trial-profiles"
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "raydp", "study", study_file, "--results-dir", str(root / "studies"),
+                    "--quiet"], env={**os.environ, "RAYDP_PROFILE_DIR": str(profiles)}, check=True,
+                   stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - started
+    from raydp.study.config import load_study
+
+    summary = json.loads(next((root / "studies").glob("*/study_summary.json")).read_text())
+    trials = {f.stem: phase_seconds(pstats.Stats(str(f)).stats, TRIAL_PHASES) for f in sorted(profiles.glob("*.prof"))}
+    slots = max(1, int((os.cpu_count() or 1) // load_study(study_file).resources.cpus_per_trial))  # trials at a time
+    return {"wall": wall, "trials": trials, "concurrency": slots,
+            **{k: summary.get(k) for k in ("per_trial_overhead_seconds", "first_trial_start_latency_seconds")}}
+
+
+def print_study_profile(study_file: str, out: dict) -> None:
+    trials = out["trials"]
+    names = [name.rsplit("-", 1)[0] for name in trials]  # STRATEGY-PID
+    print(f"one study, {study_file}: {len(trials)} trials, {out['wall']:.1f} s wall (`raydp study`, start to exit)")
+    print("per trial: seconds (share of its trainable); cProfile's cumulative times, so phases overlap where one calls "
+          "another")
+    print(f"  {'phase':<52}" + "".join(f"{n[:18]:>20}" for n in names))
+    for phase in TRIAL_PHASES:
+        cells = [f"{t[phase]:7.1f} ({100 * t[phase] / t['the trainable, whole']:4.1f}%)" for t in trials.values()]
+        print(f"  {phase:<52}" + "".join(f"{c:>20}" for c in cells))
+    slots = out["concurrency"]
+    outside = (out["wall"] * slots - sum(t["the trainable, whole"] for t in trials.values())) / len(trials)
+    print(f"Ray, Tune and the study around the trainables: {outside:.1f} s per trial ({slots} at a time: Ray's start, "
+          f"the study's preparation and report, trial processes and their imports, idle slots). Tune's own figures: "
+          f"first trial started {out['first_trial_start_latency_seconds']} s after the Tuner; "
+          f"{out['per_trial_overhead_seconds']} s per trial inside the trainable outside the run (policy start, reporting)")
 
 
 def timed(cfg, out: Path) -> float:
@@ -121,6 +178,10 @@ def main() -> None:
     parser.add_argument("--configs", default="default,eval-start-end",
                         help="configurations to time with this code; a name@DIR times it with the raydp package in DIR "
                              "(for example another commit: git archive REV raydp | tar -x -C DIR)")
+    parser.add_argument("--study", default=None, metavar="FILE",
+                        help="instead: run this study file (for example trials/quickstart.yaml) with every trial "
+                             "profiled, and print a trial's cost by phase, the controller, checkpoints, attacks and Ray "
+                             "and Tune included")
     parser.add_argument("--time-one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     import torch
@@ -130,6 +191,12 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-episode-"))
     if args.time_one:  # a subprocess of --configs NAME@DIR: print the wall time only
         print(timed(config(args.time_one), root / args.time_one))
+        return
+    if args.study:
+        out = profile_study(args.study, root)
+        print_study_profile(args.study, out)
+        (root / "bench_episode.json").write_text(json.dumps(out, indent=2))
+        print(f"(raw figures in {root / 'bench_episode.json'})")
         return
     names = args.configs.split(",")
 

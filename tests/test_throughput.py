@@ -172,3 +172,21 @@ def test_keeping_freed_memory_trains_the_same_run(tmp_path, raydp_cache):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rows = [pq.read_table(tmp_path / name / "eval_metrics.parquet").to_pylist() for name in kept]
     assert rows[0] == rows[1]
+
+
+def test_a_profiled_trial_leaves_its_statistics_even_when_it_fails(tmp_path, monkeypatch):
+    """``RAYDP_PROFILE_DIR`` (bench/bench_episode.py --study): the trainable runs under cProfile and its statistics are
+    written, named by the trial's strategy, also when the trial raises (here: a study config that does not validate)."""
+    import pstats
+
+    from pydantic import ValidationError
+
+    from raydp.study import runner
+
+    monkeypatch.setenv(runner.PROFILE_ENV, str(tmp_path / "profiles"))
+    with pytest.raises(ValidationError):
+        runner.profiled_trial({"study": {"no_such_field": 1}, "trial": {"strategy": "static-pairwise"}})
+    (written,) = (tmp_path / "profiles").glob("*.prof")
+    assert written.name.startswith("static-pairwise-")
+    functions = {name for (_, _, name) in pstats.Stats(str(written)).stats}
+    assert "run_trial" in functions

@@ -463,6 +463,26 @@ def _restore_point(workdir: Path) -> tuple[dict | None, Path | None]:
     return state, (local / "policy" if (local / "policy").exists() else None)
 
 
+#: names a directory: each trial's trainable then runs under cProfile and leaves its statistics there, one
+#: ``STRATEGY-PID.prof`` per trial (bench/bench_episode.py --study reads them: a trial's cost by phase, issue 28).
+#: A developer's knob, off unless set; it reaches the trials through the environment of a local Ray.
+PROFILE_ENV = "RAYDP_PROFILE_DIR"
+
+
+def profiled_trial(params: dict) -> None:
+    """:func:`run_trial` under cProfile, its statistics written to ``$RAYDP_PROFILE_DIR`` (also when it fails)."""
+    import cProfile
+
+    profiler = cProfile.Profile()
+    try:
+        profiler.runcall(run_trial, params)
+    finally:
+        out = Path(os.environ[PROFILE_ENV])
+        out.mkdir(parents=True, exist_ok=True)
+        strategy = (params.get("trial") or {}).get("strategy", "trial")  # a grid trial's spec; else unnamed
+        profiler.dump_stats(out / f"{strategy}-{os.getpid()}.prof")
+
+
 def run_trial(params: dict) -> None:
     """The Tune trainable: one fine-tuning run in this trial's actor.
 
@@ -662,7 +682,8 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
         session = start_policy_session(trial_config(study, first, dataset, first.policy_path), RAY_NAMESPACE)
         common["connection"] = session.connection()
     bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-    trainable = tune.with_resources(run_trial, tune.PlacementGroupFactory([bundle]))
+    trainable = tune.with_resources(profiled_trial if os.environ.get(PROFILE_ENV) else run_trial,
+                                    tune.PlacementGroupFactory([bundle]))
     if study.storage is not None:  # every node reads the dataset from the study's storage (study_storage_dataset)
         common.update(storage=study.storage, dataset_remote=upload_dataset(study, dataset))
     started, fit_started = time.perf_counter(), time.time()
