@@ -465,7 +465,8 @@ def _restore_point(workdir: Path) -> tuple[dict | None, Path | None]:
 
 #: names a directory: each trial's trainable then runs under cProfile and leaves its statistics there, one
 #: ``STRATEGY-PID.prof`` per trial (bench/bench_episode.py --study reads them: a trial's cost by phase, issue 28).
-#: A developer's knob, off unless set; it reaches the trials through the environment of a local Ray.
+#: A developer's knob, off unless set; it reaches the trials through the environment of a local Ray. The files hold
+#: call counts and times, which follow the private splits' sizes: unprotected, like a run's timings.
 PROFILE_ENV = "RAYDP_PROFILE_DIR"
 
 
