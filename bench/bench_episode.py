@@ -61,7 +61,7 @@ PHASES = {
 
 #: a study trial's phases (its trainable profiled, ``--study``): the run's, and what a trial adds around it
 TRIAL_PHASES = {
-    "the trainable, whole": ("raydp/study/runner.py", "run_trial"),
+    "the trainable, whole": ("raydp/study/runner.py", "_run_trial"),
     "train: steps (forward, backward, DP stages, update)": ("raydp/runner/loop.py", "train_step"),
     **{k: v for k, v in PHASES.items() if k != "data: build and verbalise"},  # a study builds its dataset once
     "data: public corpus": ("raydp/data/public.py", "public_corpus"),
@@ -119,25 +119,31 @@ def phase_seconds(stats: dict, phases: dict) -> dict:
 def profile_study(study_file: str, root: Path) -> dict:
     """Run the study in ``study_file`` (``raydp study``, in a subprocess, into ``root``) with every trial's trainable
     under cProfile (:data:`raydp.study.runner.PROFILE_ENV`); return its wall time, each trial's phases and what
-    Tune measured (the study summary's start latency and per-trial overhead)."""
-    profiles = root / "trial-profiles"
+    Tune measured (the study summary's start latency and per-trial overhead). A grid study on this machine's local
+    Ray; a retried trial's attempts count as trials of their own."""
+    from raydp.study.config import load_study
+
+    study = load_study(study_file)
+    profiles = (root / "trial-profiles").absolute()
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "raydp", "study", study_file, "--results-dir", str(root / "studies"),
                     "--quiet"], env={**os.environ, "RAYDP_PROFILE_DIR": str(profiles)}, check=True,
                    stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - started
-    from raydp.study.config import load_study
-
     summary = json.loads(next((root / "studies").glob("*/study_summary.json")).read_text())
     trials = {f.stem: phase_seconds(pstats.Stats(str(f)).stats, TRIAL_PHASES) for f in sorted(profiles.glob("*.prof"))}
-    slots = max(1, int((os.cpu_count() or 1) // load_study(study_file).resources.cpus_per_trial))  # trials at a time
+    if not trials:
+        raise SystemExit(f"no trial of {study_file} left a profile in {profiles} (a Ray cluster of its own, RAY_ADDRESS, "
+                         "does not get this process's environment)")
+    # trials at a time: as many as the CPUs hold, at most the study's trials
+    slots = max(1, min(len(trials), int((os.cpu_count() or 1) // study.resources.cpus_per_trial)))
     return {"wall": wall, "trials": trials, "concurrency": slots,
             **{k: summary.get(k) for k in ("per_trial_overhead_seconds", "first_trial_start_latency_seconds")}}
 
 
 def print_study_profile(study_file: str, out: dict) -> None:
     trials = out["trials"]
-    names = [name.rsplit("-", 1)[0] for name in trials]  # STRATEGY-PID
+    names = [name.split("_")[0] for name in trials]  # TRIAL-PID-ID, a trial's name starting with its strategy
     print(f"one study, {study_file}: {len(trials)} trials, {out['wall']:.1f} s wall (`raydp study`, start to exit)")
     print("per trial: seconds (share of its trainable); cProfile's cumulative times, so phases overlap where one calls "
           "another")
@@ -147,10 +153,13 @@ def print_study_profile(study_file: str, out: dict) -> None:
         print(f"  {phase:<52}" + "".join(f"{c:>20}" for c in cells))
     slots = out["concurrency"]
     outside = (out["wall"] * slots - sum(t["the trainable, whole"] for t in trials.values())) / len(trials)
-    print(f"Ray, Tune and the study around the trainables: {outside:.1f} s per trial ({slots} at a time: Ray's start, "
-          f"the study's preparation and report, trial processes and their imports, idle slots). Tune's own figures: "
-          f"first trial started {out['first_trial_start_latency_seconds']} s after the Tuner; "
-          f"{out['per_trial_overhead_seconds']} s per trial inside the trainable outside the run (policy start, reporting)")
+    print(f"Ray, Tune and the study around the trainables: {outside:.1f} slot-seconds per trial (the study's wall times "
+          f"{slots} slots, less the trainables: Ray's start, the study's preparation and report, the trial processes' "
+          f"start and imports, idle slots). Tune's own figures: the first trial started "
+          f"{out['first_trial_start_latency_seconds']} s after the Tuner; {out['per_trial_overhead_seconds']} s per trial "
+          "inside the trainable but outside the run (imports, policy start, reporting)")
+    print("The profiles' call counts and times are unprotected: they give the private splits' record counts and the "
+          "total of the secret Poisson batch sizes (keep them private)")
 
 
 def timed(cfg, out: Path) -> float:

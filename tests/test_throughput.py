@@ -175,8 +175,9 @@ def test_keeping_freed_memory_trains_the_same_run(tmp_path, raydp_cache):
 
 
 def test_a_profiled_trial_leaves_its_statistics_even_when_it_fails(tmp_path, monkeypatch):
-    """``RAYDP_PROFILE_DIR`` (bench/bench_episode.py --study): the trainable runs under cProfile and its statistics are
-    written, named by the trial's strategy, also when the trial raises (here: a study config that does not validate)."""
+    """``RAYDP_PROFILE_DIR`` (bench/bench_episode.py --study): the trainable Tune knows, ``run_trial``, runs its body
+    under cProfile and writes the statistics, named by the trial, beside a PRIVACY.txt, also when the trial raises
+    (here: a study config that does not validate)."""
     import pstats
 
     from pydantic import ValidationError
@@ -185,8 +186,47 @@ def test_a_profiled_trial_leaves_its_statistics_even_when_it_fails(tmp_path, mon
 
     monkeypatch.setenv(runner.PROFILE_ENV, str(tmp_path / "profiles"))
     with pytest.raises(ValidationError):
-        runner.profiled_trial({"study": {"no_such_field": 1}, "trial": {"strategy": "static-pairwise"}})
+        runner.run_trial({"study": {"no_such_field": 1}, "trial": {"name": "static-pairwise_embedded_eps2_seed0"}})
     (written,) = (tmp_path / "profiles").glob("*.prof")
-    assert written.name.startswith("static-pairwise-")
-    functions = {name for (_, _, name) in pstats.Stats(str(written)).stats}
-    assert "run_trial" in functions
+    assert written.name.startswith("static-pairwise_embedded_eps2_seed0-")
+    assert "_run_trial" in {name for (_, _, name) in pstats.Stats(str(written)).stats}
+    assert "Never release" in (tmp_path / "profiles" / "PRIVACY.txt").read_text()
+
+
+def test_a_profiled_trial_that_cannot_write_its_statistics_still_succeeds(tmp_path, monkeypatch, caplog):
+    """Profiling never changes a trial's outcome: the body's return comes back, and an unwritable directory is a
+    warning; unset, the body runs unprofiled."""
+    from raydp.study import runner
+
+    calls = []
+    monkeypatch.setattr(runner, "_run_trial", lambda params: calls.append(params) or "done")
+    monkeypatch.delenv(runner.PROFILE_ENV, raising=False)
+    assert runner.run_trial({"n": 1}) == "done"
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv(runner.PROFILE_ENV, str(blocked / "profiles"))  # below a file: mkdir fails
+    with caplog.at_level("WARNING", logger=runner.__name__):
+        assert runner.run_trial({"n": 2}) == "done"
+    assert calls == [{"n": 1}, {"n": 2}]
+    assert "its profile was not written" in caplog.text
+
+
+def test_every_profiled_phase_names_a_function_of_its_file():
+    """bench/bench_episode.py's phases are cProfile entries (file suffix, function name): a renamed function would
+    read as 0 s without an error."""
+    import ast
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "bench"))
+    try:
+        import bench_episode
+    finally:
+        sys.path.remove(str(root / "bench"))
+    for phase, (module, function) in {**bench_episode.PHASES, **bench_episode.TRIAL_PHASES}.items():
+        if not module.startswith("raydp/"):
+            continue  # torch's own
+        tree = ast.parse((root / module).read_text())
+        defined = {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        assert function in defined, f"{phase}: {module} defines no {function}"

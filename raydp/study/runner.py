@@ -463,29 +463,44 @@ def _restore_point(workdir: Path) -> tuple[dict | None, Path | None]:
     return state, (local / "policy" if (local / "policy").exists() else None)
 
 
-#: names a directory: each trial's trainable then runs under cProfile and leaves its statistics there, one
-#: ``STRATEGY-PID.prof`` per trial (bench/bench_episode.py --study reads them: a trial's cost by phase, issue 28).
-#: A developer's knob, off unless set; it reaches the trials through the environment of a local Ray. The files hold
-#: call counts and times, which follow the private splits' sizes: unprotected, like a run's timings.
+#: names a directory (an absolute path): a trial's process that has it set runs its trainable under cProfile and leaves
+#: the statistics there, one ``TRIAL-PID-ID.prof`` per attempt (bench/bench_episode.py --study reads them: a trial's
+#: cost by phase, issue 28). A developer's setting, off unless set; a local Ray hands the driver's environment to its
+#: trials. The files' call counts give the private splits' record counts and the total of the secret Poisson batch
+#: sizes exactly, and their times follow them: unprotected, to be kept with the run's private data (docs/privacy.md).
 PROFILE_ENV = "RAYDP_PROFILE_DIR"
+PROFILE_README = ("PRIVATE: the call counts and times of profiled trials (RAYDP_PROFILE_DIR). They give the private "
+                  "splits' record counts and the total of the secret Poisson batch sizes exactly. Never release them.\n")
 
 
-def profiled_trial(params: dict) -> None:
-    """:func:`run_trial` under cProfile, its statistics written to ``$RAYDP_PROFILE_DIR`` (also when it fails)."""
+def run_trial(params: dict) -> None:
+    """The Tune trainable (:func:`_run_trial`), under cProfile where the trial's process has ``$RAYDP_PROFILE_DIR``
+    set (:data:`PROFILE_ENV`). Tune sees one trainable either way, so a study resumes whether or not it was profiled.
+    The statistics are written also when the trial fails; a failure to write them is a warning, never the trial's
+    failure. (cProfile profiles the calling thread, Tune's runner thread, on Python 3.11; from 3.12 it may see every
+    thread of the process.)"""
+    directory = os.environ.get(PROFILE_ENV)
+    if not directory:
+        return _run_trial(params)
     import cProfile
 
     profiler = cProfile.Profile()
     try:
-        profiler.runcall(run_trial, params)
+        return profiler.runcall(_run_trial, params)
     finally:
-        out = Path(os.environ[PROFILE_ENV])
-        out.mkdir(parents=True, exist_ok=True)
-        strategy = (params.get("trial") or {}).get("strategy", "trial")  # a grid trial's spec; else unnamed
-        profiler.dump_stats(out / f"{strategy}-{os.getpid()}.prof")
+        name = (params.get("trial") or {}).get("name") or "trial"  # a grid trial's spec; a searched one is unnamed
+        try:
+            out = Path(directory)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "PRIVACY.txt").write_text(PROFILE_README)
+            profiler.dump_stats(out / f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}.prof")
+        except OSError as exc:
+            logging.getLogger(__name__).warning("trial %s: its profile was not written to %s: %s", name, directory,
+                                                exc.strerror or exc)
 
 
-def run_trial(params: dict) -> None:
-    """The Tune trainable: one fine-tuning run in this trial's actor.
+def _run_trial(params: dict) -> None:
+    """The Tune trainable's body: one fine-tuning run in this trial's actor.
 
     Checkpoints (adapters, optimizer, RNG, sampler, ledger, strategy state, and a per-trial policy's
     snapshot) go to Tune at every evaluation and before every controller decision; a retried trial
@@ -683,8 +698,7 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
         session = start_policy_session(trial_config(study, first, dataset, first.policy_path), RAY_NAMESPACE)
         common["connection"] = session.connection()
     bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-    trainable = tune.with_resources(profiled_trial if os.environ.get(PROFILE_ENV) else run_trial,
-                                    tune.PlacementGroupFactory([bundle]))
+    trainable = tune.with_resources(run_trial, tune.PlacementGroupFactory([bundle]))
     if study.storage is not None:  # every node reads the dataset from the study's storage (study_storage_dataset)
         common.update(storage=study.storage, dataset_remote=upload_dataset(study, dataset))
     started, fit_started = time.perf_counter(), time.time()
