@@ -39,27 +39,35 @@ def test_the_audit_catches_a_mechanism_with_its_noise_off(tmp_path, monkeypatch,
     from raydp.privacy.engine import DPStep
 
     monkeypatch.setattr(DPStep, "add_noise", lambda self, clipped, stds, mode: clipped.float())
-    # Fixed sampling randomness: with secret randomness the one-run audit's power varies from run to run (0.24-1.91
-    # over 9 runs, 5x the claim in only 4), and a test must not flake. Fixed, it is one draw, and float rounding moves
-    # the draw: seeds 0-3 gave 1.54, 1.28, 0.17, 1.91 before the fused GELU and 0.48, 0.30, 1.91, 1.91 after (the
-    # audit misses a noise-off run in about a third of draws at m = 100). Seed 3 sits at the cap, 1.91, under both.
-    # Fixed randomness labels the epsilon void, which the audit rightly does not compare; the bug under test is
-    # a run that claims its epsilon, so the label comes off the summary (what the broken code would have written).
-    run = _train(tmp_path, "broken", unsafe_fixed_randomness=True, seed=3)
-    summary = json.loads((run / "summary.json").read_text())
-    assert any("void" in label for label in summary["privacy"]["labels"])
-    summary["privacy"]["labels"] = [label for label in summary["privacy"]["labels"] if "void" not in label]
-    (run / "summary.json").write_text(json.dumps(summary))
-    claimed = json.loads((run / "summary.json").read_text())["privacy"]["epsilon"]
-    assert claimed <= 0.3  # the accounting does not know
-    assert main(["eval", str(run), *QUICK]) == 3
-    captured = capsys.readouterr()
-    assert "leak more than their claimed epsilon" in captured.err
-    audit = json.loads((run / "evaluation.json").read_text())["audit"]
-    assert audit["consistent"] is False and audit["claimed_epsilon"] == claimed
-    assert audit["epsilon_one_run"] > 4 * claimed  # 1.91 (seed 3, fixed randomness)
-    assert audit["epsilon_clopper_pearson"] > claimed
-    assert "VIOLATION" in captured.out
+    # The one-run audit's power is one draw of the training randomness, and at m = 100 it misses a noise-off run in
+    # some draws. Fixed sampling randomness makes a draw repeatable on one CPU, but float rounding moves it between
+    # CPUs: seeds 0-3 gave 0.48, 0.30, 1.91, 1.91 on one (after the fused GELU) and seeds 0-5 gave 1.91, 1.54, 1.87,
+    # 0.24, 0.36, 1.91 on another (2026-11-28), where seed 3, the single draw this test used to take, fell under the
+    # claim. So two draws: the audit must flag at least one, every flagged one must say so, and the stronger must be
+    # far above the claim. Fixed randomness labels the epsilon void, which the audit rightly does not compare; the bug
+    # under test is a run that claims its epsilon, so the label comes off the summary (what the broken code would
+    # have written).
+    draws = []
+    for seed in (0, 2):
+        run = _train(tmp_path, f"broken-{seed}", unsafe_fixed_randomness=True, seed=seed)
+        summary = json.loads((run / "summary.json").read_text())
+        assert any("void" in label for label in summary["privacy"]["labels"])
+        summary["privacy"]["labels"] = [label for label in summary["privacy"]["labels"] if "void" not in label]
+        (run / "summary.json").write_text(json.dumps(summary))
+        claimed = summary["privacy"]["epsilon"]
+        assert claimed <= 0.3  # the accounting does not know
+        code = main(["eval", str(run), *QUICK])
+        captured = capsys.readouterr()
+        audit = json.loads((run / "evaluation.json").read_text())["audit"]
+        assert audit["claimed_epsilon"] == claimed
+        assert code == (3 if not audit["consistent"] else 0)
+        if code == 3:
+            assert "leak more than their claimed epsilon" in captured.err and "VIOLATION" in captured.out
+        draws.append(audit)
+    assert any(not audit["consistent"] for audit in draws)
+    strongest = max(draws, key=lambda audit: audit["epsilon_one_run"])
+    assert strongest["epsilon_one_run"] > 4 * claimed  # 1.91 at the cap (m = 100) on both CPUs above
+    assert strongest["epsilon_clopper_pearson"] > claimed
 
 
 def test_the_correct_mechanism_passes_its_audit_and_reports(tmp_path, capsys):
