@@ -172,6 +172,7 @@ def test_invalid_bandit_studies_fail_with_one_line(tmp_path, changes, message, c
     assert not (tmp_path / "out" / "bandit").exists()
 
 
+@pytest.mark.slow  # the fast tier covers its feature elsewhere; CI's 20-minute budget (2026-11-28)
 def test_a_bandit_study_learns_across_epsilons_and_its_decisions_drive_a_later_study(tmp_path):
     import pandas as pd
 

@@ -73,6 +73,7 @@ def test_a_fresh_squashed_actor_starts_on_the_schedule(architecture):
     assert isinstance(module.action_dist_cls.from_logits(logits), MaskedSquashedGaussian)
 
 
+@pytest.mark.slow  # the fast tier covers its feature elsewhere; CI's 20-minute budget (2026-11-28)
 def test_a_residual_run_follows_the_schedule_times_its_factors(local_ray, tmp_path):
     """Between decisions each pair's clip is the schedule's C_i(t) times the last decision's factor, inside
     [e^-rho, e^rho] of it; sigma stays on the plan, so PLD accounts the run (no filter)."""

@@ -148,6 +148,7 @@ def test_the_token_nll_is_cross_entropy_of_the_shifted_logits_to_the_last_bit(dt
     assert ours.grad[:, -1].abs().sum() == 0 and ours.grad[4, 3:].abs().sum() == 0  # unscored rows: no gradient
 
 
+@pytest.mark.slow  # the fast tier covers its feature elsewhere; CI's 20-minute budget (2026-11-28)
 def test_keeping_freed_memory_trains_the_same_run(tmp_path, raydp_cache):
     """The allocator setting (:mod:`raydp.runner.allocator`) changes where memory comes from, not what is computed:
     one process with it and one without train the same adapter and evaluations to the last bit."""
