@@ -91,6 +91,29 @@ def test_saved_policy_reloads_and_gives_identical_actions(trained_session, tmp_p
         assert resumed.counters()["replay_size"] == 5
 
 
+def test_a_session_that_fails_to_start_leaves_no_actor_behind(trained_session, tmp_path):
+    """The broker and the service start at once; when one fails (here the service: the saved policy's module file is
+    missing), the session's start raises and neither actor lives on under the session's name."""
+    import shutil
+
+    from raydp.control.store import MODULE_FILE
+
+    trained_session.save(tmp_path / "p", trained_on={"model": "none"}, results={})
+    shutil.copytree(tmp_path / "p", tmp_path / "broken")
+    (tmp_path / "broken" / MODULE_FILE).unlink()
+    with pytest.raises(Exception, match=MODULE_FILE.split(".")[0]):
+        PolicySession(LAYOUT, SETTINGS, restore=tmp_path / "broken", name="broken-session")
+    deadline = time.time() + 30
+    while time.time() < deadline:  # ray.kill is asynchronous: the name goes once the actor is dead
+        try:
+            ray.get_actor("broken-session", namespace="raydp")
+        except ValueError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("the broker of a session that failed to start is still alive")
+
+
 # -- runs as Ray actors ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def rldp_run(local_ray, tmp_path_factory):
