@@ -60,12 +60,54 @@ def test_a_local_cluster_starts_with_token_authentication_and_serves_no_process_
     assert "AUTH True" in out and "PROCESS_METRICS False" in out
 
 
-def test_a_cluster_without_token_authentication_is_refused(monkeypatch):
+REFUSED = """
+import psutil, ray
+from raydp.errors import ConfigError
+from raydp.runner.launch import ensure_ray
+try:
+    ensure_ray(num_cpus=1)
+except ConfigError as exc:
+    print("REFUSED", exc)
+print("STARTED", ray.is_initialized(), len(psutil.Process().children(recursive=True)))
+"""
+
+
+def test_a_local_cluster_without_token_authentication_is_refused_before_it_starts():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_AUTH_MODE"] = "disabled"
-    script = "from raydp.runner.launch import ensure_ray\nensure_ray(num_cpus=1)"
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0 and "token authentication is off" in result.stderr
+    result = subprocess.run([sys.executable, "-c", REFUSED], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "REFUSED Ray's token authentication is off" in result.stdout
+    assert "STARTED False 0" in result.stdout  # no Ray process was started only to be stopped
+
+
+@pytest.mark.slow  # ~30 s: a head started with `ray start`, its own ports; the local refusal is the test above
+def test_joining_a_cluster_without_token_authentication_is_refused(tmp_path):
+    """A cluster started without the token (`RAY_AUTH_MODE=disabled ray start --head`), joined through RAY_ADDRESS:
+    refused once joined (raydp cannot know before), and the connection is closed."""
+    import tempfile
+
+    from test_study_job import _ray_cli, _stop_head
+
+    temp_dir = tempfile.mkdtemp(prefix="rauth", dir="/tmp")  # short: Ray's socket paths must fit
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_AUTH_MODE"] = "disabled"
+    start = subprocess.run([_ray_cli(), "start", "--head", "--port", "6393", "--num-cpus", "1",
+                            "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp_dir],
+                           env=env, capture_output=True, text=True, timeout=180)
+    assert start.returncode == 0, start.stderr
+    try:
+        joining = {**env, "RAY_ADDRESS": "127.0.0.1:6393"}
+        joining.pop("RAY_AUTH_MODE")  # the joining process's default: the cluster decides
+        result = subprocess.run([sys.executable, "-c", REFUSED], env=joining, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "REFUSED Ray's token authentication is off" in result.stdout and "STARTED False" in result.stdout
+    finally:
+        _stop_head(temp_dir)
+        import shutil
+
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.mark.slow  # ~30 s: a wrong token's connection attempt times out; the mode itself is the test above

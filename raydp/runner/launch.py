@@ -48,8 +48,12 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    refused = ("Ray's token authentication is off (RAY_AUTH_MODE=disabled, or a cluster started without it): anyone "
+               "who reaches its ports could run code beside the private data; set RAY_AUTH_MODE=token on every node")
     if os.environ.get("RAY_ADDRESS"):
         ray.init(namespace=RAY_NAMESPACE, log_to_driver=True)
+    elif os.environ.get("RAY_AUTH_MODE", "").strip().lower() == "disabled":  # refused before a local cluster starts
+        raise ConfigError(refused)
     else:
         ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, namespace=RAY_NAMESPACE,
                  log_to_driver=True, _system_config={"enable_metrics_collection": False})
@@ -57,11 +61,9 @@ def ensure_ray(num_cpus: int | None = None) -> None:
         from ray._private.authentication.authentication_utils import is_token_auth_enabled
     except ImportError:  # a Ray without token authentication (below the pinned minimum)
         is_token_auth_enabled = None
-    if is_token_auth_enabled is not None and not is_token_auth_enabled():
+    if is_token_auth_enabled is not None and not is_token_auth_enabled():  # a joined cluster started without it
         ray.shutdown()
-        raise ConfigError("Ray's token authentication is off (RAY_AUTH_MODE=disabled, or a cluster started without "
-                          "it): anyone who reaches its ports could run code beside the private data; set "
-                          "RAY_AUTH_MODE=token on every node")
+        raise ConfigError(refused)
 
 
 def start_policy(config: TrainConfig, restore: Path | None = None):
