@@ -132,6 +132,10 @@ def profile_study(study_file: str, root: Path) -> dict:
     wall = time.perf_counter() - started
     summary = json.loads(next((root / "studies").glob("*/study_summary.json")).read_text())
     trials = {f.stem: phase_seconds(pstats.Stats(str(f)).stats, TRIAL_PHASES) for f in sorted(profiles.glob("*.prof"))}
+    unwritten = sorted(profiles.glob(".*.partial"))  # a trial's process ended while it wrote its profile
+    if unwritten:
+        print(f"{len(unwritten)} trial profile(s) were cut off as their process ended, and are left out: "
+              + ", ".join(p.name for p in unwritten))
     if not trials:
         raise SystemExit(f"no trial of {study_file} left a profile in {profiles} (a Ray cluster of its own, RAY_ADDRESS, "
                          "does not get this process's environment)")

@@ -189,6 +189,7 @@ def test_a_profiled_trial_leaves_its_statistics_even_when_it_fails(tmp_path, mon
     with pytest.raises(ValidationError):
         runner.run_trial({"study": {"no_such_field": 1}, "trial": {"name": "static-pairwise_embedded_eps2_seed0"}})
     (written,) = (tmp_path / "profiles").glob("*.prof")
+    assert sorted(p.name for p in (tmp_path / "profiles").iterdir()) == ["PRIVACY.txt", written.name]  # nothing partial
     assert written.name.startswith("static-pairwise_embedded_eps2_seed0-")
     assert "_run_trial" in {name for (_, _, name) in pstats.Stats(str(written)).stats}
     assert "Never release" in (tmp_path / "profiles" / "PRIVACY.txt").read_text()

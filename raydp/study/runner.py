@@ -493,7 +493,12 @@ def run_trial(params: dict) -> None:
             out = Path(directory)
             out.mkdir(parents=True, exist_ok=True)
             (out / "PRIVACY.txt").write_text(PROFILE_README)
-            profiler.dump_stats(out / f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}.prof")
+            # written under a temporary name and renamed: Tune may end the trial's process while it writes (the final
+            # report says done), which must leave no truncated .prof behind
+            final = out / f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}.prof"
+            partial = final.with_name(f".{final.name}.partial")
+            profiler.dump_stats(partial)
+            os.replace(partial, final)
         except OSError as exc:
             logging.getLogger(__name__).warning("trial %s: its profile was not written to %s: %s", name, directory,
                                                 exc.strerror or exc)
