@@ -36,7 +36,8 @@ def _torch_threads():
 @pytest.fixture(scope="module")
 def local_ray(raydp_cache):
     """A local Ray (2 CPUs) for the module, started unless one runs; its workers see the model cache and stay
-    offline. Shut down at the module's end."""
+    offline. Metrics collection off, as :func:`raydp.runner.launch.ensure_ray` starts a local cluster (a second
+    faster to start, too). Shut down at the module's end."""
     import ray
 
     from raydp.runner.launch import RAY_NAMESPACE
@@ -45,7 +46,8 @@ def local_ray(raydp_cache):
         ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, log_to_driver=False,
                  runtime_env={"env_vars": {k: os.environ[k] for k in ("RAYDP_CACHE", "RAYDP_OWNER_KEY",
                                                                      "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-                                                    if k in os.environ}})
+                                                    if k in os.environ}},
+                 _system_config={"enable_metrics_collection": False})
     yield
     ray.shutdown()
 

@@ -90,10 +90,13 @@ def _run(guard: BudgetGuard, rng, sigma0: float, steps: int, q: float, every=(1,
     return ledger
 
 
-def test_random_proposals_never_overspend_rdp_guard():
+# Random runs: the fast tier draws a third of them (its worst run still uses over 90% of its budget); the slow tier
+# draws them all.
+@pytest.mark.parametrize("runs", [300, pytest.param(1000, marks=pytest.mark.slow)])
+def test_random_proposals_never_overspend_rdp_guard(runs):
     rng = np.random.default_rng(2024)
     worst = 0.0
-    for trial in range(1000):
+    for trial in range(runs):
         eps = float(rng.uniform(0.3, 6.0))
         q = float(rng.choice([0.01, 0.05, 0.2, 1.0]))
         steps = int(rng.integers(3, 30))
@@ -106,10 +109,11 @@ def test_random_proposals_never_overspend_rdp_guard():
     assert worst > 0.9  # the guard lets runs use their budget
 
 
-def test_random_proposals_never_overspend_pld_guard():
+@pytest.mark.parametrize("runs", [8, pytest.param(24, marks=pytest.mark.slow)])
+def test_random_proposals_never_overspend_pld_guard(runs):
     rng = np.random.default_rng(7)
     used = []
-    for trial in range(24):
+    for trial in range(runs):
         eps = float(rng.uniform(0.5, 4.0))
         q = float(rng.choice([0.1, 0.25]))
         steps = int(rng.integers(12, 36))

@@ -438,6 +438,9 @@ def test_a_retried_member_is_waited_for(tmp_path, fails):
 
 
 # -- one real PBT study on Ray Tune -------------------------------------------------------------------
+# ~60 s on CI's 2 cores (every exploit restarts a member's actor): the slow tier. The fast tier covers the parts with
+# Tune's real scheduler above (_Population: syncs, exploits, a failed member's retry) and a member resuming its
+# donor's state with new settings (test_an_exploit_resumes_the_donors_state_with_the_new_settings).
 @pytest.fixture(scope="module")
 def pbt_study(local_ray, tmp_path_factory):
     from raydp.study.runner import run_study
@@ -454,6 +457,7 @@ def _common_prefix(a: list, b: list) -> int:
     return n
 
 
+@pytest.mark.slow
 def test_pbt_study_exploits_and_stays_within_every_budget(pbt_study):
     study_dir = pbt_study
     table = pd.read_parquet(study_dir / "results.parquet")
@@ -514,6 +518,7 @@ def test_pbt_study_exploits_and_stays_within_every_budget(pbt_study):
         assert privacy["epsilon_member_filter"] < composed and any("PBT member" in x for x in privacy["labels"])
 
 
+@pytest.mark.slow
 def test_report_prints_the_population_epsilon(pbt_study, capsys):
     from raydp.study.report import format_report
 

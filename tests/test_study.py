@@ -539,6 +539,11 @@ def test_a_stopped_study_resumes_with_tuner_restore(tmp_path, raydp_cache):
     assert list(table["status"]) == ["TERMINATED"] and table["within_budget"].all()
 
 
+# ~85 s on CI's 2 cores: two trial starts, each with its policy. The fast tier covers the parts: a run resumed from
+# its checkpoint state continues its ledger, evaluations and decisions exactly (test_privacy_guarantee.py's
+# test_evaluations_and_decisions_follow_their_checkpoints, the strategies' resume tests), and a study's checkpoints
+# reach Tune (test_evaluations_reach_tune_only_with_their_checkpoint); this is the kill end to end.
+@pytest.mark.slow
 def test_a_killed_trial_resumes_with_exactly_the_planned_ledger(tiny_study, tmp_path):
     """Kill a trial's run (its actor process) mid-training: Tune retries it from its checkpoint, the
     study finishes, and the trial's ledger has every planned step exactly once."""
