@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-START = """
+START = r"""
 import os
 os.environ.pop("RAY_AUTH_MODE", None)  # the default
 from raydp.runner.launch import ensure_ray
@@ -61,30 +61,39 @@ def test_a_local_cluster_starts_with_token_authentication_and_serves_no_process_
 
 
 REFUSED = """
-import psutil, ray
+import os, sys, psutil, ray
 from raydp.errors import ConfigError
 from raydp.runner.launch import ensure_ray
-try:
-    ensure_ray(num_cpus=1)
-except ConfigError as exc:
-    print("REFUSED", exc)
-print("STARTED", ray.is_initialized(), len(psutil.Process().children(recursive=True)))
+for mode in sys.argv[1:] or [None]:
+    if mode is not None:
+        os.environ["RAY_AUTH_MODE"] = mode
+    try:
+        ensure_ray(num_cpus=1)
+    except ConfigError as exc:
+        print("REFUSED", repr(mode), exc)
+    print("STARTED", repr(mode), ray.is_initialized(), len(psutil.Process().children(recursive=True)))
 """
 
 
 def test_a_local_cluster_without_token_authentication_is_refused_before_it_starts():
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["RAY_AUTH_MODE"] = "disabled"
-    result = subprocess.run([sys.executable, "-c", REFUSED], env=env, capture_output=True, text=True, timeout=300)
+    """Ray turns the token off for any RAY_AUTH_MODE but "token" (an empty one too): each is refused before a local
+    cluster starts."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    modes = ["disabled", "off", "", "Disabled"]
+    result = subprocess.run([sys.executable, "-c", REFUSED, *modes], env=env, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "REFUSED Ray's token authentication is off" in result.stdout
-    assert "STARTED False 0" in result.stdout  # no Ray process was started only to be stopped
+    for mode in modes:
+        assert f"REFUSED {mode!r} Ray's token authentication is off" in result.stdout, result.stdout
+        assert f"STARTED {mode!r} False 0" in result.stdout  # no Ray process was started only to be stopped
 
 
-@pytest.mark.slow  # ~30 s: a head started with `ray start`, its own ports; the local refusal is the test above
-def test_joining_a_cluster_without_token_authentication_is_refused(tmp_path):
-    """A cluster started without the token (`RAY_AUTH_MODE=disabled ray start --head`), joined through RAY_ADDRESS:
-    refused once joined (raydp cannot know before), and the connection is closed."""
+@pytest.mark.slow  # ~40 s: a head started with `ray start`, its own ports; the local refusal is the test above
+def test_a_process_joining_without_token_mode_is_refused(tmp_path):
+    """A process that joins a cluster (RAY_ADDRESS) without token mode of its own is refused once joined, and its
+    connection is closed. The cluster here runs without the token too (`RAY_AUTH_MODE=disabled ray start --head`),
+    else the join itself would fail. What raydp checks is the joining process's mode: a process in token mode joining
+    a cluster without it is not refused (a node without the token accepts any caller; docs/privacy.md)."""
     import tempfile
 
     from test_study_job import _ray_cli, _stop_head
@@ -92,17 +101,23 @@ def test_joining_a_cluster_without_token_authentication_is_refused(tmp_path):
     temp_dir = tempfile.mkdtemp(prefix="rauth", dir="/tmp")  # short: Ray's socket paths must fit
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_AUTH_MODE"] = "disabled"
-    start = subprocess.run([_ray_cli(), "start", "--head", "--port", "6393", "--num-cpus", "1",
+    import socket
+
+    with socket.socket() as s:  # a free port for the head's GCS
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = subprocess.run([_ray_cli(), "start", "--head", "--port", str(port), "--num-cpus", "1",
                             "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp_dir],
                            env=env, capture_output=True, text=True, timeout=180)
     assert start.returncode == 0, start.stderr
     try:
-        joining = {**env, "RAY_ADDRESS": "127.0.0.1:6393"}
-        joining.pop("RAY_AUTH_MODE")  # the joining process's default: the cluster decides
+        joining = {**env, "RAY_ADDRESS": f"127.0.0.1:{port}", "HOME": str(tmp_path)}  # no ~/.ray/auth_token
+        joining.pop("RAY_AUTH_MODE")  # the joining process sets no mode
         result = subprocess.run([sys.executable, "-c", REFUSED], env=joining, capture_output=True, text=True,
                                 timeout=300)
         assert result.returncode == 0, result.stderr[-2000:]
-        assert "REFUSED Ray's token authentication is off" in result.stdout and "STARTED False" in result.stdout
+        assert "REFUSED None Ray's token authentication is off" in result.stdout
+        assert "STARTED None False" in result.stdout
     finally:
         _stop_head(temp_dir)
         import shutil

@@ -36,8 +36,10 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     Ray's own processes (GCS, raylets, workers) listen on every interface of the host, whatever the node address.
     What protects them is Ray's token authentication, on by default for a local cluster since Ray 2.60 (the
     pinned minimum; ``RAY_AUTH_MODE=disabled`` turns it off: don't): a process without the token (kept in
-    ``~/.ray/auth_token``) can neither connect nor submit work (tests/test_ray_auth.py). A remote cluster must
-    enable it on every node (docs/privacy.md, "Ray's ports"); a cluster without it is refused (one-line ConfigError).
+    ``~/.ray/auth_token``) can neither connect nor submit work (tests/test_ray_auth.py). A local cluster is refused
+    before it starts where ``RAY_AUTH_MODE`` turns the token off, and a process that joins a cluster (RAY_ADDRESS)
+    without token mode is refused once joined (one-line ConfigError). A remote cluster must enable it on every node
+    (docs/privacy.md, "Ray's ports"): whether it does cannot be seen from a client, which this does not check.
 
     A local cluster also runs without Ray's metrics collection: the dashboard agent would otherwise serve every
     process's memory and CPU over time, without the token, on every interface, and those follow the private
@@ -52,8 +54,8 @@ def ensure_ray(num_cpus: int | None = None) -> None:
                "who reaches its ports could run code beside the private data; set RAY_AUTH_MODE=token on every node")
     if os.environ.get("RAY_ADDRESS"):
         ray.init(namespace=RAY_NAMESPACE, log_to_driver=True)
-    elif os.environ.get("RAY_AUTH_MODE", "").strip().lower() == "disabled":  # refused before a local cluster starts
-        raise ConfigError(refused)
+    elif os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":  # Ray's rule: any other value turns it off
+        raise ConfigError(refused)  # refused before a local cluster starts
     else:
         ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, namespace=RAY_NAMESPACE,
                  log_to_driver=True, _system_config={"enable_metrics_collection": False})
@@ -61,7 +63,9 @@ def ensure_ray(num_cpus: int | None = None) -> None:
         from ray._private.authentication.authentication_utils import is_token_auth_enabled
     except ImportError:  # a Ray without token authentication (below the pinned minimum)
         is_token_auth_enabled = None
-    if is_token_auth_enabled is not None and not is_token_auth_enabled():  # a joined cluster started without it
+    # This process's own mode: a process joining (RAY_ADDRESS) without token mode. Whether the cluster's nodes
+    # enforce the token is not visible from here (a node without it accepts any caller): docs/privacy.md.
+    if is_token_auth_enabled is not None and not is_token_auth_enabled():
         ray.shutdown()
         raise ConfigError(refused)
 
