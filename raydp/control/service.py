@@ -194,17 +194,20 @@ class PolicySession:
         self.broker = PolicyBroker.options(name=self.name, namespace=namespace, lifetime=None).remote(
             layout.as_dict(), settings.as_dict(), weights, settings.seed)
         self.service = None
-        ready = [self.broker.info.remote()]
-        if not frozen:
-            self.service = PolicyService.remote(layout.as_dict(), settings.as_dict(), self.name, namespace,
-                                                str(restore) if restore else None, train_delay_s)
-            ready.append(self.service.counters.remote())
         try:
+            ready = [self.broker.info.remote()]
+            if not frozen:
+                self.service = PolicyService.remote(layout.as_dict(), settings.as_dict(), self.name, namespace,
+                                                    str(restore) if restore else None, train_delay_s)
+                ready.append(self.service.counters.remote())
             ray.get(ready)
         except BaseException:
             for actor in (self.service, self.broker):  # neither outlives a session that never started
                 if actor is not None:
-                    ray.kill(actor)
+                    try:
+                        ray.kill(actor)
+                    except Exception:  # noqa: BLE001 - the start's own error is the one to raise
+                        pass
             raise
 
     def client(self, run_id: str, seed: int | None = None) -> PolicyClient:
