@@ -132,7 +132,7 @@ def profile_study(study_file: str, root: Path) -> dict:
     wall = time.perf_counter() - started
     summary = json.loads(next((root / "studies").glob("*/study_summary.json")).read_text())
     trials = {f.stem: phase_seconds(pstats.Stats(str(f)).stats, TRIAL_PHASES) for f in sorted(profiles.glob("*.prof"))}
-    unwritten = sorted(profiles.glob(".*.partial"))  # a trial's process ended while it wrote its profile
+    unwritten = sorted(profiles.glob("*.partial"))  # a trial's process ended while it wrote its profile
     if unwritten:
         print(f"{len(unwritten)} trial profile(s) were cut off as their process ended, and are left out: "
               + ", ".join(p.name for p in unwritten))

@@ -464,7 +464,8 @@ def _restore_point(workdir: Path) -> tuple[dict | None, Path | None]:
 
 
 #: names a directory (an absolute path): a trial's process that has it set runs its trainable under cProfile and leaves
-#: the statistics there, one ``TRIAL-PID-ID.prof`` per attempt (bench/bench_episode.py --study reads them: a trial's
+#: the statistics there, one ``TRIAL-PID-ID.prof`` per attempt (written as ``TRIAL-PID-ID.prof.partial`` and renamed:
+#: a partial one is what a process that ended while writing left) (bench/bench_episode.py --study reads them: a trial's
 #: cost by phase, issue 28). A developer's setting, off unless set; a local Ray hands the driver's environment to its
 #: trials. The files' call counts give the private splits' record counts and the total of the secret Poisson batch
 #: sizes exactly, and their times follow them: unprotected, to be kept with the run's private data (docs/privacy.md).
@@ -496,9 +497,13 @@ def run_trial(params: dict) -> None:
             # written under a temporary name and renamed: Tune may end the trial's process while it writes (the final
             # report says done), which must leave no truncated .prof behind
             final = out / f"{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}.prof"
-            partial = final.with_name(f".{final.name}.partial")
-            profiler.dump_stats(partial)
-            os.replace(partial, final)
+            partial = final.with_name(f"{final.name}.partial")  # private like the rest: no hidden name
+            try:
+                profiler.dump_stats(partial)
+                os.replace(partial, final)
+            except OSError:
+                partial.unlink(missing_ok=True)
+                raise
         except OSError as exc:
             logging.getLogger(__name__).warning("trial %s: its profile was not written to %s: %s", name, directory,
                                                 exc.strerror or exc)
