@@ -68,7 +68,7 @@ def test_the_audit_catches_a_mechanism_with_its_noise_off(tmp_path, monkeypatch,
         draws.append(audit)
     assert any(not audit["consistent"] for audit in draws)
     strongest = max(draws, key=lambda audit: audit["epsilon_one_run"])
-    assert strongest["epsilon_one_run"] > 4 * claimed  # 1.91 at the cap (m = 100) on both CPUs above
+    assert strongest["epsilon_one_run"] > 4 * claimed  # seed 2: 1.91 (the cap at m = 100) and 1.87 on the CPUs above
     assert strongest["epsilon_clopper_pearson"] > claimed
 
 

@@ -3,6 +3,7 @@ the study file, the exploit path of a run, and one real PBT study on Ray Tune.""
 
 import io
 import json
+import math
 import random
 from pathlib import Path
 
@@ -260,9 +261,14 @@ def test_an_exploit_resumes_the_donors_state_with_the_new_settings(tmp_path, ray
                  if s["trainer"]["step_count"] == 4)
     asked = []
 
-    def population(q, sigma_eff):
-        asked.append(sigma_eff)
-        return len(asked) <= 2  # the population admits two of the member's steps, then refuses
+    class Population:  # what PopulationAdmit is to a member: a callable that states the population's epsilon
+        epsilon = 1.23
+
+        def __call__(self, q, sigma_eff):
+            asked.append(sigma_eff)
+            return len(asked) <= 2  # the population admits two of the member's steps, then refuses
+
+    population = Population()
 
     member = run_training(TrainConfig(**base, settings={"clip": 0.2, "sigma_scale": 1.1}), tmp_path / "member",
                           progress=False, resume=state, population_admit=population)
@@ -283,7 +289,13 @@ def test_an_exploit_resumes_the_donors_state_with_the_new_settings(tmp_path, ray
     spent = sum(rdp_step(r[1], r[2]) for r in rows)  # the inherited prefix counts against the member's filter
     assert privacy["within_budget"] and privacy["steps_charged"] == 6 and np.all(spent <= budget[INTEGER])
     assert privacy["strategy"]["clip"] == 0.2 and privacy["strategy"]["sigma_scale"] == 1.1
-    assert privacy["epsilon"] == float("inf")  # this hook states no population epsilon: no guarantee is claimed
+    # the member reports the population's guarantee (its model depends on the whole population), its own filter's
+    # figure beside it; a hook that states none claims no guarantee
+    assert privacy["epsilon"] == 1.23 and 0 < privacy["epsilon_member_filter"] < math.inf
+    assert any("PBT member" in label and "epsilon=1.2300" in label for label in privacy["labels"])
+    silent = run_training(TrainConfig(**base, settings={"clip": 0.2, "sigma_scale": 1.1}), tmp_path / "silent",
+                          progress=False, resume=state, population_admit=lambda q, sigma_eff: True)
+    assert silent["privacy"]["epsilon"] == math.inf
 
 
 # -- the synchronous scheduler's decisions ------------------------------------------------------------
@@ -438,9 +450,11 @@ def test_a_retried_member_is_waited_for(tmp_path, fails):
 
 
 # -- one real PBT study on Ray Tune -------------------------------------------------------------------
-# ~60 s on CI's 2 cores (every exploit restarts a member's actor): the slow tier. The fast tier covers the parts with
-# Tune's real scheduler above (_Population: syncs, exploits, a failed member's retry) and a member resuming its
-# donor's state with new settings (test_an_exploit_resumes_the_donors_state_with_the_new_settings).
+# ~60 s on CI's 2 cores (every exploit restarts a member's actor): the slow tier. The fast tier has parts of it: Tune's
+# real scheduler's syncs, exploits and a failed member's retry (_Population above), and a member resuming its donor's
+# state with new settings and reporting the population's epsilon
+# (test_an_exploit_resumes_the_donors_state_with_the_new_settings). Only this study runs the population actor, a
+# member finding its own name after an exploit, and the population filter over a whole study.
 @pytest.fixture(scope="module")
 def pbt_study(local_ray, tmp_path_factory):
     from raydp.study.runner import run_study

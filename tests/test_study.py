@@ -506,9 +506,9 @@ def test_steps_to_target_measures_against_the_best_baseline(tmp_path):
     assert got[[1, 4]].isna().all()
 
 
-# slow (~2 min): a finished study restored by Tuner.restore is test_resume_restores_a_finished_study_without_rerunning,
-# a trial resuming from its latest checkpoint with exactly its planned ledger is
-# test_a_killed_trial_resumes_with_exactly_the_planned_ledger; this one adds Ctrl-C and `raydp study --resume`
+# slow (~2 min): a finished study restored by Tuner.restore is test_resume_restores_a_finished_study_without_rerunning
+# (fast); a trial resuming from its latest checkpoint with exactly its planned ledger is
+# test_a_killed_trial_resumes_with_exactly_the_planned_ledger (slow too); this one adds Ctrl-C and `raydp study --resume`
 @pytest.mark.slow
 def test_a_stopped_study_resumes_with_tuner_restore(tmp_path, raydp_cache):
     """Stop the study's driver (Ctrl-C) after a checkpoint, then `raydp study --resume` finishes it."""
@@ -539,10 +539,12 @@ def test_a_stopped_study_resumes_with_tuner_restore(tmp_path, raydp_cache):
     assert list(table["status"]) == ["TERMINATED"] and table["within_budget"].all()
 
 
-# ~85 s on CI's 2 cores: two trial starts, each with its policy. The fast tier covers the parts: a run resumed from
-# its checkpoint state continues its ledger, evaluations and decisions exactly (test_privacy_guarantee.py's
-# test_evaluations_and_decisions_follow_their_checkpoints, the strategies' resume tests), and a study's checkpoints
-# reach Tune (test_evaluations_reach_tune_only_with_their_checkpoint); this is the kill end to end.
+# ~85 s on CI's 2 cores (two trial starts, each with its policy): the slow tier. The fast tier has parts of it only:
+# a run resumed from a checkpoint's state continues its ledger and settings exactly (test_pbt.py's
+# test_an_exploit_resumes_the_donors_state_with_the_new_settings, the strategies' resume tests), checkpoints come
+# before the evaluations and decisions they cover (test_privacy_guarantee.py), and they reach Tune
+# (test_evaluations_reach_tune_only_with_their_checkpoint). No fast test resumes a trial from Tune's checkpoint
+# (the trial's _restore_point, its policy snapshot): this one and the stopped-study test below, both slow.
 @pytest.mark.slow
 def test_a_killed_trial_resumes_with_exactly_the_planned_ledger(tiny_study, tmp_path):
     """Kill a trial's run (its actor process) mid-training: Tune retries it from its checkpoint, the
