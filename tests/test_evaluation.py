@@ -46,9 +46,9 @@ def test_the_audit_catches_a_mechanism_with_its_noise_off(tmp_path, monkeypatch,
     # 0.24, 0.36, 1.91 on another (2026-11-28), where seed 3, the single draw this test used to take, fell under the
     # claim. The fast tier takes seed 2, at the cap on the first CPU and 1.87 on the second; the slow tier adds seed 0,
     # the other CPU's weak draw. The audit must flag at least one draw, every flagged one must say so, and the stronger
-    # must be far above the claim. Fixed randomness labels the epsilon void, which the audit rightly does not compare; the bug
-    # under test is a run that claims its epsilon, so the label comes off the summary (what the broken code would
-    # have written).
+    # must be far above the claim. Fixed randomness labels the epsilon void, which the audit rightly does not compare;
+    # the bug under test is a run that claims its epsilon, so the label comes off the summary (what the broken code
+    # would have written).
     draws = []
     for seed in seeds:
         run = _train(tmp_path, f"broken-{seed}", unsafe_fixed_randomness=True, seed=seed)

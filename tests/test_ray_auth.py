@@ -5,8 +5,11 @@ nothing it starts leaks into other tests."""
 from __future__ import annotations
 
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -94,15 +97,11 @@ def test_a_process_joining_without_token_mode_is_refused(tmp_path):
     connection is closed. The cluster here runs without the token too (`RAY_AUTH_MODE=disabled ray start --head`),
     else the join itself would fail. What raydp checks is the joining process's mode: a process in token mode joining
     a cluster without it is not refused (a node without the token accepts any caller; docs/privacy.md)."""
-    import tempfile
-
     from test_study_job import _ray_cli, _stop_head
 
     temp_dir = tempfile.mkdtemp(prefix="rauth", dir="/tmp")  # short: Ray's socket paths must fit
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_AUTH_MODE"] = "disabled"
-    import socket
-
     with socket.socket() as s:  # a free port for the head's GCS
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -120,8 +119,6 @@ def test_a_process_joining_without_token_mode_is_refused(tmp_path):
         assert "STARTED None False" in result.stdout
     finally:
         _stop_head(temp_dir)
-        import shutil
-
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

@@ -508,7 +508,8 @@ def test_steps_to_target_measures_against_the_best_baseline(tmp_path):
 
 # slow (~2 min): a finished study restored by Tuner.restore is test_resume_restores_a_finished_study_without_rerunning
 # (fast); a trial resuming from its latest checkpoint with exactly its planned ledger is
-# test_a_killed_trial_resumes_with_exactly_the_planned_ledger (slow too); this one adds Ctrl-C and `raydp study --resume`
+# test_a_killed_trial_resumes_with_exactly_the_planned_ledger (slow too); this one adds Ctrl-C and
+# `raydp study --resume`
 @pytest.mark.slow
 def test_a_stopped_study_resumes_with_tuner_restore(tmp_path, raydp_cache):
     """Stop the study's driver (Ctrl-C) after a checkpoint, then `raydp study --resume` finishes it."""

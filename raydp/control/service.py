@@ -187,10 +187,11 @@ class PolicySession:
         self.layout, self.settings, self.frozen, self.namespace = layout, settings, frozen, namespace
         self.name = name or f"rldp-broker-{uuid.uuid4().hex[:8]}"
         weights = _module_weights(restore) if frozen else None
-        # Both actors start at once: each is a fresh process that imports torch and RLlib, and one after the other
-        # a session took 11.9-17.5 s to start on a 2-core machine, at once 6.3-8.4 s (bench/bench_policy_start.py). The service finds the broker
-        # by its name, which Ray registers when .remote() returns (a named actor's registration is synchronous), and
-        # its calls to the broker wait until the broker is up. Both are up before a run looks the broker up by name.
+        # Both actors start at once: each is a fresh process that imports torch and RLlib. One after the other, a
+        # session took 11.9-17.5 s to start on a 2-core machine; at once, 6.3-8.4 s (bench/bench_policy_start.py).
+        # The service finds the broker by its name, which Ray registers when .remote() returns (a named actor's
+        # registration is synchronous), and its calls to the broker wait until the broker is up. Both are up before a
+        # run looks the broker up by name.
         self.broker = PolicyBroker.options(name=self.name, namespace=namespace, lifetime=None).remote(
             layout.as_dict(), settings.as_dict(), weights, settings.seed)
         self.service = None
