@@ -67,6 +67,8 @@ REFUSED = """
 import os, sys, psutil, ray
 from raydp.errors import ConfigError
 from raydp.runner.launch import ensure_ray
+inits, init = [], ray.init
+ray.init = lambda *args, **kwargs: inits.append(1) or init(*args, **kwargs)  # counted: a cluster started, or joined
 for mode in sys.argv[1:] or [None]:
     if mode is not None:
         os.environ["RAY_AUTH_MODE"] = mode
@@ -74,7 +76,7 @@ for mode in sys.argv[1:] or [None]:
         ensure_ray(num_cpus=1)
     except ConfigError as exc:
         print("REFUSED", repr(mode), exc)
-    print("STARTED", repr(mode), ray.is_initialized(), len(psutil.Process().children(recursive=True)))
+    print("STARTED", repr(mode), ray.is_initialized(), len(psutil.Process().children(recursive=True)), len(inits))
 """
 
 
@@ -88,7 +90,12 @@ def test_a_local_cluster_without_token_authentication_is_refused_before_it_start
     assert result.returncode == 0, result.stderr[-2000:]
     for mode in modes:
         assert f"REFUSED {mode!r} Ray's token authentication is off" in result.stdout, result.stdout
-        assert f"STARTED {mode!r} False 0" in result.stdout  # no Ray process was started only to be stopped
+        assert f"STARTED {mode!r} False 0 0" in result.stdout  # no Ray was started only to be stopped
+    # RAY_ADDRESS=local is Ray's "start a new local cluster": the same refusal, not a join
+    result = subprocess.run([sys.executable, "-c", REFUSED, "disabled"], env={**env, "RAY_ADDRESS": "local"},
+                            capture_output=True, text=True, timeout=300)
+    assert "REFUSED 'disabled' Ray's token authentication is off" in result.stdout, result.stdout + result.stderr
+    assert "STARTED 'disabled' False 0 0" in result.stdout
 
 
 @pytest.mark.slow  # ~40 s: a head started with `ray start`, its own ports; the local refusal is the test above
@@ -116,7 +123,7 @@ def test_a_process_joining_without_token_mode_is_refused(tmp_path):
                                 timeout=300)
         assert result.returncode == 0, result.stderr[-2000:]
         assert "REFUSED None Ray's token authentication is off" in result.stdout
-        assert "STARTED None False" in result.stdout
+        assert "STARTED None False 0 1" in result.stdout  # joined once, then left
     finally:
         _stop_head(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)

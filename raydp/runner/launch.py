@@ -52,7 +52,8 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     refused = ("Ray's token authentication is off (RAY_AUTH_MODE=disabled, or a cluster started without it): anyone "
                "who reaches its ports could run code beside the private data; set RAY_AUTH_MODE=token on every node")
-    if os.environ.get("RAY_ADDRESS"):
+    address = os.environ.get("RAY_ADDRESS", "")
+    if address and address != "local":  # Ray reads "local" as: start a new local cluster (the branch below)
         ray.init(namespace=RAY_NAMESPACE, log_to_driver=True)
     elif os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":  # Ray's rule: any other value turns it off
         raise ConfigError(refused)  # refused before a local cluster starts
