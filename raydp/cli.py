@@ -97,8 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                                  flags=_add_data_flags)  # DataConfig's fields (raydp.cli_flags)
     build.add_argument("--output", "-o", required=True, help="dataset directory to create")
     build.add_argument("--overwrite", action="store_true", help="replace an existing dataset directory")
-    show = data_cmds.add_parser("show", help="print a dataset's manifest, sizes and a sample narrative")
+    show = data_cmds.add_parser("show", help="print a dataset's manifest and sizes (--sample: one record too)")
     show.add_argument("dataset", help="dataset directory")
+    show.add_argument("--sample", action="store_true",
+                      help="also print the first record of the eval split: private data on your terminal (its "
+                           "scrollback, a CI log, a shared screen keep it), so only when asked")
     budget = data_cmds.add_parser("budget", help="set (once) or show a private dataset's lifetime privacy budget")
     budget.add_argument("dataset", help="dataset directory")
     budget.add_argument("--epsilon", type=float, help="set the lifetime epsilon (with --delta); once only")
@@ -216,20 +219,26 @@ def cmd_data_build(args) -> int:
     return 0
 
 
-def _print_dataset(info: dict, path) -> None:
+def _print_dataset(info: dict, path, sample: bool = False) -> None:
+    """The dataset's description; a record (the first of the eval split) only with ``sample``: a terminal's
+    scrollback and a CI log are not private places, so nothing prints a record unasked (a study never does)."""
     info = dict(info)
-    sample = info.pop("sample_eval_narrative", None)
+    record = info.pop("sample_eval_narrative", None)
     print(json.dumps(info, indent=2, default=str))
-    if sample and not info.get("synthetic", True):  # a real record: the owner's terminal only, and said so
+    if not sample:
+        return
+    if not record:
+        print(f"\n(the eval split of {path} is empty: no record to show)")
+        return
+    if not info.get("synthetic", True):  # a real record: the owner's terminal only, and said so
         print("\nPRIVATE: a record of the eval split follows (it is data of a real person: do not paste it anywhere)")
-    if sample:
-        print(f"\nsample narrative (eval split of {path}):\n{sample}")
+    print(f"\nsample narrative (eval split of {path}):\n{record}")
 
 
 def cmd_data_show(args) -> int:
     from raydp.data import describe_dataset  # lazy: `raydp --help` loads no pandas
 
-    _print_dataset(describe_dataset(args.dataset), args.dataset)
+    _print_dataset(describe_dataset(args.dataset), args.dataset, sample=args.sample)
     return 0
 
 
