@@ -1,5 +1,5 @@
 """Rerun a finished study's trials in this process, one after another, with whatever raydp package comes first on the
-path: the "before" arm of a paired check against older code (issue 28, ``trials/throughput-rounding.yaml``). A study
+path: the "before" arm of a paired check against older code (issue 28, ``experiments/throughput/throughput-rounding.yaml``). A study
 cannot do it, because Ray's workers import raydp from the installed package, not from the driver's PYTHONPATH.
 
 Each trial's ``config.json`` (its dataset is the study's built one) runs as ``raydp train`` would, into OUT/TRIAL;

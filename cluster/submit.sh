@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Submit a study to a running Ray cluster (the job entrypoint is `raydp study`).
-#   cluster/submit.sh trials/paper_grid.yaml [http://head:8265]
+#   cluster/submit.sh cluster/paper_grid.yaml [http://head:8265]
 # Ray token authentication: export RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) for the cluster's token.
 # Results: RESULTS_DIR, an absolute path on storage the head mounts (default /mnt/shared/raydp/studies); the job's
 # working directory is a temporary copy, so a relative path would vanish with it. Give the study file

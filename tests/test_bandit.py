@@ -62,7 +62,7 @@ def test_the_bandits_decisions_rank_near_the_best_of_a_brute_force_search_in_eve
 
 
 def test_one_diverged_episode_does_not_derail_the_decisions():
-    """A run that diverges (a loss 100x the others, as one public episode of trials/bandit-search.yaml did) must
+    """A run that diverges (a loss 100x the others, as one public episode of experiments/bandit/bandit-search.yaml did) must
     not set the model's scale: the bandit caps losses at Tukey's fence before it fits them."""
     bandit = _learned(budget_per_context=10, noise=0.05)
     worst = max(range(len(bandit.observations)), key=lambda i: bandit.observations[i].loss)

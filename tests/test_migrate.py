@@ -81,7 +81,7 @@ def test_a_pickled_policy_is_converted_to_the_state_file_format(tmp_path, capsys
 
     from raydp.control.store import build_module, load_manifest, load_module_state
 
-    shipped = Path(__file__).resolve().parents[1] / "policies" / "public-structured"
+    shipped = Path(__file__).resolve().parents[1] / "policies" / "public-embedded"
     old = tmp_path / "policies" / "old"
     old.mkdir(parents=True)
     manifest = json.loads((shipped / "manifest.json").read_text())

@@ -5,6 +5,7 @@ with ``raydp policy export`` unless asked."""
 import json
 import os
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +25,8 @@ from raydp.control.store import (
 from raydp.errors import ConfigError
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, rdp_vector
 
+#: the residual RLDP campaign's policies (issue 29): records of what its studies ran, kept beside them
+RESIDUAL_POLICIES = Path(__file__).resolve().parents[1] / "experiments" / "residual-rldp" / "policies"
 LAYOUT = ObservationLayout("shared", 8)
 SAC = {"b_sac": 4, "k": 2}
 
@@ -303,8 +306,8 @@ def test_a_continued_policys_totals_cover_every_study_that_trained_it():
     figures summed (its own top-level counts are the second study's), and its episodes match its provenance."""
     from raydp.control.store import resolve_policy, training_totals
 
-    first = load_manifest(resolve_policy("residual-public-60", "policies"))
-    later = load_manifest(resolve_policy("residual-public-102", "policies"))
+    first = load_manifest(resolve_policy("residual-public-60", RESIDUAL_POLICIES))
+    later = load_manifest(resolve_policy("residual-public-102", RESIDUAL_POLICIES))
     record = later["trained_on"]["pretraining"]
     totals = training_totals(later)
     assert training_totals(first)["episodes"] == len(first["provenance"]) == 60
@@ -316,18 +319,18 @@ def test_a_continued_policys_totals_cover_every_study_that_trained_it():
 
 
 # -- lifetime figures: every save records what trained the policy over its whole life -----------------------------
-SHIPPED_LIFETIMES = {"residual-public": (12, 324, 2592), "residual-public-60": (60, 1620, 12960),
-                     "residual-public-102": (102, 2754, 22032)}
+CAMPAIGN_LIFETIMES = {"residual-public": (12, 324, 2592), "residual-public-60": (60, 1620, 12960),
+                      "residual-public-102": (102, 2754, 22032)}
 
 
-def test_the_shipped_policies_lifetime_figures_come_out_of_their_manifests():
-    """The shipped policies were saved before the lifetime field: residual-public and -60 (one study each) count
-    their own figures, residual-public-102 its record's corrected totals (60 + 42 episodes); what a service that
-    restores them continues from is the same."""
+def test_the_campaign_policies_lifetime_figures_come_out_of_their_manifests():
+    """The residual campaign's policies were saved before the lifetime field: residual-public and -60 (one study
+    each) count their own figures, residual-public-102 its record's corrected totals (60 + 42 episodes); what a
+    service that restores them continues from is the same."""
     from raydp.control.store import lifetime_of, resolve_policy, training_totals
 
-    for name, (runs, transitions, updates) in SHIPPED_LIFETIMES.items():
-        manifest = load_manifest(resolve_policy(name, "policies"))
+    for name, (runs, transitions, updates) in CAMPAIGN_LIFETIMES.items():
+        manifest = load_manifest(resolve_policy(name, RESIDUAL_POLICIES))
         assert "lifetime" not in manifest, name  # an older manifest: loads, and its figures come from the rules
         totals = training_totals(manifest)
         assert (totals["episodes"], totals["transitions"], totals["sac_updates"]) == (runs, transitions, updates)
@@ -503,6 +506,7 @@ def test_a_policy_continued_by_a_run_then_by_a_study_keeps_its_lifetime(local_ra
     from tests.test_study import TINY_STUDY, write_study
 
     policies = tmp_path / "policies"
+    copy_policy(RESIDUAL_POLICIES / "residual-public-60", policies / "residual-public-60")  # the campaign's, full
     run_config = {"model": "embedded-tiny", "strategy": "rldp", "epsilon": 2.0, "data": PUBLIC_DATA,
                   "max_steps": 24, "eval_every": 8, "eval_max_records": 16, "public_eval_records": 16,
                   "warmup_steps": 4, "settings": RESIDUAL}
@@ -554,7 +558,7 @@ def test_the_policy_pre_trained_across_sizes_and_rates_counts_its_whole_chain():
     continuing the last: its totals and provenance cover all 174 runs."""
     from raydp.control.store import resolve_policy, training_totals
 
-    chain = [load_manifest(resolve_policy(name, "policies"))
+    chain = [load_manifest(resolve_policy(name, RESIDUAL_POLICIES))
              for name in ("residual-public-102", "residual-public-156", "residual-public-174")]
     totals = [training_totals(m) for m in chain]
     assert [t["episodes"] for t in totals] == [len(m["provenance"]) for m in chain] == [102, 156, 174]

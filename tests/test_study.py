@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 import yaml
 
+from raydp.control.store import shipped_policy_dir
 from raydp.errors import ConfigError
 from raydp.study.config import load_study, trial_grid
 
@@ -86,23 +87,72 @@ def test_missing_and_broken_study_files(tmp_path):
         load_study(broken)
 
 
-def test_shipped_study_files_validate_and_expand():
-    """Every study file in trials/ validates and expands to trials (no campaign's trial count is pinned here)."""
-    for path in sorted((REPO / "trials").glob("*.yaml")):
-        study = load_study(path)
-        if study.tuned_from is not None and not (REPO / study.tuned_from).is_file() \
-                and not (REPO / study.tuned_from / "study_summary.json").exists():  # a committed record expands
-            # the deciding half of a pre-registered pair: it expands once its public search has run
-            with pytest.raises(ConfigError, match="is not a finished study"):
-                trial_grid(study)
-            continue
-        trials = trial_grid(study)
-        assert trials or study.search_space, path.name  # a search's trials are Optuna's (search_cells)
-        assert {t.strategy for t in trials} <= set(study.strategies) | {"pbt"}, path.name
-    quick = load_study(REPO / "trials" / "quickstart.yaml")
-    assert "rldp" in {t.strategy for t in trial_grid(quick)}
-    frontier = load_study(REPO / "trials" / "frontier.yaml")
-    assert frontier.epsilons == [0.5, 2.0, 8.0] and "nonprivate" in frontier.strategies  # the DP gap (issue 27)
+#: the shipped studies: what the README and the user docs tell a user to run (one line each in docs/studies.md), and
+#: the cluster's example; a campaign's study files are records under experiments/<campaign>/ (slow tier, below)
+SHIPPED_STUDIES = [*sorted((REPO / "trials").glob("*.yaml")), REPO / "cluster" / "paper_grid.yaml"]
+CAMPAIGN_STUDIES = sorted((REPO / "experiments").rglob("*.yaml"))
+MAX_SHIPPED = 10  # study files at the top of trials/
+
+
+def _validates_and_expands(path):
+    """Load a study file and expand its trials; a deciding study whose public search has not run (tuned_from names
+    a study directory, relative to the working directory, that is not there) must say so. Returns the study."""
+    study = load_study(path)
+    tuned = Path(study.tuned_from) if study.tuned_from is not None else None
+    if tuned is not None and not tuned.is_file() and not (tuned / "study_summary.json").exists():
+        # the deciding half of a pre-registered pair: it expands once its public search has run
+        with pytest.raises(ConfigError, match="is not a finished study"):
+            trial_grid(study)
+        return study
+    trials = trial_grid(study)
+    assert trials or study.search_space, path.name  # a search's trials are Optuna's (search_cells)
+    assert {t.strategy for t in trials} <= set(study.strategies) | {"pbt"}, path.name
+    return study
+
+
+def _named_policies(study):
+    """(policy, policy_dir, frozen) of every saved policy the study's strategy settings start from."""
+    return [(s["policy"], s.get("policy_dir", "policies"), bool(s.get("frozen")))
+            for s in study.strategy_settings.values() if isinstance(s, dict) and s.get("policy")]
+
+
+def test_shipped_study_files_validate_and_expand(tmp_path, monkeypatch):
+    """Every shipped study file validates and expands to trials (no trial count is pinned here), and every policy
+    one starts from is a shipped one: found from any working directory (so from a wheel too)."""
+    from raydp.control.store import resolve_policy
+
+    assert len(SHIPPED_STUDIES) - 1 <= MAX_SHIPPED, "trials/ holds the shipped studies only: a campaign's study " \
+                                                    "files go to experiments/<campaign>/"
+    monkeypatch.chdir(tmp_path)  # no policies/ here: only the shipped ones count
+    studies = {path.stem: _validates_and_expands(path) for path in SHIPPED_STUDIES}
+    for name, study in studies.items():
+        for policy, policy_dir, _ in _named_policies(study):
+            assert resolve_policy(policy, policy_dir).parent == shipped_policy_dir().resolve(), (name, policy)
+    assert "rldp" in {t.strategy for t in trial_grid(studies["quickstart"])}
+    headroom = studies["headroom"]
+    assert headroom.epsilons == [0.5, 2.0, 8.0] and "nonprivate" in headroom.strategies  # the DP gap (issue 27)
+
+
+# Slow tier by choice, not for time (about a second): a campaign's files are records of what ran, at the commit its
+# README names, so a schema change is not held back by the fast tier; this tier checks that they still load and that
+# the files they name (tuning records, policies) resolve where they moved to. One that a later schema change breaks
+# is amended in its file (as pre-registered studies are), saying so.
+@pytest.mark.slow
+def test_campaign_study_files_validate_and_their_paths_resolve(monkeypatch):
+    """Every study file under experiments/ validates and expands from the repository's root (the campaigns name their
+    policies from there), its tuning record exists, and a policy it continues training (not frozen) is a full copy,
+    replay buffer included."""
+    from raydp.control.store import REPLAY_FILE, resolve_policy
+
+    monkeypatch.chdir(REPO)
+    assert CAMPAIGN_STUDIES
+    for path in CAMPAIGN_STUDIES:
+        study = _validates_and_expands(path)
+        if study.tuned_from is not None:
+            assert Path(study.tuned_from).exists(), path
+        for policy, policy_dir, frozen in _named_policies(study):
+            found = resolve_policy(policy, policy_dir)
+            assert frozen or (found / REPLAY_FILE).is_file(), (path, policy)
 
 
 def test_settings_grid_expands_into_named_trials_with_their_settings(tmp_path):
