@@ -97,11 +97,26 @@ def check_model_name(name_or_path: str) -> None:
         _local_model_dir(name_or_path)
 
 
+#: the files ``AutoTokenizer`` reads a vocabulary from (a fast tokenizer's tokenizer.json, a BPE vocab.json with
+#: its merges.txt, a WordPiece vocab.txt, a SentencePiece model, Mistral's tekken.json) or its settings from
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model", "tekken.json", "tokenizer_config.json")
+
+
+def _no_tokenizer(name_or_path: str, where: str, empty: bool = False) -> ModelError:
+    found = "what is there gives an empty vocabulary" if empty else "none is there"
+    return ModelError(f"model {name_or_path!r} has no tokenizer: looked for {', '.join(TOKENIZER_FILES)} in {where}, "
+                      f"and {found} (save the tokenizer beside the weights: tokenizer.save_pretrained(DIR))")
+
+
 def _local_model_dir(name_or_path: str) -> Path | None:
     path = Path(name_or_path).expanduser()
     if name_or_path.startswith((".", "/", "~")) or path.exists():
         if not (path / "config.json").exists():
             raise ModelError(f"model path {name_or_path!r} is not a model directory (no config.json)")
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            # AutoTokenizer would build an empty tokenizer from the config alone, and training would fail far later
+            raise _no_tokenizer(name_or_path, str(path.absolute()))
         return path
     return None
 
@@ -135,6 +150,9 @@ def load_model(
     try:
         with transformers_progress(progress):
             tokenizer = AutoTokenizer.from_pretrained(source)
+            if len(tokenizer) <= len(set(tokenizer.all_special_tokens)):  # no vocabulary: nothing but special tokens
+                raise _no_tokenizer(name_or_path, source if Path(source).is_dir() else f"the Hub's {source}",
+                                    empty=True)
             kind = getattr(AutoConfig.from_pretrained(source), "model_type", None)
             auto = AutoModelForMaskedLM if kind in ENCODERS else AutoModelForCausalLM
             base = auto.from_pretrained(source, dtype=dtype)
