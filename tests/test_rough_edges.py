@@ -42,3 +42,51 @@ def test_tokenizer_settings_without_a_vocabulary_are_refused(weights_without_tok
     (weights_without_tokenizer / "tokenizer_config.json").write_text('{"tokenizer_class": "GPT2Tokenizer"}')
     with pytest.raises(ModelError, match="has no tokenizer: .* gives an empty vocabulary"):
         load_model(str(weights_without_tokenizer), device="cpu", progress=False)
+
+
+def _study_file(folder, **changes):
+    import yaml
+
+    values = {"name": "paths", "models": ["embedded-tiny"], "epsilons": [2.0], "strategies": ["static"],
+              "resources": {"cpus_per_trial": 1}, **changes}
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "paths.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def _notes(path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("mrn,note\n" + "\n".join(f"m{u},note {u} of the patient" for u in range(40)) + "\n")
+    return path
+
+
+def test_a_study_files_relative_paths_are_read_beside_it_first_then_in_the_working_directory(tmp_path, monkeypatch):
+    from raydp.study.config import load_study
+
+    studies, elsewhere = tmp_path / "studies", tmp_path / "elsewhere"
+    data = {"source": "notes.csv", "text_column": "note", "unit_column": "mrn"}
+    path = _study_file(studies, base={"data": data}, tuned_from="tuned/search.json")
+    beside = _notes(studies / "notes.csv")
+    (studies / "tuned").mkdir()
+    (studies / "tuned" / "search.json").write_text("{}")
+    _notes(elsewhere / "notes.csv")  # the same name in the working directory: the study file's own comes first
+    monkeypatch.chdir(elsewhere)
+    study = load_study(path)
+    assert study.base["data"]["source"] == str(beside)
+    assert study.tuned_from == str(studies / "tuned" / "search.json")
+    beside.unlink()  # not beside the study file: the working directory's
+    assert load_study(path).base["data"]["source"] == str(elsewhere / "notes.csv")
+    # a search study's directory that has not run yet stays as written (the trial grid says it is not finished)
+    assert load_study(_study_file(studies, tuned_from="runs/studies/search")).tuned_from == "runs/studies/search"
+
+
+def test_a_study_files_missing_source_names_both_places_in_one_line(tmp_path, monkeypatch, capsys):
+    studies, elsewhere = tmp_path / "studies", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    path = _study_file(studies, base={"data": {"source": "notes.csv", "text_column": "note", "unit_column": "mrn"}})
+    monkeypatch.chdir(elsewhere)
+    assert main(["study", str(path), "--check"]) == 2
+    err = _one_line_error(capsys)
+    assert "base.data.source: notes.csv" in err
+    assert str(studies / "notes.csv") in err and str(elsewhere / "notes.csv") in err

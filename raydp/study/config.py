@@ -519,18 +519,75 @@ class StudyConfig(StrictModel):
                              f"pbt.hyperparam_mutations, not strategy_settings.{self.population_strategy}")
 
 
+#: the places in a study file that name a file or directory (True: one the study reads, which must exist; False:
+#: one that may not exist yet, e.g. a search study still to run, or a directory the study writes); "*" is any key.
+#: Model names are not among them: a model name is also a Hub name, and it names the study's trials.
+STUDY_PATHS: tuple[tuple[tuple[str, ...], bool], ...] = (
+    (("base", "data", "source"), True), (("base", "data", "ids_mapping"), True), (("base", "public_validation"), True),
+    (("tuned_from",), False), (("policy_dir",), False), (("storage",), False),
+    (("strategy_settings", "*", "policy"), False), (("strategy_settings", "*", "policy_dir"), False))
+#: data.source values that name no file
+DATA_SOURCE_KEYWORDS = ("synthetic", "public")
+
+
+def study_relative_path(value: str, study_file: Path) -> Path | None:
+    """Where a relative path of a study file is: beside the study file if it is there, else in the working directory
+    (absolute, the first that exists); None if in neither."""
+    for root in (study_file.parent, Path.cwd()):
+        if (root / value).exists():
+            return Path(os.path.abspath(root / value))
+    return None
+
+
+def _is_relative_path(value) -> bool:
+    return isinstance(value, str) and bool(value) and "://" not in value and value not in DATA_SOURCE_KEYWORDS \
+        and not Path(value).expanduser().is_absolute()
+
+
+def resolve_study_paths(values: dict, study_file: Path) -> dict:
+    """``values`` (a study file's mapping) with every relative path of :data:`STUDY_PATHS` made absolute: beside the
+    study file first, then in the working directory, so a study runs from any directory. A path the study reads
+    that is in neither is a ConfigError naming both places; one that may not exist yet is left as written."""
+
+    def visit(node, keys: tuple[str, ...], where: tuple[str, ...], required: bool):
+        if not isinstance(node, dict):
+            return node
+        key, rest = keys[0], keys[1:]
+        names = list(node) if key == "*" else [key] if key in node else []
+        if not names:
+            return node
+        node = dict(node)
+        for name in names:
+            if rest:
+                node[name] = visit(node[name], rest, (*where, str(name)), required)
+                continue
+            value = node[name]
+            if not _is_relative_path(value):
+                continue
+            found = study_relative_path(value, study_file)
+            if found is not None:
+                node[name] = str(found)
+            elif required:
+                field = ".".join((*where, str(name)))
+                raise ConfigError(f"{field}: {value} is neither beside the study file "
+                                  f"({Path(os.path.abspath(study_file.parent / value))}) nor in the working "
+                                  f"directory ({Path(os.path.abspath(value))})")
+        return node
+
+    for keys, required in STUDY_PATHS:
+        values = visit(values, keys, (), required)
+    return values
+
+
 def load_study(path: str | Path) -> StudyConfig:
-    """Read and validate a study file (YAML; ``trials/NAME`` may omit ``.yaml``)."""
+    """Read and validate a study file (YAML; ``trials/NAME`` may omit ``.yaml``); its relative paths are taken
+    beside it first, then in the working directory (:func:`resolve_study_paths`)."""
     path = Path(path)
     if not path.exists() and path.with_suffix(".yaml").exists():
         path = path.with_suffix(".yaml")
     values = load_yaml_mapping(path, "study")
-    tuned = values.get("tuned_from") if isinstance(values, dict) else None
-    if isinstance(tuned, str) and not Path(tuned).expanduser().is_absolute() and (path.parent / tuned).exists() \
-            and not Path(tuned).exists():  # a record beside the study file (trials/tuned/...), from any directory
-        values = {**values, "tuned_from": str((path.parent / tuned).resolve())}
     try:
-        return validate_config(StudyConfig, values)
+        return validate_config(StudyConfig, resolve_study_paths(values, path))
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
 
