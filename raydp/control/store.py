@@ -10,7 +10,9 @@ Layout of a policy directory::
     module.safetensors  the SAC module's state (actor, twin critics and their targets) as named arrays; the
                     module is rebuilt from the manifest's layout and SAC settings (raydp.control.sac.module_spec),
                     so nothing is unpickled and the directory loads wherever raydp's classes have moved
-    replay.npz      the replay buffer's transitions (RLlib's new stack does not checkpoint it)
+    replay.npz      the replay buffer's transitions (RLlib's new stack does not checkpoint it); absent from a copy
+                    made to run frozen (:func:`copy_policy_without_replay`: its manifest says
+                    ``"replay_buffer": "removed"``), which loads as the full policy does and acts the same
 
 A policy is found by name under the policy directory (``--policy-dir``, default ``policies``) or by path.
 
@@ -440,15 +442,36 @@ def write_manifest(path: Path, *, layout: ObservationLayout, sac: dict, trained_
 def copy_policy(source: Path, dest: Path, overwrite: bool = False) -> Path:
     """Copy a policy directory (atomically: a temporary sibling renamed into place). The copy keeps the
     manifest, provenance included (ERRATA E14); only its name changes."""
+    return _copy_policy(Path(source), Path(dest), overwrite)
+
+
+#: a manifest's ``replay_buffer`` field in a copy made by :func:`copy_policy_without_replay`
+REPLAY_REMOVED = "removed"
+
+
+def copy_policy_without_replay(source: Path, dest: Path, overwrite: bool = False) -> Path:
+    """A copy of a policy directory without its replay buffer (``replay.npz``): what a policy shipped to run frozen
+    carries. A frozen run acts with the actor's weights alone (the broker is built from the module's inference
+    state, :func:`build_module`), so it reads the manifest and the module and never the replay buffer (for the
+    quickstart's policy, 1.9 of its 4.4 MB). The module is kept whole, critics included: the copy can still be
+    continued, but from an empty replay buffer (the transitions it trained on stay in the full policy's directory).
+    The manifest keeps everything else, provenance and lifetime included, and says ``"replay_buffer": "removed"``.
+    No optimizer state is saved in any policy directory, so there is none to remove."""
+    return _copy_policy(Path(source), Path(dest), overwrite, without_replay=True)
+
+
+def _copy_policy(source: Path, dest: Path, overwrite: bool, without_replay: bool = False) -> Path:
     if dest.exists():
         if not overwrite:
             raise ConfigError(f"policy {dest} already exists (pass --overwrite to replace it)")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(source, tmp)
+    shutil.copytree(source, tmp, ignore=shutil.ignore_patterns(REPLAY_FILE) if without_replay else None)
     manifest = json.loads((tmp / MANIFEST).read_text())
     manifest["name"] = dest.name
+    if without_replay:
+        manifest["replay_buffer"] = REPLAY_REMOVED
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     if dest.exists():
         shutil.rmtree(dest)
