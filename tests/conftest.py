@@ -36,18 +36,17 @@ def _torch_threads():
 @pytest.fixture(scope="module")
 def local_ray(raydp_cache):
     """A local Ray (2 CPUs) for the module, started unless one runs; its workers see the model cache and stay
-    offline. Metrics collection off, as :func:`raydp.runner.launch.ensure_ray` starts a local cluster (a second
-    faster to start, too). Shut down at the module's end."""
+    offline. Started as :func:`raydp.runner.launch.ensure_ray` starts a local cluster (an owner-only temporary
+    folder, metrics collection off). Shut down at the module's end."""
     import ray
 
-    from raydp.runner.launch import RAY_NAMESPACE
+    from raydp.runner.launch import start_local_ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, log_to_driver=False,
-                 runtime_env={"env_vars": {k: os.environ[k] for k in ("RAYDP_CACHE", "RAYDP_OWNER_KEY",
-                                                                     "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-                                                    if k in os.environ}},
-                 _system_config={"enable_metrics_collection": False})
+        start_local_ray(num_cpus=2, log_to_driver=False,
+                        runtime_env={"env_vars": {k: os.environ[k] for k in ("RAYDP_CACHE", "RAYDP_OWNER_KEY",
+                                                                            "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+                                                  if k in os.environ}})
     yield
     ray.shutdown()
 

@@ -207,12 +207,12 @@ def test_policy_service_inherits_and_appends_provenance(tmp_path, raydp_cache):
 
     from raydp.control.sac import SACSettings
     from raydp.control.service import PolicySession
-    from raydp.runner.launch import RAY_NAMESPACE
+    from raydp.runner.launch import start_local_ray
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, namespace=RAY_NAMESPACE, log_to_driver=False,
-                 runtime_env={"env_vars": {"RAYDP_CACHE": os.environ["RAYDP_CACHE"]}})
+        start_local_ray(num_cpus=2, log_to_driver=False,
+                        runtime_env={"env_vars": {"RAYDP_CACHE": os.environ["RAYDP_CACHE"]}})
     try:
         settings = SACSettings(b_sac=3, k=1, hidden=16)
         with PolicySession(ObservationLayout("shared", 4), settings) as first:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import html
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -369,7 +370,7 @@ def test_a_failed_write_leaves_nothing_behind(study, tmp_path, monkeypatch):
     def broken_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(page.os, "replace", broken_replace)
+    monkeypatch.setattr(os, "replace", broken_replace)  # the one durable-write helper renames (raydp.files)
     with pytest.raises(OSError, match="disk full"):
         page.write_report(study, out)
     assert out.read_text() == "previous report"  # the old page survives, whole

@@ -37,7 +37,8 @@ patients per split) say what the splits are disjoint in; a directory built befor
 ``privacy_unit`` and its record-level splits may share patients. The manifest is private like the rest of
 the directory: it holds the content hashes (``content_sha256``, ``split_sha256``, ``source_sha256``); what
 leaves the directory is only the keyed ``dataset_id`` (:mod:`raydp.data.identity`). The directory is written
-to a temporary sibling and renamed into place, so a failed build leaves nothing behind.
+to a temporary sibling and renamed into place, so a failed build leaves nothing behind; the folder and every
+file in it are owner-only from the moment they exist (0700 and 0600, :mod:`raydp.files`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ import pyarrow.parquet as pq
 
 import raydp
 from raydp.errors import DataError
+from raydp.files import PRIVATE_DIR, owner_only
 from raydp.data import canaries, schema
 from raydp.data.csv_source import load_diabetes_csv, load_ids_mapping
 from raydp.data.identity import keyed_id, manifest_id, public_id
@@ -309,6 +311,7 @@ def _remove_created(created: list[Path]) -> None:
             pass
 
 
+@owner_only
 def build_dataset(
     out_dir: str | os.PathLike,
     *,
@@ -446,7 +449,7 @@ def _write_atomically(out: Path, overwrite: bool, tables, extra, manifest) -> No
     tmp = out.parent / f".{out.name}.tmp-{tag}"
     old = out.parent / f".{out.name}.old-{tag}"
     try:
-        tmp.mkdir()
+        tmp.mkdir(mode=PRIVATE_DIR)  # private records: owner-only from the start
     except OSError as e:
         _remove_created(created)
         raise DataError(f"cannot write dataset directory {out}: {e.strerror or e}") from None

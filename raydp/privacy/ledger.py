@@ -47,6 +47,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raydp.errors import ConfigError, DataError
+from raydp.files import atomic_replace
 from raydp.privacy.accounting.grid import StepHistogram
 
 __all__ = [
@@ -380,17 +381,16 @@ class PrivacyLedger:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the ledger as Parquet. ``path`` is a file whose name contains 'ledger', or a directory
-        (the file is then ``<dir>/privacy_ledger.parquet``). Written atomically."""
+        (the file is then ``<dir>/privacy_ledger.parquet``). Written atomically and owner-only
+        (:func:`raydp.files.atomic_replace`: a unique temporary name, fsync, rename), so two writers never share a
+        temporary file and a crash leaves the previous ledger whole."""
         path = Path(path)
         if path.is_dir():
             path = path / LEDGER_FILENAME
         if "ledger" not in path.name:
             raise ConfigError(f"a ledger file name must contain 'ledger', got {path.name!r}")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        pq.write_table(self.to_arrow(), tmp)
-        os.replace(tmp, path)
-        return path
+        table = self.to_arrow()
+        return atomic_replace(path, lambda tmp: pq.write_table(table, tmp))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> PrivacyLedger:

@@ -26,8 +26,6 @@ from __future__ import annotations
 import html
 import json
 import math
-import os
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +35,7 @@ import pandas as pd
 
 from raydp.data.identity import frame_ids as dataset_ids, identity_of
 from raydp.errors import ConfigError
+from raydp.files import PRIVATE_FILE, atomic_write
 from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
 from raydp.evaluation.base import Column
 from raydp.evaluation.registry import ATTACKS
@@ -1007,27 +1006,24 @@ def render(r: Report) -> str:
             "resources).</footer>\n</body>\n</html>\n")
 
 
-def _atomic_write(out: Path, text: str) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial")
+def _carries_private_data(r: Report) -> bool:
+    """Whether the page shows figures computed from private records (attacks, the audit, private eval figures):
+    every page but that of a study that declares its data public (``private_data: false``)."""
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        study = json.loads((r.root / "study.json").read_text()) if r.kind == "study" else {}
+    except (OSError, ValueError):
+        return True
+    return study.get("private_data") is not False
 
 
 def write_report(path: str | Path, out: str | Path | None = None) -> Path:
     """Render DIR (a study directory or a single run directory) to one self-contained HTML file
     (default DIR/report.html); returns its path. Raises :class:`raydp.errors.ConfigError` (one line) if
-    DIR is neither. Written atomically (temp file + rename): never half-written."""
+    DIR is neither. Written atomically (temp file + rename): never half-written; owner-only (0600) unless the
+    study declares its data public."""
     report = load_report(path)
     text = render(report)
     target = Path(out).expanduser() if out is not None else report.root / "report.html"
-    _atomic_write(target, text)
+    # owner-only where it carries private figures (its attack and audit sections are for the data owner)
+    atomic_write(target, text, mode=PRIVATE_FILE if _carries_private_data(report) else 0o644)
     return target

@@ -16,8 +16,11 @@ dependent on timing, which depends on the private batch sizes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -25,13 +28,15 @@ from raydp.config import TrainConfig
 from raydp.control.service import start_policy_session
 from raydp.control.transports import transport_for
 from raydp.errors import ConfigError
+from raydp.files import atomic_write, owner_only
 from raydp.model.loading import check_model_name
 
 RAY_NAMESPACE = "raydp"
 
 
-def ensure_ray(num_cpus: int | None = None) -> None:
-    """Join the Ray cluster in RAY_ADDRESS (e.g. under ``ray job submit``) or start a local one.
+def ensure_ray(num_cpus: int | None = None, private: bool = True) -> None:
+    """Join the Ray cluster in RAY_ADDRESS (e.g. under ``ray job submit``) or start a local one
+    (:func:`start_local_ray`); where this process already runs Ray, use it.
 
     Ray's own processes (GCS, raylets, workers) listen on every interface of the host, whatever the node address.
     What protects them is Ray's token authentication, on by default for a local cluster since Ray 2.60 (the
@@ -43,23 +48,25 @@ def ensure_ray(num_cpus: int | None = None) -> None:
 
     A local cluster also runs without Ray's metrics collection: the dashboard agent would otherwise serve every
     process's memory and CPU over time, without the token, on every interface, and those follow the private
-    Poisson batch sizes (issue 26). (Ray's autoscaler and dashboard still serve their own metrics, node launch
-    times and dashboard request durations, on two ports: no run data.)"""
+    Poisson batch sizes. (Ray's autoscaler and dashboard still serve their own metrics, node launch
+    times and dashboard request durations, on two ports: no run data.)
+
+    Ray's temporary folder holds what Tune stages of a study (trial results, settings, the number of trials) and
+    every worker's log: a local cluster keeps it in an owner-only folder (:func:`start_local_ray`). With
+    ``private`` (work on private data), a Ray that this process started before with a temporary folder other local
+    users can enter is refused (one line); a joined cluster's folders are its operator's (docs/privacy.md)."""
     import ray
 
     if ray.is_initialized():
+        if private:
+            check_ray_temp_dir()
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    refused = ("Ray's token authentication is off (RAY_AUTH_MODE=disabled, or a cluster started without it): anyone "
-               "who reaches its ports could run code beside the private data; set RAY_AUTH_MODE=token on every node")
     address = os.environ.get("RAY_ADDRESS", "")
     if address and address != "local":  # Ray reads "local" as: start a new local cluster (the branch below)
         ray.init(namespace=RAY_NAMESPACE, log_to_driver=True)
-    elif os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":  # Ray's rule: any other value turns it off
-        raise ConfigError(refused)  # refused before a local cluster starts
     else:
-        ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, namespace=RAY_NAMESPACE,
-                 log_to_driver=True, _system_config={"enable_metrics_collection": False})
+        start_local_ray(num_cpus=num_cpus or os.cpu_count(), log_to_driver=True)
     try:
         from ray._private.authentication.authentication_utils import is_token_auth_enabled
     except ImportError:  # a Ray without token authentication (below the pinned minimum)
@@ -68,7 +75,112 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     # enforce the token is not visible from here (a node without it accepts any caller): docs/privacy.md.
     if is_token_auth_enabled is not None and not is_token_auth_enabled():
         ray.shutdown()
-        raise ConfigError(refused)
+        raise ConfigError(_AUTH_OFF)
+
+
+_AUTH_OFF = ("Ray's token authentication is off (RAY_AUTH_MODE=disabled, or a cluster started without it): anyone "
+             "who reaches its ports could run code beside the private data; set RAY_AUTH_MODE=token on every node")
+
+#: the owner-only folder this process's local Ray keeps its temporary files in (removed at exit)
+_OWNED_TEMP_ROOT: Path | None = None
+
+
+def start_local_ray(num_cpus: int | None = None, **init_kwargs) -> Path:
+    """Start a local Ray cluster whose temporary folder is owner-only; returns that folder.
+
+    Ray makes its temporary folders world-writable on purpose (``try_make_directory_shared``: mode 0777 for the
+    temporary root, the session, its logs and sockets), and Tune stages each experiment there
+    (``session_*/artifacts/*/<experiment>/driver_artifacts``: every trial's results and settings, so how many trials
+    ran). Here the root is ``/tmp/raydp-ray-XXXXXXXX/ray`` inside a fresh ``mkdtemp`` folder (0700, so nothing
+    below it can be reached by another local user; short, since Ray's Unix socket paths must stay under 107
+    bytes); Ray's processes start under an owner-only umask, so what they write is 0600/0700, and the folders Ray
+    opened are closed again once it runs (:func:`close_ray_temp_dir`). The whole folder is removed when this
+    process exits, after Ray has shut down. Refused, before anything starts, where ``RAY_AUTH_MODE`` turns Ray's
+    token authentication off (Ray's rule: any value but ``token``)."""
+    global _OWNED_TEMP_ROOT
+    import atexit
+
+    import ray
+
+    from raydp.files import private_umask
+
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+        raise ConfigError(_AUTH_OFF)  # refused before a local cluster starts
+    root = Path(tempfile.mkdtemp(prefix="raydp-ray-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    # registered before ray.init, so it runs after Ray's own exit handler (atexit runs last-registered first)
+    atexit.register(_remove_temp_root, root)
+    init_kwargs.setdefault("include_dashboard", False)
+    init_kwargs.setdefault("namespace", RAY_NAMESPACE)
+    system_config = {"enable_metrics_collection": False, **init_kwargs.pop("_system_config", {})}
+    try:
+        with private_umask():  # Ray's processes inherit it: their files are owner-only
+            ray.init(num_cpus=num_cpus, _temp_dir=str(root / "ray"), _system_config=system_config, **init_kwargs)
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    _OWNED_TEMP_ROOT = root
+    close_ray_temp_dir()
+    return root
+
+
+def _remove_temp_root(root: Path) -> None:
+    import ray
+
+    if ray.is_initialized() and _OWNED_TEMP_ROOT == root:
+        ray.shutdown()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def ray_temp_dir() -> Path | None:
+    """The temporary folder of the Ray this process runs (None where it runs none)."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None) if ray.is_initialized() else None
+    return Path(node.get_temp_dir_path()) if node is not None else None
+
+
+def close_ray_temp_dir() -> None:
+    """Take the group and other bits off every folder under this process's own Ray's temporary folder (Ray opens
+    its folders to everyone, and opens new ones as it goes, e.g. a job's runtime environment; the owner-only
+    folder around them already keeps other users out)."""
+    if _OWNED_TEMP_ROOT is None or ray_temp_dir() is None:
+        return
+    for folder, dirs, _ in os.walk(_OWNED_TEMP_ROOT):
+        for name in [folder, *(os.path.join(folder, d) for d in dirs)]:
+            with contextlib.suppress(OSError):
+                if os.lstat(name).st_mode & 0o077:
+                    os.chmod(name, 0o700)
+
+
+def check_ray_temp_dir() -> None:
+    """Refuse (one line) a Ray started in this process whose temporary folder another local user can reach: Tune
+    would stage a study's trials there. Reachable unless the folder, or a folder above it, is this user's and
+    closed to group and others."""
+    temp = ray_temp_dir()
+    if temp is None:  # a client of a remote cluster: its folders are its operator's (docs/privacy.md)
+        return
+    for folder in (temp, *temp.parents):
+        try:
+            info = os.stat(folder)
+        except OSError:
+            continue
+        if info.st_uid == os.getuid() and not info.st_mode & 0o077:
+            return
+    raise ConfigError(f"Ray is already running in this process with its temporary folder {temp} open to other local "
+                      "users, where Tune would keep a copy of this work on private data: let raydp start Ray, or "
+                      "start it with ray.init(_temp_dir=<a folder inside an owner-only one>)")
+
+
+def remove_tune_staging(experiment: str) -> None:
+    """Remove what Tune staged of ``experiment`` in Ray's temporary folder on this (the driver's) node
+    (``session_*/artifacts/<timestamp>/<experiment>``: its trials' results and settings): the study keeps its own
+    copy in its storage, and a resume reads that."""
+    temp = ray_temp_dir()
+    if temp is None:
+        return
+    for staged in Path(temp).glob(f"session_*/artifacts/*/{experiment}"):
+        shutil.rmtree(staged, ignore_errors=True)
+    close_ray_temp_dir()
 
 
 def start_policy(config: TrainConfig, restore: Path | None = None):
@@ -83,11 +195,10 @@ def start_policy(config: TrainConfig, restore: Path | None = None):
 
 def _rewrite_json(path: Path, payload: dict) -> None:
     """Replace a JSON file atomically (the run's summary gains the policy service's counters)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=2))
-    tmp.replace(path)
+    atomic_write(path, json.dumps(payload, indent=2))
 
 
+@owner_only
 def train(config: TrainConfig, output: str | Path, overwrite: bool = False, progress: bool = True,
           overwrite_policy: bool = False) -> dict:
     """Run one fine-tuning; an RLDP run becomes a Ray actor controlled by a live policy."""

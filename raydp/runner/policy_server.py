@@ -101,9 +101,11 @@ def run(args) -> int:
     _, source = resolve_secret()  # refuse before Ray starts
     import ray  # lazy: Ray only when the server runs
 
-    if not ray.is_initialized():
+    if not ray.is_initialized():  # its temporary folder owner-only, as a study's (raydp.runner.launch)
+        from raydp.runner.launch import start_local_ray
+
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-        ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
+        start_local_ray(num_cpus=args.cpus, log_to_driver=False, namespace=None)
     server = RLlinkPolicyServer(layout, settings, host=args.host, port=args.port, trained_on=trained_on(config),
                                 restore=restore, frozen=args.frozen).start()
     layout = server.layout

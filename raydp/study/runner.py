@@ -51,6 +51,7 @@ from raydp.data import load_manifest, load_texts, manifest_id, resolve_dataset
 from raydp.data.build import is_public_dataset
 from raydp.data.tasks import classification_spec
 from raydp.errors import ConfigError
+from raydp.files import owner_only, private_dir, tighten_umask, user_scratch
 from raydp.evaluation.evaluate import evaluate_run
 from raydp.evaluation.results import flat_metrics
 from raydp.model.embedded import ensure_embedded_model, is_embedded_name
@@ -524,6 +525,7 @@ def _run_trial(params: dict) -> None:
     from raydp.control.broker import run_seed  # lazy: imports Ray, which `raydp study --check` does not load
     from raydp.runner.launch import start_policy  # lazy: imports Ray, which `raydp study --check` does not load
 
+    tighten_umask()  # this trial's process writes private files (a joined cluster's worker may have a looser mask)
     study = StudyConfig(**params["study"])
     if not params.get("log_checkpoints", True):  # the driver writes to a log, not a terminal (run_study)
         logging.getLogger(CHECKPOINT_LOGGER).setLevel(logging.WARNING)
@@ -539,8 +541,7 @@ def _run_trial(params: dict) -> None:
     torch.set_num_threads(config.cpus or 1)
     # with the study's storage, the trial writes on its own node and its run directory travels back to the study
     # as its final checkpoint (fetch_trial_outputs); without it, into the study directory (one machine, or NFS)
-    root = Path(tempfile.gettempdir()) / "raydp-trials" / study.name if params.get("storage") \
-        else Path(params["study_dir"])
+    root = user_scratch("trials", study.name) if params.get("storage") else Path(params["study_dir"])
     out = root / "trials" / trial.name
     workdir = root / "work" / trial.name
     workdir.mkdir(parents=True, exist_ok=True)
@@ -624,10 +625,12 @@ def _param_space(study: StudyConfig, trials: list[Trial], common: dict) -> dict:
     return {**common, "trial": tune.grid_search([t.to_dict() for t in trials])}
 
 
+@owner_only
 def run_study(path: str | Path, results_dir: str | Path = "runs/studies", progress: bool = True,
               resume: bool = False) -> Path:
     """Run (or, with ``resume``, restore and finish) a study; returns its directory. The study directory is locked
-    while this runs (:func:`lock_study_dir`)."""
+    while this runs (:func:`lock_study_dir`). Everything it writes is owner-only (:mod:`raydp.files`): the study
+    folder, its dataset, Tune's storage, the trials and what Ray keeps of them."""
     held: list = []
     try:
         return _run_study(path, results_dir, progress, resume, held)
@@ -640,7 +643,8 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     import ray  # lazy: `raydp study --check` loads no Ray
     from ray import tune  # lazy: as above
 
-    from raydp.runner.launch import RAY_NAMESPACE, ensure_ray  # lazy: imports Ray, which `raydp study --check` does not load
+    # lazy: imports Ray, which `raydp study --check` does not load
+    from raydp.runner.launch import RAY_NAMESPACE, ensure_ray, remove_tune_staging
 
     study = load_study(path)
     # Tune warns at every forced experiment snapshot that CheckpointConfig(num_to_keep) triggers (each of our
@@ -654,10 +658,7 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
         return _run_private_selection(study, study_dir, progress, resume, held)
     trials_dir = study_dir / "trials"
     storage = TuneStorage.for_study(study, study_dir)
-    if resume and not any(storage.can_restore(name)
-                          for name in (f"{study.name}-source", study.name, f"{study.name}-optuna",
-                                       f"{study.name}-bandit",
-                                       *(search_run_name(study, cell) for cell in search_cells(study)))):
+    if resume and not any(storage.can_restore(name) for name in experiment_names(study)):
         # A fresh Tuner here would overwrite the trials already run, and their spend on the same private data
         # would drop out of the tuning-aware epsilon (ERRATA E7/E14).
         raise ConfigError(f"nothing to resume in {study_dir}: it has no Tune state (tune/{study.name}); --resume "
@@ -678,12 +679,12 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
         check_resumed_study(study, study_dir)
     created = not study_dir.exists()
     try:
-        study_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(study_dir)
         held.append(lock_study_dir(study_dir))  # released by run_study when this returns or fails
         nonce = study_lifetime_nonce(study_dir, resume)
         dataset, trials = prepare_study(study, study_dir, progress=progress, charge_lifetime=True,
                                         lifetime_nonce=nonce)
-        ensure_ray()
+        ensure_ray(private=study.private_data)
         cpus, gpus = study.resources.cpus_per_trial, study.resources.gpus_per_trial
         if cpus > ray.cluster_resources().get("CPU", 0):
             raise ConfigError(f"resources.cpus_per_trial={cpus} exceeds the cluster's "
@@ -746,6 +747,8 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     finally:
         if session is not None:
             session.close()
+        for name in experiment_names(study):  # Tune's copy in Ray's temporary folder (the study keeps its own)
+            remove_tune_staging(name)
     wall = time.perf_counter() - started
     results = [r for g in grids for r in g]
     if study.storage is not None:  # the trials' run directories come back from the storage they were saved to
@@ -791,6 +794,13 @@ def _run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, 
         if created and not (study_dir / SECRET_STATE).exists():
             shutil.rmtree(study_dir, ignore_errors=True)
         raise
+
+
+def experiment_names(study: StudyConfig) -> list[str]:
+    """Every Tune experiment a study may run (each under its Tune storage, and staged by Tune in Ray's temporary
+    folder): the grid, its source stage, the searches and the population."""
+    return [f"{study.name}-source", study.name, f"{study.name}-optuna", f"{study.name}-bandit", f"{study.name}-pbt",
+            *(search_run_name(study, cell) for cell in search_cells(study))]
 
 
 def unfinished_in(grid, planned: int | None = None) -> int:
@@ -979,7 +989,7 @@ def node_local_dataset(params: dict) -> str:
         return params["dataset"]
     filesystem, _ = study_filesystem(params["storage"])
     key = hashlib.sha256(params["dataset_remote"].encode()).hexdigest()[:16]
-    local = Path(tempfile.gettempdir()) / "raydp-datasets" / key
+    local = user_scratch("datasets") / key
     if not (local / "manifest.json").exists():
         staging = local.with_name(f"{key}.partial-{os.getpid()}")
         staging.mkdir(parents=True, exist_ok=True)
