@@ -1,11 +1,12 @@
 """The documentation holds together: a short README whose links resolve, and an errata page for every E-number.
 
-Fast and offline: no Ray, no model, no raydp import; it reads README.md, docs/*.md, raydp/**/*.py and .ci/run.
+Fast and offline: no Ray, no model, no raydp import; it reads README.md, docs/*.md, experiments/**/README.md,
+raydp/**/*.py and .ci/run.
 
 * README.md is a front door: at most README_MAX_LINES lines;
-* every relative Markdown link in README.md and docs/*.md points at a file or folder that exists, and a link with
-  a ``#fragment`` into a Markdown file points at an anchor that exists there (an explicit ``<a id="...">`` or a
-  heading's GitHub slug);
+* every relative Markdown link in README.md, docs/*.md and the campaigns' READMEs points at a file or folder that
+  exists, and a link with a ``#fragment`` into a Markdown file points at an anchor that exists there (an explicit
+  ``<a id="...">`` or a heading's GitHub slug);
 * every E-number the code and the docs cite ("ERRATA E3", "(E15)", "E3/E12", ranges "E11-E15") has its anchor
   ``eN`` in docs/errata.md, so "ERRATA En" always means docs/errata.md#en;
 * the README's first section carries the test command that .ci/run runs, verbatim.
@@ -34,7 +35,7 @@ E_TOKEN = re.compile(r"(?<![0-9A-Za-z_])E(\d{1,2})(?:\s*[-\u2013]\s*E?(\d{1,2}))
 
 
 def _markdown_files() -> list[Path]:
-    return [README, *sorted(DOCS.glob("*.md"))]
+    return [README, *sorted(DOCS.glob("*.md")), *sorted((ROOT / "experiments").rglob("README.md"))]
 
 
 def _prose_lines(text: str):
