@@ -13,8 +13,11 @@ class BuildWithPolicies(build_py):
     def run(self):
         super().run()
         source = Path(__file__).resolve().parent / "policies"
+        target = Path(self.build_lib) / "raydp" / "shipped_policies"
+        # pip builds in the source tree's build/: a policy removed from policies/ must not ship from an earlier build
+        shutil.rmtree(target, ignore_errors=True)
         if source.is_dir():
-            shutil.copytree(source, Path(self.build_lib) / "raydp" / "shipped_policies", dirs_exist_ok=True)
+            shutil.copytree(source, target, ignore=shutil.ignore_patterns(".*"))  # no half-written .NAME.tmp copies
 
 
 setup(cmdclass={"build_py": BuildWithPolicies})
