@@ -49,6 +49,7 @@ import torch
 from raydp.data import load_manifest, load_texts, load_units, manifest_id, resolve_dataset
 from raydp.data.splits import has_split, load_value_spans
 from raydp.errors import ConfigError
+from raydp.files import tighten_umask
 from raydp.evaluation.evaluate import load_trained_model
 from raydp.evaluation.perplexity import value_nll_per_sequence
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve, rdp_epsilon
@@ -385,6 +386,7 @@ def run_selection_trial(params: dict) -> None:
     """The Tune trainable: one trial of a private selection, trained into the private ``work/``, then scored."""
     from ray import tune  # lazy: `raydp study --check` loads no Ray
 
+    tighten_umask()  # this trial's process writes private files (a joined cluster's worker may have a looser mask)
     study = StudyConfig(**params["study"])
     trial = params["trial"]
     dataset = params["dataset"]
