@@ -308,12 +308,26 @@ SELECTION = {
         "for_comparison.trials", "for_comparison.basic_composition_epsilon", "for_comparison.rdp_composition_epsilon",
         "for_comparison.note", "released", "note", "score_note", "directory")},
     **{k: DP for k in ("settings.*", "score", "final_public_value_nll")},
+    # what releasing every cell of the study costs (PUBLIC: the composition of the cells' planned end-to-end curves,
+    # which do not depend on any K)
+    **{f"all_cells.{k}": PUBLIC for k in ("epsilon", "delta", "cells", "smallest_cell_epsilon", "largest_cell_epsilon",
+                                          "composition", "note")},
 }
 _END_TO_END = {f"privacy.end_to_end.{k}": PUBLIC for k in ("epsilon", "delta", "theorem", "note")}
 #: a released trial's summary: a run summary's fields without any UNPROTECTED one (no timing, no private eval figure)
 RELEASED_SUMMARY = {**{k: v for k, v in SUMMARY.items() if v != UNPROTECTED}, **_END_TO_END}
 PRIVATE_SELECTION_SUMMARY = {"study": PUBLIC, "selection": PUBLIC, "note": PUBLIC,
-                             **{f"released[].{k}": v for k, v in SELECTION.items()}}
+                             **{f"released[].{k}": v for k, v in SELECTION.items() if not k.startswith("all_cells.")},
+                             **{k: v for k, v in SELECTION.items() if k.startswith("all_cells.")},
+                             # the same total per dataset, for raydp report's composition across studies (PUBLIC:
+                             # from the plans; the number of cells, never of trials)
+                             **{_FIGURE + k: PUBLIC for k in (
+                                 "selection", "cells", "delta", "tuning_aware_epsilon", "composition_epsilon_rdp",
+                                 "largest_cell_epsilon", "target_epsilons[]", "composed[].name", "composed[].kind",
+                                 "composed[].curve", "composed[].epsilon_target", "composed[].epsilon_rdp", "labels[]",
+                                 "privacy_units[]", "neighbouring_relations[]", "unknown_spend[]", "warnings[]",
+                                 "orders", "note")},
+                             _FIGURE + "dataset_id": ID}
 #: the only top-level entries of a private-dp study directory; dataset/ and work/ are private (PRIVACY.txt)
 PRIVATE_SELECTION_TOP = {"PRIVACY.txt", "study.json", "study_summary.json", "released", "dataset", "work"}
 

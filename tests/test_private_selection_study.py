@@ -271,6 +271,67 @@ def test_cell_plan_meets_its_end_to_end_epsilon_and_is_tight(tiny_dataset):
     assert described["for_comparison"]["basic_composition_epsilon"] == pytest.approx(2 * plan.trial_epsilon)
 
 
+def _cell_event(study, dataset, trial_epsilon: float):
+    """One cell's mechanism as dp_accounting's events: repeat-and-select (Poisson K, mean 2) of a trial that runs
+    its DP-SGD steps, planned at ``trial_epsilon`` as the trial plans them, and then releases its score (a Gaussian
+    of noise multiplier score_noise)."""
+    from dp_accounting import dp_event
+    from raydp.data import load_texts
+    from raydp.runner.privacy_setup import build_strategy, plan_private_run, training_units
+    from raydp.study.config import trial_config
+
+    config = trial_config(study, Trial(model="embedded-tiny", epsilon=trial_epsilon, seed=0,
+                                       strategy="static-pairwise", search={"clip": 0.1, "lr": 1e-3}), dataset)
+    units = training_units(config, dataset, len(load_texts(dataset, "train")))
+    run = plan_private_run(config, units.public_count, build_strategy(config))
+    steps = [dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(
+        run.q, dp_event.GaussianDpEvent(run.sigma_map(run.sigma_0 * multiplier))), count)
+        for multiplier, count in run.schedule.segments(run.planned_steps, run.q)]
+    trial = dp_event.ComposedDpEvent(steps + [dp_event.GaussianDpEvent(study.selection_settings.score_noise)])
+    return dp_event.RepeatAndSelectDpEvent(trial, study.selection_settings.mean, math.inf)
+
+
+def test_releasing_every_cell_costs_the_composition_of_their_end_to_end_curves(tiny_dataset):
+    """A study of seeds [0, 1, 2] x epsilons [4, 8] releases six cells: together they cost the RDP composition of the
+    six end-to-end curves, far more than any one cell. Checked against dp_accounting's RDP accountant composing each
+    cell's RepeatAndSelectDpEvent of its trial's events (its own subsampled-Gaussian RDP, composition and
+    conversion), every cell counted whatever its K (a K = 0 cell's guarantee includes releasing nothing)."""
+    from dp_accounting.rdp import RdpAccountant
+
+    study = study_of(epsilons=[4.0, 8.0], seeds=[0, 1, 2])
+    plans = ps.plan_cells(study, tiny_dataset)
+    assert list(plans) == [f"embedded-tiny_eps{e}_seed{s}" for e in (4, 8) for s in (0, 1, 2)]
+    events = {eps: _cell_event(study, tiny_dataset, next(p for p in plans.values() if p.epsilon == eps).trial_epsilon)
+              for eps in (4.0, 8.0)}
+
+    def independent(keys) -> float:
+        accountant = RdpAccountant(list(DEFAULT_ORDERS))
+        for key in keys:
+            accountant.compose(events[plans[key].epsilon])
+        return accountant.get_epsilon(1e-5)
+
+    total = ps.compose_cells(plans)
+    assert total["cells"] == 6 and total["delta"] == 1e-5
+    assert total["epsilon"] == pytest.approx(independent(plans), rel=1e-3)
+    assert total["epsilon"] == pytest.approx(14.16, abs=0.01)  # the figure PRIVACY.txt and the terminal give
+    fours = {k: p for k, p in plans.items() if p.epsilon == 4.0}
+    assert ps.compose_cells(fours)["epsilon"] == pytest.approx(independent(fours), rel=1e-3)
+    assert ps.compose_cells(fours)["epsilon"] == pytest.approx(5.91, abs=0.01)
+    for key, plan in plans.items():  # one cell alone: its own end-to-end epsilon, at most its target
+        assert ps.compose_cells({key: plan})["epsilon"] == pytest.approx(plan.end_to_end_epsilon, rel=1e-12)
+        assert plan.end_to_end_epsilon == pytest.approx(independent([key]), rel=1e-3)
+        assert plan.end_to_end_epsilon <= plan.epsilon
+    assert total["largest_cell_epsilon"] == max(p.end_to_end_epsilon for p in plans.values()) <= 8.0
+    assert total["smallest_cell_epsilon"] == min(p.end_to_end_epsilon for p in plans.values()) <= 4.0
+    line = ps.all_cells_line(total)
+    assert f"releasing all of released/ costs (epsilon, delta) = ({total['epsilon']:.4g}, 1e-05)" in line
+    assert "6 cell(s), those that released nothing (K = 0) counted too" in line
+    # the figure raydp report composes across studies: the same total, each cell a run, no count of trials
+    figure = ps.study_figure(plans, "rdi1:" + "a" * 32)
+    assert figure["tuning_aware_epsilon"] == total["epsilon"] and figure["delta"] == 1e-5
+    assert [c["name"] for c in figure["composed"]] == list(plans) and "trials" not in figure
+
+
 def test_a_search_space_that_changes_the_plan_is_refused(tiny_dataset):
     # ewpba's step distance shapes its sigma schedule over the epochs, so its corners plan different curves
     # (every choice is checked, not only the first two: [1, 1, 3] was accepted by the first version)
@@ -315,13 +376,15 @@ def test_k_and_settings_are_drawn_from_their_laws():
     assert abs(logs.mean() - 0.5) < 4 * math.sqrt(1 / 12 / 4000)
 
 
-def _run(tmp_path, monkeypatch, k: int, name: str, resume: bool = False):
-    """A real private-dp study with K fixed to ``k`` (the only randomness replaced: K's draw)."""
+def _run(tmp_path, monkeypatch, k, name: str, resume: bool = False, **changes):
+    """A real private-dp study with K fixed to ``k`` (the only randomness replaced: K's draw), or with ``k`` a list,
+    to its values in the study's cell order; ``changes``: the study file's fields changed."""
     from raydp.study.runner import run_study
 
-    monkeypatch.setattr(ps, "draw_count", lambda distribution: k)
+    draws = iter(k) if isinstance(k, list) else None
+    monkeypatch.setattr(ps, "draw_count", lambda distribution: next(draws) if draws is not None else k)
     path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({**json.loads(json.dumps(STUDY)), "name": name}))
+    path.write_text(yaml.safe_dump({**json.loads(json.dumps(STUDY)), "name": name, **changes}))
     return run_study(path, tmp_path / "runs", progress=True, resume=resume)
 
 
@@ -343,8 +406,10 @@ def _released_shape(study_dir: Path) -> dict:
 
 
 def test_a_study_releases_one_trial_whatever_k(tmp_path, monkeypatch, capfd):
-    one = _run(tmp_path, monkeypatch, 1, "ps-one")
-    many = _run(tmp_path, monkeypatch, 2, "ps-many")  # K = 2: two trials, the fewest above one
+    # two cells (seeds 0 and 1), the second with K = 0 (it runs nothing: no trial's cost), which still counts in
+    # what releasing both costs
+    one = _run(tmp_path, monkeypatch, [1, 0], "ps-one", seeds=[0, 1])
+    many = _run(tmp_path, monkeypatch, [2, 0], "ps-many", seeds=[0, 1])  # K = 2: two trials, the fewest above one
     printed = capfd.readouterr()
     assert "Number of trials" not in printed.out + printed.err  # Tune's table stayed in work/
     assert "Number of trials" in (many / "work" / "tune.log").read_text()
@@ -376,6 +441,45 @@ def test_a_study_releases_one_trial_whatever_k(tmp_path, monkeypatch, capfd):
     assert not {"wall_seconds", "train_loop_seconds", "final_eval_value_nll"} & set(summary)
     assert summary["privacy"]["end_to_end"]["epsilon"] == entry["end_to_end_epsilon"] <= 4.0
     assert summary["privacy"]["epsilon"] <= entry["trial_epsilon"] * (1 + 1e-6)
+    _check_all_cells_stated(many, entry, capfd)
+
+
+def _check_all_cells_stated(study_dir: Path, entry: dict, capfd) -> None:
+    """What releasing both cells costs is stated in study_summary.json, every selection.json, every PRIVACY.txt and
+    on the terminal (raydp study prints format_selection; raydp report too), and equals dp_accounting's RDP
+    composition of the two cells' repeat-and-select events (the K = 0 cell counted)."""
+    from dp_accounting.rdp import RdpAccountant
+
+    from raydp.cli import main
+
+    written = json.loads((study_dir / "study_summary.json").read_text())
+    total = written["all_cells"]
+    event = _cell_event(study_of(seeds=[0, 1]), str(study_dir / "dataset"), entry["trial_epsilon"])
+    accountant = RdpAccountant(list(DEFAULT_ORDERS))
+    accountant.compose(event, 2)  # two cells, the same plan
+    assert total["cells"] == 2 and total["delta"] == 1e-5
+    assert total["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-3)
+    assert total["epsilon"] > 1.2 * entry["end_to_end_epsilon"]  # more than one cell: 5.1 against 3.99
+    cells = sorted((study_dir / "released").iterdir())
+    assert [c.name for c in cells] == ["embedded-tiny_eps4_seed0", "embedded-tiny_eps4_seed1"]
+    empty = json.loads((cells[1] / "selection.json").read_text())
+    assert empty["released"] is False  # K = 0: nothing released, counted all the same
+    line = (f"releasing all of released/ costs (epsilon, delta) = ({total['epsilon']:.4g}, 1e-05), the RDP "
+            "composition of the study's 2 cell(s), those that released nothing (K = 0) counted too; one cell alone "
+            f"costs its own end-to-end epsilon ({entry['end_to_end_epsilon']:.4g} at delta 1e-05)")
+    assert line in ps.all_cells_line(total)
+    assert line in (study_dir / "PRIVACY.txt").read_text()
+    for cell in cells:
+        assert json.loads((cell / "selection.json").read_text())["all_cells"] == total
+        text = (cell / "PRIVACY.txt").read_text()
+        assert f"This cell alone costs (epsilon, delta) = ({entry['end_to_end_epsilon']:.4g}, 1e-05)" in text
+        assert (f"Releasing all of released/ (the study's 2 cell(s), this one included) costs (epsilon, delta) = "
+                f"({total['epsilon']:.4g}, 1e-05)") in text
+    capfd.readouterr()
+    assert main(["report", str(study_dir)]) == 0
+    assert f"all cells: {line}" in capfd.readouterr().out
+    figure = next(iter(written["tuning_aware_epsilon"].values()))  # what raydp report composes across studies
+    assert figure["tuning_aware_epsilon"] == total["epsilon"] and figure["cells"] == 2
 
 
 @pytest.mark.slow

@@ -49,13 +49,13 @@ import torch
 from raydp.data import load_manifest, load_texts, load_units, manifest_id, resolve_dataset
 from raydp.data.splits import has_split, load_value_spans
 from raydp.errors import ConfigError
-from raydp.files import tighten_umask
+from raydp.files import atomic_write, tighten_umask
 from raydp.evaluation.evaluate import load_trained_model
 from raydp.evaluation.perplexity import value_nll_per_sequence
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve, rdp_epsilon
 from raydp.privacy.accounting.selection import (POISSON, SelectionDistribution, calibrate_trial_parameter,
                                                 selection_rdp)
-from raydp.privacy.ledger import PrivacyLedger
+from raydp.privacy.ledger import NEIGHBOURING_RELATION, PrivacyLedger
 from raydp.privacy.lifetime import charge, read_budget
 from raydp.runner.privacy_setup import (LifetimeCharge, build_strategy, plan_key, plan_private_run, planned_rdp_curve,
                                         training_units)
@@ -75,12 +75,27 @@ RELEASED = "released"
 RELEASED_FILES = ("config.json", "privacy_ledger.parquet")
 #: the released trials' private eval figures (for the data owner; private)
 OWNER_REPORT = Path("work") / "owner-report.json"
-RELEASED_CELL_NOTE = """A run selected privately (raydp study, selection: private-dp; issue 32). Everything in this
-directory is releasable: adapter/ (the trained adapters), config.json, privacy_ledger.parquet (the run's training
-releases), summary.json (no timings, no private eval figures) and selection.json (its drawn settings, its DP score
-and the guarantee). The guarantee of the release is privacy.end_to_end in summary.json (also in selection.json), which
+#: where ``raydp eval`` writes the evaluation of a released cell (private: attacks on private records)
+EVALUATIONS = Path("work") / "evaluations"
+RELEASED_CELL_NOTE = """A run selected privately (raydp study, selection: private-dp). Everything in this directory is
+releasable: adapter/ (the trained adapters), config.json, privacy_ledger.parquet (the run's training releases),
+summary.json (no timings, no private eval figures) and selection.json (its drawn settings, its DP score and the
+guarantee). The guarantee of the release is privacy.end_to_end in summary.json (also in selection.json), which
 covers the selection among a secret number of trials; privacy.epsilon is the run's training alone.
+`raydp eval` on this directory writes its evaluation (attacks on private records: private) to the study's
+work/evaluations/, never here.
 """
+
+
+def released_cell_note(plan: CellPlan, total: dict) -> str:
+    """A released cell's PRIVACY.txt: what is in it, what this cell costs and what releasing every cell costs."""
+    return (RELEASED_CELL_NOTE
+            + f"This cell alone costs (epsilon, delta) = ({plan.end_to_end_epsilon:.4g}, {plan.delta:g}). Releasing "
+              f"all of released/ (the study's {total['cells']} cell(s), this one included) costs (epsilon, delta) = "
+              f"({total['epsilon']:.4g}, {total['delta']:g}): the RDP composition of every cell's end-to-end "
+              "curve, those that released nothing (K = 0) counted too (selection.json, all_cells).\n")
+
+
 #: a cell's per-trial epsilon is solved in [end-to-end / EPSILON_RANGE, end-to-end]
 EPSILON_RANGE = 50.0
 #: the most corner combinations of a search space that plan_cell checks
@@ -88,20 +103,28 @@ MAX_CORNERS = 256
 #: interior draws whose plan key is checked beside the corners
 INTERIOR_CHECKS = 8
 
-PRIVATE_SELECTION_NOTE = """What in this study directory is private (selection: private-dp, ERRATA E11-E15; issue 32):
+PRIVATE_SELECTION_NOTE = """What in this study directory is private (selection: private-dp, ERRATA E11-E15):
 - dataset/  the private splits: never release.
 - work/     the mechanism's secret state (the number of trials of each cell and their settings), every trial's
-            run directory, score and Tune state: keep private. Releasing any of it voids the end-to-end epsilon.
+            run directory, score and Tune state, and what `raydp eval` measured on the released cells
+            (work/evaluations/): keep private. Releasing any of it voids the end-to-end epsilon.
 Releasable: released/ (per cell: the selected trial's adapter/, summary.json without timings, config.json,
 privacy_ledger.parquet, PRIVACY.txt, and selection.json with its settings, its DP score and the end-to-end
 guarantee), study.json and study_summary.json. The private eval split's figures of the released trials (not a DP
 release, ERRATA E15) are in work/owner-report.json, for the data owner.
-Not in any file here but still telling how many trials ran: the study's run time; the released files' change times
-(ctime: their modification times are the study's start, but the change time is when they were stamped, at its
-end: copy them with cp, rsync or Python's tarfile, not with tar --format=posix, which keeps ctime); and Ray's own
-logs and dashboard (/tmp/ray/session_*/ on this machine, or the cluster's), which name every trial: keep them
-private too.
+Not in any file here but still telling how many trials ran: the study's run time; the released files' and folders'
+change times (ctime) and birth times (btime, where the filesystem keeps one: `stat` shows it as Birth): their
+modification and access times are set to the study's start, but they were created and stamped at its end, after
+every trial. Copy them with cp, rsync or Python's tarfile (the copies are born and changed when copied), not with
+tar --format=posix, which keeps ctime, and do not hand over the filesystem or a snapshot of it; and Ray's own logs
+and dashboard (/tmp/ray/session_*/ on this machine, or the cluster's), which name every trial: keep them private
+too.
 """
+
+
+def study_privacy_note(total: dict) -> str:
+    """The study directory's PRIVACY.txt: :data:`PRIVATE_SELECTION_NOTE` and what releasing every cell costs."""
+    return PRIVATE_SELECTION_NOTE + f"The guarantee: {all_cells_line(total)} (study_summary.json, all_cells).\n"
 
 
 def distribution_of(settings: PrivateSelectionSettings) -> SelectionDistribution:
@@ -173,6 +196,74 @@ class CellPlan:
 
 def cell_key(model: str, epsilon: float, seed: int) -> str:
     return f"{model}_eps{epsilon:g}_seed{seed}"
+
+
+#: what the study's total covers, in every file that states it
+ALL_CELLS_NOTE = ("releasing all of released/ costs this (epsilon, delta): the RDP composition of every cell's "
+                  "end-to-end curve, every cell of the study counted, those that released nothing (K = 0) too (a "
+                  "cell's guarantee is its mechanism's, whose output includes releasing nothing, fixed before K was "
+                  "drawn); the same curves were charged to the dataset's lifetime budget, if it has one. One cell "
+                  "alone costs its own end_to_end_epsilon")
+
+
+def compose_cells(plans: dict[str, CellPlan]) -> dict:
+    """What releasing every cell of the study costs, together: the cells' end-to-end RDP curves added order by order
+    (Mironov 2017, "Renyi Differential Privacy", Prop. 1: RDP composes by adding curves, also when a mechanism is
+    chosen after seeing the others' outputs; every cell runs on the study's one dataset), converted to (epsilon,
+    delta) at the study's delta as each cell's is (:func:`~raydp.privacy.accounting.rdp.rdp_epsilon`: Balle et al.
+    2020, Thm. 21). Each cell's curve is its repeat-and-select curve, which does not depend on its K, so the total is
+    fixed before any K is drawn and counts every cell, one whose K was 0 included: Thm. 6's guarantee is for the
+    mechanism whose output includes releasing nothing; dropping the cells that released nothing would condition
+    the others on K >= 1, a zero-truncated law the theorem does not cover."""
+    if not plans:
+        raise ConfigError("a private selection needs at least one cell")
+    deltas = {plan.delta for plan in plans.values()}
+    if len(deltas) != 1:
+        raise ConfigError(f"the study's cells have different deltas ({sorted(deltas)}): their composition is stated "
+                          "at one delta")
+    delta = deltas.pop()
+    total = np.sum([plan.end_to_end_curve for plan in plans.values()], axis=0)
+    cells = [plan.end_to_end_epsilon for plan in plans.values()]
+    return {"epsilon": rdp_epsilon(total, DEFAULT_ORDERS, delta), "delta": delta, "cells": len(plans),
+            "smallest_cell_epsilon": min(cells), "largest_cell_epsilon": max(cells),
+            "composition": "RDP: the cells' end-to-end curves added at every order (Mironov 2017, Prop. 1), "
+                           "converted at delta (Balle et al. 2020, Thm. 21)",
+            "note": ALL_CELLS_NOTE}
+
+
+def study_figure(plans: dict[str, CellPlan], dataset_id: str) -> dict:
+    """The study's spend on its dataset in the shape of a grid study's tuning-aware figure
+    (:func:`raydp.study.results.compose_dataset`'s keys that ``raydp report`` composes across studies): the same
+    total as :func:`compose_cells`, each cell a composed run (by its end-to-end curve); no count of trials (K is
+    secret) and no repeat-and-select figure over the cells (they are not trials of one selection)."""
+    total = compose_cells(plans)
+    delta = total["delta"]
+    units = sorted({plan.privacy_unit for plan in plans.values()})
+    return {"dataset_id": dataset_id, "selection": "private-dp", "cells": len(plans), "delta": delta,
+            "tuning_aware_epsilon": total["epsilon"], "composition_epsilon_rdp": total["epsilon"],
+            "largest_cell_epsilon": total["largest_cell_epsilon"],
+            "target_epsilons": sorted({plan.epsilon for plan in plans.values()}),
+            "composed": [{"name": key, "kind": "private_selection_cell", "curve": "end_to_end",
+                          "epsilon_target": plan.epsilon, "epsilon_rdp": plan.end_to_end_epsilon}
+                         for key, plan in plans.items()],
+            "labels": [], "privacy_units": units, "neighbouring_relations": [NEIGHBOURING_RELATION],
+            "unknown_spend": [], "warnings": [],
+            "orders": "raydp.privacy.accounting.rdp.DEFAULT_ORDERS",
+            "note": "tuning_aware_epsilon composes every cell of this private selection by its end-to-end curve "
+                    "(the selection among its secret number of trials included), whatever it released"}
+
+
+def _epsilons(low: float, high: float) -> str:
+    return f"{low:.4g}" if f"{low:.4g}" == f"{high:.4g}" else f"{low:.4g} to {high:.4g}"
+
+
+def all_cells_line(total: dict) -> str:
+    """One sentence: what releasing every cell costs, and one cell alone (PRIVACY.txt, the terminal)."""
+    return (f"releasing all of released/ costs (epsilon, delta) = ({total['epsilon']:.4g}, {total['delta']:g}), "
+            f"the RDP composition of the study's {total['cells']} cell(s), those that released nothing (K = 0) "
+            f"counted too; one cell alone costs its own end-to-end epsilon "
+            f"({_epsilons(total['smallest_cell_epsilon'], total['largest_cell_epsilon'])} at delta "
+            f"{total['delta']:g})")
 
 
 def _cells(study: StudyConfig) -> list[tuple[str, float, int]]:
@@ -260,13 +351,8 @@ def plan_cell(study: StudyConfig, dataset: str, model: str, epsilon: float, seed
 # ----------------------------------------------------------------------------------------------- secret state
 
 def _write_private(path: Path, value: dict) -> None:
-    """Write ``value`` as JSON readable by the owner only (0600), atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(value, handle, indent=1)
-    os.replace(tmp, path)
+    """Write ``value`` as JSON readable by the owner only (0600), atomically (:func:`raydp.files.atomic_write`)."""
+    atomic_write(path, json.dumps(value, indent=1))
 
 
 def draw_or_read_state(study: StudyConfig, study_dir: Path, resume: bool) -> dict:
@@ -410,14 +496,20 @@ def plan_study(study: StudyConfig, study_dir: Path, progress: bool = True) -> tu
     dataset = str(resolve_dataset(probe.data, Path(study_dir) / "dataset", progress=progress))
     if not has_split(dataset, "validation"):
         raise ConfigError(f"dataset {dataset} has no private validation split: set base.data.fractions.validation")
-    solved: dict[tuple[str, float], CellPlan] = {}  # a cell's plan does not depend on its seed
+    return dataset, plan_cells(study, dataset)
+
+
+def plan_cells(study: StudyConfig, dataset: str) -> dict[str, CellPlan]:
+    """Every cell's plan (:func:`plan_cell`), by cell key, in the study's order; solved once per model and epsilon
+    (a cell's plan does not depend on its seed)."""
+    solved: dict[tuple[str, float], CellPlan] = {}
     plans = {}
     for model, eps, seed in _cells(study):
         if (model, eps) not in solved:
             solved[(model, eps)] = plan_cell(study, dataset, model, eps, seed)
         plans[cell_key(model, eps, seed)] = dataclasses.replace(solved[(model, eps)], key=cell_key(model, eps, seed),
                                                                 seed=seed)
-    return dataset, plans
+    return plans
 
 
 def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, resume: bool) -> Path:
@@ -425,7 +517,7 @@ def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, r
     import ray  # lazy: `raydp study --check` loads no Ray
     from ray import tune  # lazy: as above
 
-    from raydp.runner.launch import ensure_ray  # lazy: imports Ray
+    from raydp.runner.launch import ensure_ray, remove_tune_staging  # lazy: imports Ray
 
     log = logging.getLogger("raydp.study")
     say = (lambda text: print(f"raydp: {text}", flush=True)) if progress else (lambda text: None)
@@ -433,6 +525,7 @@ def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, r
         private.mkdir(parents=True, exist_ok=True)
         os.chmod(private, 0o700)
     dataset, plans = plan_study(study, study_dir, progress)
+    total = compose_cells(plans)  # what releasing every cell costs: fixed by the plans, before any K is drawn
     for plan in plans.values():
         say(f"cell {plan.key}: each trial at epsilon {plan.trial_epsilon:.4g} (score noise "
             f"{study.selection_settings.score_noise:g}); the released best: epsilon {plan.end_to_end_epsilon:.4g} "
@@ -445,8 +538,8 @@ def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, r
         if fresh:  # nothing ran: the draw is discarded with the refused charge
             (study_dir / SECRET_STATE).unlink(missing_ok=True)
         raise
-    (study_dir / "PRIVACY.txt").write_text(PRIVATE_SELECTION_NOTE)
-    (study_dir / "study.json").write_text(json.dumps(study.model_dump(mode="json"), indent=2))
+    atomic_write(study_dir / "PRIVACY.txt", study_privacy_note(total))
+    atomic_write(study_dir / "study.json", json.dumps(study.model_dump(mode="json"), indent=2))
 
     if state.get("released"):  # a finished selection is released once: its trials are never run again
         say("this selection was released already: its released files are rewritten from its kept trials")
@@ -462,7 +555,7 @@ def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, r
         raise ConfigError(f"{study_dir} was released, and some of its trials' kept outputs are gone: a selection is "
                           "run once (running them again would be a second, uncharged selection)")
     if pending:
-        ensure_ray()
+        ensure_ray(private=True)
         cpus, gpus = study.resources.cpus_per_trial, study.resources.gpus_per_trial
         if cpus > ray.cluster_resources().get("CPU", 0):
             raise ConfigError(f"resources.cpus_per_trial={cpus} exceeds the cluster's "
@@ -473,14 +566,18 @@ def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, r
         common = {"study": study.model_dump(mode="json"), "dataset": dataset, "study_dir": str(study_dir)}
         # a fresh experiment name each time: scored trials are skipped above, an unscored one starts over (its
         # partial run released nothing); Tune's state and logs stay in the private work/
+        experiment = f"selection-{secrets.token_hex(4)}"
         tuner = tune.Tuner(trainable, param_space={**common, "trial": tune.grid_search(pending)},
                            tune_config=tune.TuneConfig(trial_dirname_creator=lambda t: t.trial_id),
-                           run_config=tune.RunConfig(name=f"selection-{secrets.token_hex(4)}",
+                           run_config=tune.RunConfig(name=experiment,
                                                      storage_path=str(study_dir / "work" / "tune"),
                                                      failure_config=tune.FailureConfig(max_failures=0),
                                                      verbose=0))
-        with _output_to(study_dir / "work" / "tune.log"):  # Tune prints the number of trials: keep it private
-            grid = tuner.fit()
+        try:
+            with _output_to(study_dir / "work" / "tune.log"):  # Tune prints the number of trials: keep it private
+                grid = tuner.fit()
+        finally:  # Tune's staged copy in Ray's temporary folder (every trial's settings, so K)
+            remove_tune_staging(experiment)
         for trial in pending:  # every score into the mechanism's state (deleting a trial's files cannot redo it)
             path = study_dir / "work" / "trials" / trial["id"] / "score.json"
             if path.is_file():
@@ -492,21 +589,24 @@ def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, r
                       str(failed[0].error).splitlines()[0][:300] if failed else "no score")
             raise ConfigError("a trial of the private selection failed: nothing is released (finish the study with "
                               "--resume once the cause is fixed; the number of trials is kept)")
-    released = _release(study, study_dir, plans, state)
+    released = _release(study, study_dir, plans, state, total)
     state["released"] = True
     _save_state(study_dir, state)
-    summary = {"study": study.name, "selection": "private-dp", "released": released,
+    dataset_id = manifest_id(load_manifest(dataset))
+    summary = {"study": study.name, "selection": "private-dp", "released": released, "all_cells": total,
+               "tuning_aware_epsilon": {dataset_id: study_figure(plans, dataset_id)},
                "note": "each cell released its best trial only; the number of trials, the other trials and every "
                        "timing are private (work/)"}
-    (study_dir / "study_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    atomic_write(study_dir / "study_summary.json", json.dumps(summary, indent=2, default=str))
     _stamp_releasable(study_dir)
     return study_dir
 
 
 def _stamp_releasable(study_dir: Path) -> None:
-    """Give every releasable file and directory the modification time of ``study.json`` (written before any trial):
-    the time between the study's start and its release grows with K, and copies would carry the chosen trial's.
-    (Their change time, ctime, is still the stamping's: PRIVACY.txt says how to copy them without it.)"""
+    """Give every releasable file and directory the modification and access times of ``study.json`` (written before
+    any trial): the time between the study's start and its release grows with K, and copies would carry the chosen
+    trial's. (Their change time, ctime, and birth time, btime, cannot be set: they are the stamping's and the
+    release's, at the study's end; PRIVACY.txt names both and says how to copy the files without them.)"""
     when = (study_dir / "study.json").stat().st_mtime
     paths = [study_dir / "study_summary.json", study_dir / "PRIVACY.txt", study_dir / RELEASED, study_dir]
     paths += sorted((study_dir / RELEASED).rglob("*"), reverse=True) if (study_dir / RELEASED).is_dir() else []
@@ -579,9 +679,11 @@ def released_summary(run_summary: dict, plan: CellPlan, theorem: str) -> dict:
     return out
 
 
-def _release(study: StudyConfig, study_dir: Path, plans: dict[str, CellPlan], state: dict) -> list[dict]:
-    """Per cell, copy the best trial's releasable files to ``released/CELL`` and describe it; the private eval
-    split's figures of the released trials go to ``work/owner-report.json`` (private)."""
+def _release(study: StudyConfig, study_dir: Path, plans: dict[str, CellPlan], state: dict,
+             total: dict) -> list[dict]:
+    """Per cell, copy the best trial's releasable files to ``released/CELL`` and describe it, with what releasing
+    every cell costs (``total``, :func:`compose_cells`) in its ``selection.json`` and ``PRIVACY.txt``; the private
+    eval split's figures of the released trials go to ``work/owner-report.json`` (private)."""
     settings = study.selection_settings
     out, owner = [], {}
     for key, trials in state["cells"].items():
@@ -605,8 +707,8 @@ def _release(study: StudyConfig, study_dir: Path, plans: dict[str, CellPlan], st
                 if (run_dir / name).is_file():
                     shutil.copyfile(run_dir / name, target / name)
             run_summary = json.loads((run_dir / "summary.json").read_text())
-            (target / "summary.json").write_text(json.dumps(released_summary(run_summary, plan, entry["theorem"]),
-                                                            indent=2))
+            atomic_write(target / "summary.json", json.dumps(released_summary(run_summary, plan, entry["theorem"]),
+                                                             indent=2))
             entry.update(released=True, settings=best["settings"], score=scores[best["id"]],
                          score_note="the noisy sum over the private validation split's patients of each patient's "
                                     "mean clipped value-token NLL minus the range's low end (lower is better; a "
@@ -615,8 +717,8 @@ def _release(study: StudyConfig, study_dir: Path, plans: dict[str, CellPlan], st
                          directory=str(target.relative_to(study_dir)))
             owner[key] = {k: run_summary.get(k) for k in ("final_eval_value_nll", "best_eval_value_nll",
                                                           "final_eval_perplexity")}
-        (target / "PRIVACY.txt").write_text(RELEASED_CELL_NOTE)
-        (target / "selection.json").write_text(json.dumps(entry, indent=2))
+        atomic_write(target / "PRIVACY.txt", released_cell_note(plan, total))
+        atomic_write(target / "selection.json", json.dumps({**entry, "all_cells": total}, indent=2))
         out.append(entry)
     _write_private(study_dir / OWNER_REPORT, {
         "note": "the released trials' figures on the private eval split: not a DP release, for the data owner "
@@ -629,8 +731,12 @@ def format_selection(study_dir: Path) -> str:
     E[K] (rounded up) trials would have cost beside the end-to-end epsilon. The released trials' private eval
     figures are not printed (terminal logs travel): they are in ``work/owner-report.json``, for the data owner."""
     summary = json.loads((Path(study_dir) / "study_summary.json").read_text())
+    total = summary.get("all_cells")
     lines = [f"study {summary['study']}: private selection (selection: private-dp); each cell released its best "
              "trial only",
+             f"all cells: {all_cells_line(total)}" if total else
+             "all cells: this study's summary does not state their composition (written before raydp did): releasing "
+             "several cells costs more than any one cell's end-to-end epsilon",
              f"{'cell':<26} {'trial eps':>9} {'end-to-end':>10} {'composed':>8} {'basic':>6} {'DP score':>10} "
              f"{'public NLL':>10}  settings"]
     for e in summary["released"]:
