@@ -291,15 +291,21 @@ def _cell_event(study, dataset, trial_epsilon: float):
     return dp_event.RepeatAndSelectDpEvent(trial, study.selection_settings.mean, math.inf)
 
 
-def test_releasing_every_cell_costs_the_composition_of_their_end_to_end_curves(tiny_dataset):
+@pytest.fixture(scope="module")
+def six_cells(tiny_dataset):
+    """A study of seeds [0, 1, 2] x epsilons [4, 8] and its six cells' plans (no trial runs)."""
+    study = study_of(epsilons=[4.0, 8.0], seeds=[0, 1, 2])
+    return study, ps.plan_cells(study, tiny_dataset)
+
+
+def test_releasing_every_cell_costs_the_composition_of_their_end_to_end_curves(tiny_dataset, six_cells):
     """A study of seeds [0, 1, 2] x epsilons [4, 8] releases six cells: together they cost the RDP composition of the
     six end-to-end curves, far more than any one cell. Checked against dp_accounting's RDP accountant composing each
     cell's RepeatAndSelectDpEvent of its trial's events (its own subsampled-Gaussian RDP, composition and
     conversion), every cell counted whatever its K (a K = 0 cell's guarantee includes releasing nothing)."""
     from dp_accounting.rdp import RdpAccountant
 
-    study = study_of(epsilons=[4.0, 8.0], seeds=[0, 1, 2])
-    plans = ps.plan_cells(study, tiny_dataset)
+    study, plans = six_cells
     assert list(plans) == [f"embedded-tiny_eps{e}_seed{s}" for e in (4, 8) for s in (0, 1, 2)]
     events = {eps: _cell_event(study, tiny_dataset, next(p for p in plans.values() if p.epsilon == eps).trial_epsilon)
               for eps in (4.0, 8.0)}
@@ -330,6 +336,69 @@ def test_releasing_every_cell_costs_the_composition_of_their_end_to_end_curves(t
     figure = ps.study_figure(plans, "rdi1:" + "a" * 32)
     assert figure["tuning_aware_epsilon"] == total["epsilon"] and figure["delta"] == 1e-5
     assert [c["name"] for c in figure["composed"]] == list(plans) and "trials" not in figure
+
+
+def _fake_grid_study(root: Path, name: str, dataset_id: str, epsilon: float) -> Path:
+    """A finished grid study's directory as the study runner leaves it, for the report alone: a results table of
+    two trials and its tuning-aware figure on ``dataset_id``."""
+    import pandas as pd
+
+    d = root / name
+    (d / "trials").mkdir(parents=True)
+    rows = [{"trial": f"static_m_eps2_seed{seed}", "status": "TERMINATED", "model": "m", "strategy": "static",
+             "epsilon_target": 2.0, "seed": seed, "variant": None, "frozen_policy": False,
+             "run_dir": str(d / "trials" / f"static{seed}"), "final_public_perplexity": 1.4 + seed / 100,
+             "final_eval_perplexity": 1.3, "steps": 10, "planned_steps": 10, "dataset_id": dataset_id,
+             "within_budget": True, "steps_to_target": None, "selection_split": "public"} for seed in (0, 1)]
+    pd.DataFrame(rows).to_parquet(d / "results.parquet")
+    figure = {"runs": 2, "trials": 2, "target_epsilons": [2.0], "tuning_aware_epsilon": epsilon, "delta": 1e-5,
+              "max_single_trial_epsilon_rdp": epsilon / 2, "repeat_and_select_epsilon_rdp": epsilon,
+              "privacy_units": ["patient"], "neighbouring_relations": ["add_remove_one"]}
+    (d / "study_summary.json").write_text(json.dumps({"study": name, "selection": {"split": "public"},
+                                                      "tuning_aware_epsilon": {dataset_id: figure}}))
+    return d
+
+
+def _fake_selection_study(root: Path, name: str, study, plans, dataset_id: str) -> Path:
+    """A finished private-dp study's summary as the study writes it (:func:`ps.selection_summary`), every cell
+    without a release (K = 0), for the report alone."""
+    d = root / name
+    d.mkdir(parents=True)
+    released = [{**plan.describe(study.selection_settings), "released": False} for plan in plans.values()]
+    (d / "study_summary.json").write_text(json.dumps(ps.selection_summary(name, released, plans, dataset_id)))
+    return d
+
+
+def test_report_composes_a_private_selection_with_other_studies_on_its_dataset(tmp_path, six_cells, capsys):
+    """raydp report over a grid study and a private-dp study on one dataset: the grid's table, the private-dp
+    study's released cells, and their spend composed (basic composition of the two studies' figures, the private-dp
+    one the RDP composition of its six cells: 14.16 at delta 1e-5). It refused the private-dp study ('has no
+    results.parquet'). Another dataset's private-dp study is refused, as a grid study's is."""
+    from raydp.cli import main
+    from raydp.study.report import format_report
+
+    study, plans = six_cells
+    dataset_id = "rdi1:" + "a" * 32
+    grid = _fake_grid_study(tmp_path, "grid", dataset_id, epsilon=1.5)
+    selection = _fake_selection_study(tmp_path, "selection", study, plans, dataset_id)
+    total = ps.compose_cells(plans)
+    out = format_report(grid, selection)
+    assert "studies grid combined: 2 trials (2 finished)" in out  # the grid's own table
+    assert "embedded-tiny_eps8_seed2" in out and "nothing released (K = 0)" in out  # the selection's cells
+    assert f"private selection (selection: private-dp): {ps.all_cells_line(total)}" in out
+    assert (f"dataset {dataset_id[:16]} over 2 of 2 studies (every run, replaced arms included): "
+            f"<= {1.5 + total['epsilon']:.3f} at delta 2e-05") in out
+    assert f"{1.5 + total['epsilon']:.3f}" == "15.657"
+    assert main(["report", str(selection), str(grid)]) == 0
+    assert f"<= {1.5 + total['epsilon']:.3f} at delta 2e-05" in capsys.readouterr().out
+    # alone, the study's released cells and their total, as raydp study printed them
+    assert format_report(selection) == ps.format_selection(selection)
+    # two private selections on the dataset compose too
+    again = _fake_selection_study(tmp_path, "again", study, plans, dataset_id)
+    assert f"<= {2 * total['epsilon']:.3f} at delta 2e-05" in format_report(selection, again)
+    other = _fake_selection_study(tmp_path, "other", study, plans, "rdi1:" + "b" * 32)
+    with pytest.raises(ConfigError, match="ran on different datasets"):
+        format_report(grid, other)
 
 
 def test_a_search_space_that_changes_the_plan_is_refused(tiny_dataset):

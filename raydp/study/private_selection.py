@@ -592,14 +592,20 @@ def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, r
     released = _release(study, study_dir, plans, state, total)
     state["released"] = True
     _save_state(study_dir, state)
-    dataset_id = manifest_id(load_manifest(dataset))
-    summary = {"study": study.name, "selection": "private-dp", "released": released, "all_cells": total,
-               "tuning_aware_epsilon": {dataset_id: study_figure(plans, dataset_id)},
-               "note": "each cell released its best trial only; the number of trials, the other trials and every "
-                       "timing are private (work/)"}
+    summary = selection_summary(study.name, released, plans, manifest_id(load_manifest(dataset)))
     atomic_write(study_dir / "study_summary.json", json.dumps(summary, indent=2, default=str))
     _stamp_releasable(study_dir)
     return study_dir
+
+
+def selection_summary(name: str, released: list[dict], plans: dict[str, CellPlan], dataset_id: str) -> dict:
+    """A private-dp study's ``study_summary.json``: each cell's description (``released``, from :func:`_release`),
+    what releasing all of them costs (:func:`compose_cells`) and the same as the dataset's figure that ``raydp
+    report`` composes with other studies on it (:func:`study_figure`)."""
+    return {"study": name, "selection": "private-dp", "released": released, "all_cells": compose_cells(plans),
+            "tuning_aware_epsilon": {dataset_id: study_figure(plans, dataset_id)},
+            "note": "each cell released its best trial only; the number of trials, the other trials and every "
+                    "timing are private (work/)"}
 
 
 def _stamp_releasable(study_dir: Path) -> None:

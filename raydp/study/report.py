@@ -8,6 +8,10 @@ The perplexity is the study's selection split (ERRATA E15): the public validatio
 private eval split (not a DP release) when the study selects on it, and the report then says so.
 Then the tuning-aware epsilon of each dataset (ERRATA E7/E14), with its labels and warnings.
 
+A ``selection: private-dp`` study has no results table: it is shown by its released cells
+(:func:`raydp.study.private_selection.format_selection`), and composed with other studies on the same dataset by its
+own figure, the RDP composition of its cells' end-to-end curves (:func:`_combined_privacy`).
+
 Verdicts (:func:`verdicts`, issue 12): per model x epsilon, RLDP's best arm against the best baseline arm,
 both chosen after the fact by mean final perplexity, and Welch's t-test over their seeds (two-sided, 5%):
 RLDP *wins* or *loses* when the difference is significant, and *ties* otherwise. Choosing the best
@@ -26,6 +30,18 @@ from raydp.data.identity import frame_ids as dataset_ids
 from raydp.errors import ConfigError
 from raydp.study.arms import arms
 from raydp.study.results import BASELINE_EXCLUDED, CHALLENGERS, CONTROLLERS, NONPRIVATE_ARMS
+
+
+def is_private_selection(study_dir: str | Path) -> bool:
+    """Whether ``study_dir`` is a finished ``selection: private-dp`` study (its summary says so; it has no
+    ``results.parquet``: it releases one trial per cell and no table of every trial)."""
+    study_dir = Path(study_dir)
+    if (study_dir / "results.parquet").exists():
+        return False
+    try:
+        return json.loads((study_dir / "study_summary.json").read_text()).get("selection") == "private-dp"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def load_results(study_dir: str | Path) -> tuple[pd.DataFrame, dict]:
@@ -408,12 +424,7 @@ def combine_studies(study_dirs: list[str | Path]) -> tuple[pd.DataFrame, dict, l
     if len(columns) > 1:
         raise ConfigError("these studies select on different splits or metrics (public validation and private "
                           "eval; value-token NLL and perplexity): their figures do not compare")
-    datasets = [set(dataset_ids(r).dropna()) for _, r, _ in loaded]
-    datasets += [set(s["tuning_aware_epsilon"]) - {"unknown dataset"} for _, _, s in loaded  # trials may lack a hash
-                 if isinstance(s.get("tuning_aware_epsilon"), dict) and "runs" in next(iter(s["tuning_aware_epsilon"].values()), {})]
-    if len(set().union(*datasets)) > 1:
-        raise ConfigError("these studies' trials ran on different datasets ("
-                          + ", ".join(sorted(set().union(*datasets))) + "): nothing to compare")
+    _one_dataset([_study_datasets(r, s) for _, r, s in loaded])
     notes, frames = [], []
     for path, results, summary in loaded:
         results = results.copy()
@@ -436,19 +447,67 @@ def combine_studies(study_dirs: list[str | Path]) -> tuple[pd.DataFrame, dict, l
     return combined, {"selection": {"split": selection, "note": first.get("note"), "metric": metric}}, notes
 
 
+def _study_datasets(results: pd.DataFrame | None, summary: dict) -> set[str]:
+    """The datasets a study's runs touched: its trials' ids, and its tuning-aware figures' (trials may lack a hash; a
+    private-dp study has only its figure)."""
+    found = set(dataset_ids(results).dropna()) if results is not None else set()
+    tuning = summary.get("tuning_aware_epsilon")
+    if isinstance(tuning, dict) and tuning and isinstance(next(iter(tuning.values())), dict) and \
+            ("runs" in next(iter(tuning.values())) or summary.get("selection") == "private-dp"):
+        found |= set(tuning) - {"unknown dataset"}
+    return found
+
+
+def _one_dataset(datasets: list[set[str]]) -> None:
+    """Refuse (one line) studies whose runs touched different datasets: nothing to compare or compose."""
+    if len(set().union(*datasets)) > 1:
+        raise ConfigError("these studies' trials ran on different datasets ("
+                          + ", ".join(sorted(set().union(*datasets))) + "): nothing to compare")
+
+
+def _read_summary(study_dir: str | Path) -> dict:
+    path = Path(study_dir) / "study_summary.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _format_selection(study_dir: str | Path) -> str:
+    from raydp.study.private_selection import format_selection  # lazy: imports torch
+
+    return format_selection(Path(study_dir))
+
+
+def _format_selection_privacy(summary: dict) -> list[str]:
+    """A private-dp study's own privacy lines: what releasing all of its cells costs."""
+    from raydp.study.private_selection import all_cells_line  # lazy: imports torch
+
+    total = summary.get("all_cells")
+    if not total:
+        return ["  private selection: its summary does not state the composition of its cells (written before raydp "
+                "did): releasing several cells costs more than any one cell's end-to-end epsilon"]
+    return [f"  private selection (selection: private-dp): {all_cells_line(total)}"]
+
+
 def _combined_privacy(study_dirs: list[str | Path]) -> list[str]:
     """Each study's own privacy section, every line of it (labels, warnings, unknown spend, PBT, per-trial
     budgets over all its trials, replaced arms included), then for each dataset the basic composition of the
     studies' tuning-aware figures (Dwork & Roth 2014, Thm. 3.16: epsilons add, deltas add; every run counts).
+    A private-dp study's figure is the RDP composition of its cells' end-to-end curves (Mironov 2017, Prop. 1;
+    :func:`raydp.study.private_selection.study_figure`), every cell counted whatever it released.
     The total is "unknown" when a study has no figure, a figure lacks its epsilon or delta, or a study
     reports spend it could not compose."""
     per: dict[str, list[tuple[str, dict]]] = {}
     lines, without = [], []
     for d in study_dirs:
-        results, summary = load_results(d)
-        name = summary.get("study", Path(d).name)
-        lines.append(f"\nstudy {name}:")
-        lines.extend(line.lstrip("\n") for line in _format_privacy(results, summary))
+        if is_private_selection(d):
+            summary = _read_summary(d)
+            name = summary.get("study", Path(d).name)
+            lines.append(f"\nstudy {name}:")
+            lines.extend(_format_selection_privacy(summary))
+        else:
+            results, summary = load_results(d)
+            name = summary.get("study", Path(d).name)
+            lines.append(f"\nstudy {name}:")
+            lines.extend(line.lstrip("\n") for line in _format_privacy(results, summary))
         tuning = summary.get("tuning_aware_epsilon")
         if isinstance(tuning, dict) and tuning:
             for sha, t in tuning.items():
@@ -481,16 +540,27 @@ def _combined_privacy(study_dirs: list[str | Path]) -> list[str]:
 
 def format_report(study_dir: str | Path, *more: str | Path) -> str:
     """The study's tables (module docstring); with ``more`` study directories, the tables of their combined
-    trials (:func:`combine_studies`: a later study's arm replaces an earlier study's same arm)."""
+    trials (:func:`combine_studies`: a later study's arm replaces an earlier study's same arm). A private-dp study
+    is shown by its released cells (it has no table of trials) and its spend composes with the others'."""
     if more:
         dirs = [study_dir, *more]
-        results, summary, notes = combine_studies(dirs)
-        names = ", ".join(dict.fromkeys(results["study"]))
-        lines = [f"studies {names} combined: {len(results)} trials "
-                 f"({int((results['status'] == 'TERMINATED').sum())} finished)"]
-        lines += [f"NOTE: {n}" for n in notes]
-        return "\n".join(lines + _format_tables(results, summary)
-                         + ["\nPrivacy, study by study (ERRATA E7/E14)"] + _combined_privacy(dirs))
+        selections = [d for d in dirs if is_private_selection(d)]
+        grids = [d for d in dirs if d not in selections]
+        _one_dataset([_study_datasets(None, _read_summary(d)) for d in selections]
+                     + [_study_datasets(*load_results(d)) for d in grids])
+        lines = []
+        if grids:
+            results, summary, notes = combine_studies(grids)
+            names = ", ".join(dict.fromkeys(results["study"]))
+            lines = [f"studies {names} combined: {len(results)} trials "
+                     f"({int((results['status'] == 'TERMINATED').sum())} finished)"]
+            lines += [f"NOTE: {n}" for n in notes]
+            lines += _format_tables(results, summary)
+        for d in selections:
+            lines += ["", _format_selection(d)]
+        return "\n".join(lines + ["\nPrivacy, study by study (ERRATA E7/E14)"] + _combined_privacy(dirs))
+    if is_private_selection(study_dir):
+        return _format_selection(study_dir)
     results, summary = load_results(study_dir)
     lines = [f"study {summary.get('study', Path(study_dir).name)}: {len(results)} trials "
              f"({int((results['status'] == 'TERMINATED').sum())} finished)"]
