@@ -90,3 +90,68 @@ def test_a_study_files_missing_source_names_both_places_in_one_line(tmp_path, mo
     err = _one_line_error(capsys)
     assert "base.data.source: notes.csv" in err
     assert str(studies / "notes.csv") in err and str(elsewhere / "notes.csv") in err
+
+
+@pytest.fixture()
+def unreachable_hub(monkeypatch, tmp_path):
+    """The Hub online (HF_HUB_OFFLINE unset for this test) at a closed localhost port, with an empty cache. The
+    values huggingface_hub read at its import are set too: the test session imported it offline."""
+    import socket
+
+    from huggingface_hub import constants
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return endpoint, tmp_path / "hub"
+
+
+def test_an_unreachable_hub_fails_at_once_in_one_line_with_the_offline_hint(unreachable_hub, tmp_path, capsys):
+    import time
+
+    endpoint, _ = unreachable_hub
+    started = time.monotonic()
+    assert main(["train", "--model", "raydp-tests/no-such-model", "--output", str(tmp_path / "run"),
+                 "--n-records", "60", "--quiet"]) == 2
+    assert time.monotonic() - started < 5  # one attempt: huggingface_hub's retries took about a minute
+    err = _one_line_error(capsys)
+    assert f"cannot reach the Hugging Face Hub at {endpoint}" in err and "HF_HUB_OFFLINE=1" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unreachable_hub_loads_a_cached_model_from_the_cache(unreachable_hub, tiny_tokenizer_dir):
+    """The Hub unreachable and the model in the cache: it loads from the cache, with no retries."""
+    import shutil
+    import time
+
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from raydp.model import load_model
+
+    _, cache = unreachable_hub
+    repo = cache / "models--raydp-tests--tiny-cached"
+    commit = "0" * 40
+    snapshot = repo / "snapshots" / commit
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(AutoTokenizer.from_pretrained(tiny_tokenizer_dir)), n_positions=32,
+                               n_embd=16, n_layer=1, n_head=2)).save_pretrained(snapshot)
+    shutil.copytree(tiny_tokenizer_dir, snapshot, dirs_exist_ok=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    started = time.monotonic()
+    loaded = load_model("raydp-tests/tiny-cached", device="cpu", progress=False)
+    assert time.monotonic() - started < 8 and loaded.model_type == "gpt2" and len(loaded.pairs) == 1
+
+
+def test_the_offline_hub_still_fails_in_one_line(tmp_path, capsys):
+    """HF_HUB_OFFLINE=1 (the tests' setting): a Hub name that is not cached is refused by transformers, in one line."""
+    assert main(["train", "--model", "raydp-tests/no-such-model", "--output", str(tmp_path / "run"),
+                 "--n-records", "60", "--quiet"]) == 2
+    err = _one_line_error(capsys)
+    assert "cannot load model 'raydp-tests/no-such-model'" in err and not (tmp_path / "run").exists()

@@ -90,11 +90,53 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def check_model_name(name_or_path: str) -> None:
-    """Cheap checks of a model name before anything is built: embedded presets and local paths."""
+    """Cheap checks of a model name before anything is built: embedded presets, local paths, and that the Hub
+    answers for a Hub name or has it cached (:func:`hub_options`)."""
     if name_or_path.startswith("embedded") and not is_embedded_name(name_or_path):
         raise ModelError(f"unknown embedded model {name_or_path!r}; known: {', '.join(EMBEDDED_PRESETS)}")
     if not is_embedded_name(name_or_path):
         _local_model_dir(name_or_path)
+        hub_options(name_or_path)
+
+
+#: seconds the one look at the Hub waits for an answer (HF_HUB_ETAG_TIMEOUT where set)
+HUB_TIMEOUT_S = 5.0
+
+
+def hub_options(name_or_path: str) -> dict:
+    """``from_pretrained``'s keywords for ``name_or_path``: none for an embedded preset, a local directory, or with
+    the Hub offline (``HF_HUB_OFFLINE=1``). For a Hub name, one HEAD request of its ``config.json`` with no retry:
+    an unreachable Hub costs huggingface_hub about a minute of retries (5, 1-8 s apart, per file) before it fails.
+    Unreachable, a model in the local cache loads from there (``local_files_only``); one that is not is a one-line
+    ModelError. A Hub that answers, even "no such model", leaves the rest to ``from_pretrained``."""
+    if is_embedded_name(name_or_path) or _local_model_dir(name_or_path) is not None:
+        return {}
+    from huggingface_hub import constants, get_hf_file_metadata, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if constants.is_offline_mode():
+        return {}
+    timeout = float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or HUB_TIMEOUT_S)
+    try:  # huggingface_hub's own template, at the endpoint it uses (get_hf_file_metadata does not retry)
+        get_hf_file_metadata(f"{constants.ENDPOINT}/{name_or_path}/resolve/{constants.DEFAULT_REVISION}/config.json",
+                             timeout=timeout)
+        return {}
+    except HfHubHTTPError as exc:
+        status = getattr(exc.response, "status_code", None)
+        if status is not None and status < 500 and status not in (408, 429):
+            return {}  # the Hub answered (no such repo, gated, ...): from_pretrained's error says which
+        reason = f"HTTP {status}"
+    except Exception as exc:  # no route, no DNS, refused, timed out: one attempt, no retries
+        reason = " ".join(str(exc).split())[:160] or type(exc).__name__
+    try:
+        cached = isinstance(try_to_load_from_cache(name_or_path, "config.json"), str)
+    except ValueError:  # not a valid repo id: from_pretrained's error says so
+        cached = False
+    if cached:
+        return {"local_files_only": True}
+    raise ModelError(f"cannot reach the Hugging Face Hub at {constants.ENDPOINT} for model {name_or_path!r} "
+                     f"({reason}), and it is not in the local cache: connect, give a local model directory, or set "
+                     "HF_HUB_OFFLINE=1 to use cached models without trying the Hub")
 
 
 #: the files ``AutoTokenizer`` reads a vocabulary from (a fast tokenizer's tokenizer.json, a BPE vocab.json with
@@ -147,15 +189,18 @@ def load_model(
     dtype = torch.float32
     if torch_device.type == "cuda" and torch.cuda.is_bf16_supported():
         dtype = torch.bfloat16
+    options = hub_options(name_or_path)  # an unreachable Hub: one attempt, not a minute of retries
     try:
         with transformers_progress(progress):
-            tokenizer = AutoTokenizer.from_pretrained(source)
+            tokenizer = AutoTokenizer.from_pretrained(source, **options)
             if len(tokenizer) <= len(set(tokenizer.all_special_tokens)):  # no vocabulary: nothing but special tokens
                 raise _no_tokenizer(name_or_path, source if Path(source).is_dir() else f"the Hub's {source}",
                                     empty=True)
-            kind = getattr(AutoConfig.from_pretrained(source), "model_type", None)
+            kind = getattr(AutoConfig.from_pretrained(source, **options), "model_type", None)
             auto = AutoModelForMaskedLM if kind in ENCODERS else AutoModelForCausalLM
-            base = auto.from_pretrained(source, dtype=dtype)
+            # transformers looks for a PEFT adapter in the repo without local_files_only: it is given it here too
+            base = auto.from_pretrained(source, dtype=dtype, **options,
+                                        **({"adapter_kwargs": dict(options)} if options else {}))
     except (OSError, ValueError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"cannot load model {name_or_path!r}: {first_line}") from None
@@ -236,7 +281,7 @@ def expected_adapter_pairs(name_or_path: str, lora: LoraSettings | None = None) 
     else:
         source = resolve_model_source(name_or_path, progress=False)
         try:
-            cfg = AutoConfig.from_pretrained(source)
+            cfg = AutoConfig.from_pretrained(source, **hub_options(name_or_path))
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot read the config of {name_or_path!r}: {exc}") from None
         model_type = cfg.model_type
