@@ -138,13 +138,13 @@ def test_shipped_study_files_validate_and_expand(tmp_path, monkeypatch):
 # the files they name (tuning records, policies) resolve where they moved to. One that a later schema change breaks
 # is amended in its file (as pre-registered studies are), saying so.
 @pytest.mark.slow
-def test_campaign_study_files_validate_and_their_paths_resolve(monkeypatch):
-    """Every study file under experiments/ validates and expands from the repository's root (the campaigns name their
-    policies from there), its tuning record exists, and a policy it continues training (not frozen) is a full copy,
-    replay buffer included."""
+def test_campaign_study_files_validate_and_their_paths_resolve(tmp_path, monkeypatch):
+    """Every study file under experiments/ validates and expands from another directory (its relative paths are read
+    beside it), its tuning record exists, a policy it names is its campaign's or a shipped one, and a policy it
+    continues training (not frozen) is a full copy, replay buffer included."""
     from raydp.control.store import REPLAY_FILE, resolve_policy
 
-    monkeypatch.chdir(REPO)
+    monkeypatch.chdir(tmp_path)
     assert CAMPAIGN_STUDIES
     for path in CAMPAIGN_STUDIES:
         study = _validates_and_expands(path)
@@ -152,6 +152,7 @@ def test_campaign_study_files_validate_and_their_paths_resolve(monkeypatch):
             assert Path(study.tuned_from).exists(), path
         for policy, policy_dir, frozen in _named_policies(study):
             found = resolve_policy(policy, policy_dir)
+            assert found.parent in (path.parent / "policies", shipped_policy_dir().resolve()), (path, policy)
             assert frozen or (found / REPLAY_FILE).is_file(), (path, policy)
 
 
