@@ -20,3 +20,12 @@ class ModelError(RaydpError):
 
 class ConfigError(RaydpError):
     """A configuration value is invalid."""
+
+
+def did_you_mean(word, choices) -> str:
+    """`` (did you mean X?)``, X the one of ``choices`` nearest ``word`` (difflib), for an unknown key's one-line
+    error; empty when none is near."""
+    import difflib  # lazy: the errors module is imported by everything
+
+    close = difflib.get_close_matches(str(word), [str(choice) for choice in choices], n=1)
+    return f" (did you mean {close[0]}?)" if close else ""

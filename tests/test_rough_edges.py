@@ -49,6 +49,7 @@ def _study_file(folder, **changes):
 
     values = {"name": "paths", "models": ["embedded-tiny"], "epsilons": [2.0], "strategies": ["static"],
               "resources": {"cpus_per_trial": 1}, **changes}
+    values = {key: value for key, value in values.items() if value is not None}  # None: the key left out
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "paths.yaml"
     path.write_text(yaml.safe_dump(values))
@@ -155,3 +156,27 @@ def test_the_offline_hub_still_fails_in_one_line(tmp_path, capsys):
                  "--n-records", "60", "--quiet"]) == 2
     err = _one_line_error(capsys)
     assert "cannot load model 'raydp-tests/no-such-model'" in err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("config, words", [
+    ("epochz: 1\n", "invalid config: epochz: unknown field (did you mean epochs?)"),
+    ("data: {n_record: 50}\n", "invalid config: data.n_record: unknown field (did you mean n_records?)"),
+    ("strategy: rldp\nepsilon: 2\nsettings: {t_wrm: 5}\n",
+     "invalid config: settings.t_wrm: unknown field (did you mean t_warm?)"),
+    ("lora: {rank: 4}\n", "invalid config: lora.rank: unknown field\n"),  # nothing near: no guess
+])
+def test_a_misspelt_config_key_names_the_nearest_field(tmp_path, capsys, config, words):
+    (tmp_path / "run.yaml").write_text(config)
+    assert main(["train", "--config", str(tmp_path / "run.yaml"), "--output", str(tmp_path / "run")]) == 2
+    assert words in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"epsilon": [2.0], "epsilons": None}, "epsilon: unknown field (did you mean epsilons?)"),  # not: epsilons missing
+    ({"sac_grid": {"trl": [4]}}, "sac_grid.trl: unknown field (did you mean t_rl?)"),
+    ({"base": {"batch_sise": 4}}, "batch_sise: unknown field (did you mean batch_size?)"),  # a trial's TrainConfig
+])
+def test_a_misspelt_study_key_names_the_nearest_field(tmp_path, capsys, changes, words):
+    path = _study_file(tmp_path, **changes)
+    assert main(["study", str(path), "--check"]) == 2
+    assert words in _one_line_error(capsys)
