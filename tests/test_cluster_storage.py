@@ -4,8 +4,11 @@ both nodes, read the dataset from the store, and everything comes back from it (
 and each trial's run directory with its ledger and adapters). Slow tier: it starts two Ray nodes."""
 
 import json
+import shutil
+import tempfile
 import os
 import socket
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -49,12 +52,17 @@ def two_nodes(object_store, raydp_cache):
 
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, connect=True, head_node_args={"num_cpus": 1})
-    cluster.add_node(num_cpus=1)
+    # the nodes' temporary folder inside an owner-only one, as a data owner's cluster must have it (docs/privacy.md:
+    # a study on private data refuses a Ray whose folder other local users can enter)
+    root = Path(tempfile.mkdtemp(prefix="raydp-nodes-", dir="/tmp"))
+    cluster = Cluster(initialize_head=True, connect=True,
+                      head_node_args={"num_cpus": 1, "temp_dir": str(root / "ray")})
+    cluster.add_node(num_cpus=1, temp_dir=str(root / "ray"))
     cluster.wait_for_nodes()
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def test_a_study_runs_on_two_nodes_with_its_storage_on_an_object_store(two_nodes, object_store, tmp_path):
