@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from raydp.config import TrainConfig
+from raydp.errors import ConfigError
 from raydp.evaluation.results import EvalConfig
 
 # A run where memorisation is possible, so that an audit has power: few real records (truncated to 64
@@ -123,3 +124,53 @@ def test_eval_settings_validate_and_load_from_yaml(tmp_path):
     settings = eval_config_from_args(args)
     assert settings == EvalConfig(generations=100, extraction_prompt="narrative", exposure_candidates=7)
     assert EvalConfig().generations == 4000  # RLDP Sec. 3.3's T
+
+
+def test_eval_of_a_released_cell_writes_nothing_into_it(tmp_path, monkeypatch, capsys):
+    """A released cell of a private selection (released/CELL) holds releasable files only, as its PRIVACY.txt says:
+    `raydp eval` on it writes its evaluation (attacks on private records: private) to the study's private
+    work/evaluations/CELL/, never beside them; a released cell without its study around it is refused, nothing
+    written. (It wrote released/CELL/evaluation.json.) The attacks are left out here (ATTACKS empty): where the file
+    goes does not depend on them."""
+    import shutil
+
+    import raydp.evaluation.evaluate as evaluate
+    from raydp.cli import main
+
+    from raydp.runner.run import run_training
+
+    run = tmp_path / "run"
+    run_training(TrainConfig.model_validate({"model": "embedded-tiny", "strategy": "static", "epsilon": 2.0,
+                                             "data": {"n_records": 60}, "max_steps": 2, "warmup_steps": 0,
+                                             "eval_max_records": 4, "public_eval_records": 4}), run, progress=False)
+    study = tmp_path / "study"
+    cell = study / "released" / "embedded-tiny_eps2_seed0"
+    (study / "work").mkdir(parents=True)
+    cell.mkdir(parents=True)
+    shutil.copytree(run / "adapter", cell / "adapter")
+    config = json.loads((run / "config.json").read_text())
+    config["data"]["source"] = str(run / "private" / "dataset")  # a private-dp trial reads the study's dataset/
+    (cell / "config.json").write_text(json.dumps(config))
+    shutil.copyfile(run / "summary.json", cell / "summary.json")
+    (cell / "selection.json").write_text("{}")
+    (cell / "PRIVACY.txt").write_text("Everything in this directory is releasable\n")
+    before = sorted(p.name for p in cell.iterdir())
+    monkeypatch.setattr(evaluate, "ATTACKS", [])
+
+    assert main(["eval", str(cell)]) == 0
+    written = study / "work" / "evaluations" / cell.name / "evaluation.json"
+    assert json.loads(written.read_text())["format"] and oct(written.stat().st_mode & 0o777) == "0o600"
+    assert sorted(p.name for p in cell.iterdir()) == before  # nothing new in the releasable folder
+    assert f"is in {written}" in capsys.readouterr().err
+    # released/ copied out of its study: refused, nothing written
+    alone = tmp_path / "copied" / cell.name
+    shutil.copytree(cell, alone)
+    assert main(["eval", str(alone)]) == 2
+    err = capsys.readouterr().err
+    assert "without its study directory around it" in err and err.count("\n") == 1
+    assert sorted(p.name for p in alone.iterdir()) == before
+    # an explicit place inside a released cell is refused too; one outside it is taken
+    with pytest.raises(ConfigError, match="inside a released cell"):
+        evaluate.evaluate_run(cell, progress=False, out=cell / "adapter" / "evaluation.json")
+    evaluate.evaluate_run(alone, progress=False, out=tmp_path / "owner" / "evaluation.json")
+    assert (tmp_path / "owner" / "evaluation.json").is_file()

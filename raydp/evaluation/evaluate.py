@@ -1,4 +1,6 @@
-"""``raydp eval RUN_DIR``: attack a finished run and audit its epsilon; writes ``RUN_DIR/evaluation.json``.
+"""``raydp eval RUN_DIR``: attack a finished run and audit its epsilon; writes ``RUN_DIR/evaluation.json`` (for a
+released cell of a private selection, whose folder holds releasable files only, the study's private
+``work/evaluations/CELL/evaluation.json``: :func:`evaluation_path`).
 
 What it loads: the run's ``config.json`` (model, LoRA, delta), its adapter (``adapter/``) on the base model,
 its ``summary.json`` (the claimed epsilon, unit and labels) and its private dataset (``private/dataset``, or
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from raydp.errors import ConfigError
+from raydp.files import atomic_write
 from raydp.evaluation.base import AttackContext
 from raydp.evaluation.registry import ATTACKS
 from raydp.evaluation.results import EVALUATION_FILE, EVALUATION_FORMAT, LABEL, EvalConfig, summary_line
@@ -111,6 +113,41 @@ def _claimed(summary: dict, config) -> dict:
     return claimed
 
 
+#: a released cell of a private selection holds this file (raydp.study.private_selection: released/CELL/)
+SELECTION_FILE = "selection.json"
+#: where a released cell's evaluation goes in its study directory (private, like everything under work/)
+RELEASED_EVALUATIONS = Path("work") / "evaluations"
+
+
+def is_released_cell(folder: Path) -> bool:
+    """Whether ``folder`` is a released cell of a private selection (``released/CELL`` of a private-dp study): its
+    PRIVACY.txt calls everything in it releasable."""
+    return (Path(folder) / SELECTION_FILE).is_file()
+
+
+def evaluation_path(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Where the evaluation of ``run_dir`` is written: ``out`` when given, else ``run_dir/evaluation.json``; for a
+    released cell of a private selection, the study's private ``work/evaluations/CELL/evaluation.json``. The
+    evaluation holds attacks on private records (member counts, scores, timings): never in a folder whose files are
+    all releasable, so a released cell without its study around it (``released/`` copied elsewhere), or an ``out``
+    inside a released cell, is refused (one line)."""
+    run_dir = Path(run_dir).expanduser().absolute()
+    if out is not None:
+        out = Path(out).expanduser().absolute()
+        if any(is_released_cell(folder) for folder in (out.parent, *out.parent.parents)):
+            raise ConfigError(f"{out} is inside a released cell of a private selection, whose files are all "
+                              "releasable: write the evaluation (private) elsewhere")
+        return out
+    if not is_released_cell(run_dir):
+        return run_dir / EVALUATION_FILE
+    study = run_dir.parent.parent
+    if run_dir.parent.name != "released" or not (study / "work").is_dir():
+        raise ConfigError(f"{run_dir} is a released cell of a private selection without its study directory around "
+                          "it: its evaluation (private) has no private place to go; evaluate the cell inside its "
+                          "study directory (it goes to the study's work/evaluations/), or give it one (out=)")
+    return study / RELEASED_EVALUATIONS / run_dir.name / EVALUATION_FILE
+
+
 class _Progress:
     def __init__(self, enabled: bool, name: str):
         self.enabled, self.name = enabled, name
@@ -121,8 +158,10 @@ class _Progress:
 
 
 def evaluate_run(run_dir: str | Path, settings: EvalConfig | None = None, progress: bool = True,
-                 audits_in_family: int = 1) -> dict:
-    """Attack and audit the finished run in ``run_dir``; write and return its ``evaluation.json`` content.
+                 audits_in_family: int = 1, out: str | Path | None = None) -> dict:
+    """Attack and audit the finished run in ``run_dir``; write and return its ``evaluation.json`` content, to
+    :func:`evaluation_path` (``out``, else the run directory; a released cell's goes to its study's private
+    ``work/evaluations/``, and the terminal says so).
 
     ``audits_in_family``: how many runs are audited together (a study's trials): each bound is then taken
     at confidence ``1 - (1 - confidence) / audits_in_family`` (Bonferroni), so that the chance of any false
@@ -134,6 +173,7 @@ def evaluate_run(run_dir: str | Path, settings: EvalConfig | None = None, progre
     run_dir = Path(run_dir).expanduser().absolute()
     if not run_dir.is_dir():
         raise ConfigError(f"run directory {run_dir} does not exist")
+    target = evaluation_path(run_dir, out)  # before anything runs: a released cell without a private place is refused
     summary = _read_json(run_dir / "summary.json", "summary.json")
     config = TrainConfig.model_validate(_read_json(run_dir / "config.json", "config.json"))
     dataset = run_dataset_dir(run_dir, config, summary)
@@ -156,7 +196,10 @@ def evaluate_run(run_dir: str | Path, settings: EvalConfig | None = None, progre
     train_seconds = summary.get("train_loop_seconds")
     result["train_loop_seconds"] = train_seconds
     result["cost_ratio"] = round(seconds["total"] / train_seconds, 3) if train_seconds else None
-    _write_json(run_dir / EVALUATION_FILE, result)
+    _write_json(target, result)
+    if target.parent != run_dir:
+        print(f"raydp: the evaluation of {run_dir.name} (private: attacks on private records) is in {target}",
+              file=sys.stderr, flush=True)
     say(summary_line(result))
     return result
 
@@ -173,10 +216,9 @@ def _json_safe(value):
 
 
 def _write_json(path: Path, value: dict) -> None:
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    """Write the evaluation owner-only and in one step (:func:`raydp.files.atomic_write`; its folder is created
+    0700 if missing)."""
     try:
-        tmp.write_text(json.dumps(_json_safe(value), indent=1, allow_nan=False))
-        tmp.replace(path)
+        atomic_write(path, json.dumps(_json_safe(value), indent=1, allow_nan=False))
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise ConfigError(f"cannot write {path}: {exc.strerror}") from None

@@ -50,7 +50,7 @@ from raydp.data import load_manifest, load_texts, load_units, manifest_id, resol
 from raydp.data.splits import has_split, load_value_spans
 from raydp.errors import ConfigError
 from raydp.files import atomic_write, tighten_umask
-from raydp.evaluation.evaluate import load_trained_model
+from raydp.evaluation.evaluate import SELECTION_FILE, load_trained_model
 from raydp.evaluation.perplexity import value_nll_per_sequence
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve, rdp_epsilon
 from raydp.privacy.accounting.selection import (POISSON, SelectionDistribution, calibrate_trial_parameter,
@@ -75,8 +75,6 @@ RELEASED = "released"
 RELEASED_FILES = ("config.json", "privacy_ledger.parquet")
 #: the released trials' private eval figures (for the data owner; private)
 OWNER_REPORT = Path("work") / "owner-report.json"
-#: where ``raydp eval`` writes the evaluation of a released cell (private: attacks on private records)
-EVALUATIONS = Path("work") / "evaluations"
 RELEASED_CELL_NOTE = """A run selected privately (raydp study, selection: private-dp). Everything in this directory is
 releasable: adapter/ (the trained adapters), config.json, privacy_ledger.parquet (the run's training releases),
 summary.json (no timings, no private eval figures) and selection.json (its drawn settings, its DP score and the
@@ -724,7 +722,7 @@ def _release(study: StudyConfig, study_dir: Path, plans: dict[str, CellPlan], st
             owner[key] = {k: run_summary.get(k) for k in ("final_eval_value_nll", "best_eval_value_nll",
                                                           "final_eval_perplexity")}
         atomic_write(target / "PRIVACY.txt", released_cell_note(plan, total))
-        atomic_write(target / "selection.json", json.dumps({**entry, "all_cells": total}, indent=2))
+        atomic_write(target / SELECTION_FILE, json.dumps({**entry, "all_cells": total}, indent=2))
         out.append(entry)
     _write_private(study_dir / OWNER_REPORT, {
         "note": "the released trials' figures on the private eval split: not a DP release, for the data owner "
