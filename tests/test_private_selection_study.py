@@ -492,6 +492,7 @@ def test_a_study_releases_one_trial_whatever_k(tmp_path, monkeypatch, capfd):
     stamped = [p for p in (many / "released").rglob("*")] + [many / "study_summary.json", many / "released",
                                                                many]
     assert {p.stat().st_mtime for p in stamped} == {start}
+    _check_times_named(many, start)
     entry = json.loads((many / "study_summary.json").read_text())["released"][0]
     kept = json.loads((many / ps.SECRET_STATE).read_text())
     state, scores = kept["cells"]["embedded-tiny_eps4_seed0"], kept["scores"]
@@ -511,6 +512,30 @@ def test_a_study_releases_one_trial_whatever_k(tmp_path, monkeypatch, capfd):
     assert summary["privacy"]["end_to_end"]["epsilon"] == entry["end_to_end_epsilon"] <= 4.0
     assert summary["privacy"]["epsilon"] <= entry["trial_epsilon"] * (1 + 1e-6)
     _check_all_cells_stated(many, entry, capfd)
+
+
+def _check_times_named(study_dir: Path, start: float) -> None:
+    """The released files' change and birth times are the release's, after every trial (they grow with K and
+    cannot be set back): the study's PRIVACY.txt names both. Birth time as `stat` reads it, where the filesystem
+    keeps one (statx; Python 3.11 has no st_birthtime on Linux)."""
+    import subprocess
+
+    released = study_dir / "released" / "embedded-tiny_eps4_seed0" / "selection.json"
+    assert released.stat().st_ctime > start
+    born = subprocess.run(["stat", "-c", "%W", str(released)], capture_output=True, text=True).stdout.strip()
+    if born.isdigit() and int(born) > 0:
+        assert int(born) >= int(start) and int(born) >= int((study_dir / "work" / "trials").stat().st_mtime) - 1
+    text = (study_dir / "PRIVACY.txt").read_text()
+    assert "change times (ctime) and birth times (btime" in " ".join(text.split())
+
+
+def test_privacy_note_names_every_file_time_that_follows_the_number_of_trials():
+    """A released file's modification and access times are set to the study's start, but its change time and its
+    birth time are the release's (after every trial: they grow with K). The study's PRIVACY.txt named ctime only."""
+    note = " ".join(ps.PRIVATE_SELECTION_NOTE.split())
+    assert "change times (ctime) and birth times (btime" in note
+    assert "modification and access times are set to the study's start" in note
+    assert "not with tar --format=posix, which keeps ctime" in note
 
 
 def _check_all_cells_stated(study_dir: Path, entry: dict, capfd) -> None:
