@@ -366,3 +366,36 @@ def test_two_budgets_set_at_once_on_one_source_make_one_register(tmp_path, monke
     registers = sorted(p.name for p in register_path(ids[0]).parent.glob("*.json"))
     assert not errors and len(registers) == 1
     assert read_budget(ids[1], source)["dataset_id"] == read_budget(ids[0], source)["dataset_id"]
+
+
+def test_a_rebuild_with_another_split_seed_fraction_or_cap_is_charged_to_the_budget(tmp_path, monkeypatch):
+    """A source file built again under the same owner key with another split seed, split fraction and sample fraction has
+    another dataset id, and its runs are charged to the budget set on the first build (the register matches the
+    manifest's fingerprint of the source file, which the build's settings do not change). docs/privacy.md said such a
+    rebuild has no budget: its sentence must say that it is charged."""
+    from pathlib import Path
+
+    from raydp.data.synthetic import generate_records
+    from raydp.runner.privacy_setup import LifetimeCharge, charge_lifetime
+
+    generate_records(400, seed=11, progress=False).to_csv(tmp_path / "diabetic_data.csv", index=False)
+    monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "owner.key"))
+    source = str(tmp_path / "diabetic_data.csv")
+    assert main(["data", "build", "--source", source, "--output", str(tmp_path / "a")]) == 0
+    assert main(["data", "build", "--source", source, "--output", str(tmp_path / "b"), "--data-seed", "7",
+                 "--split", "eval=0.1", "--sample-fraction", "0.8"]) == 0
+    first, rebuilt = load_manifest(tmp_path / "a"), load_manifest(tmp_path / "b")
+    assert manifest_id(first) != manifest_id(rebuilt)
+    config = tiny(tmp_path / "b")
+    plan = plan_private_run(config, training_units(config, str(tmp_path / "b"), len(
+        load_texts(tmp_path / "b", "train"))).public_count)
+    budget = (dp_accounting_epsilon([plan], 1e-5) + dp_accounting_epsilon([plan, plan], 1e-5)) / 2  # fits one run
+    assert main(["data", "budget", str(tmp_path / "a"), "--epsilon", f"{budget:.4f}", "--delta", "1e-5"]) == 0
+    run = {"run": LifetimeCharge(plan, 1e-5, "patient")}
+    assert charge_lifetime(rebuilt, run) == pytest.approx(dp_accounting_epsilon([plan], 1e-5), rel=1e-4)
+    assert list(read_budget(manifest_id(first))["charges"]) == ["run"]  # charged to the first build's budget
+    with pytest.raises(ConfigError, match="past its lifetime budget"):
+        charge_lifetime(rebuilt, {"again": LifetimeCharge(plan, 1e-5, "patient")})
+    docs = " ".join((Path(__file__).parents[1] / "docs" / "privacy.md").read_text().split())
+    assert "has another id and no budget" not in docs
+    assert "another split seed, split fractions or sample fraction) is charged to it" in docs
