@@ -27,9 +27,10 @@ class RaydpParser(argparse.ArgumentParser):
     (:mod:`raydp.cli_flags`, given as ``flags``: a function that adds them) are added only when that subcommand is
     parsed or its help shown, so ``raydp --help`` reads no model (and imports no pydantic)."""
 
-    def __init__(self, *args, flags=None, **kwargs):
+    def __init__(self, *args, flags=None, brief=None, **kwargs):
         super().__init__(*args, **kwargs)
         self._pending_flags = flags
+        self._brief = brief  # a function of the parser giving its --help (then --help-all gives argparse's full help)
 
     def _add_generated_flags(self) -> None:
         add, self._pending_flags = self._pending_flags, None
@@ -46,6 +47,10 @@ class RaydpParser(argparse.ArgumentParser):
 
     def format_help(self) -> str:
         self._add_generated_flags()
+        return self._brief(self) if self._brief is not None else super().format_help()
+
+    def format_full_help(self) -> str:
+        self._add_generated_flags()
         return super().format_help()
 
     def error(self, message: str):
@@ -56,6 +61,40 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     from raydp.cli_flags import add_flags, train_flags  # lazy: `raydp --help` loads no pydantic
 
     add_flags(parser, train_flags())
+
+
+def _train_brief_help(parser) -> str:
+    from raydp.cli_flags import train_brief_help  # lazy: `raydp --help` loads no pydantic
+
+    return train_brief_help(parser)
+
+
+class _FullHelp(argparse.Action):
+    """``--help-all``: every flag with its full help."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser._print_message(parser.format_full_help(), sys.stdout)
+        parser.exit()
+
+
+class _StrategyHelp(argparse.Action):
+    """``--help-strategy NAME``: a strategy's own settings with their help."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs):
+        super().__init__(option_strings, dest=dest, default=default, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from raydp.cli_flags import strategy_help  # lazy: `raydp --help` loads no pydantic
+
+        try:
+            text = strategy_help(values)
+        except ConfigError as exc:
+            parser.error(f"--help-strategy: {exc}")
+        parser._print_message(text, sys.stdout)
+        parser.exit()
 
 
 def _add_eval_flags(parser) -> None:
@@ -109,8 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--privacy-unit", choices=("patient", "record"), default="patient",
                         help="what the budget protects (default: patient); runs of another unit are refused")
 
-    train = commands.add_parser("train", help="run one fine-tuning, writing everything under --output",
-                                flags=_add_train_flags)  # TrainConfig's fields and strategy settings (raydp.cli_flags)
+    train = commands.add_parser(
+        "train", help="run one fine-tuning, writing everything under --output",
+        description="Run one fine-tuning, writing everything under --output. Each flag sets the config field of its "
+                    "name, over --config's YAML.",
+        usage="raydp train --output DIR [--config FILE] [FLAG ...]",
+        flags=_add_train_flags,  # TrainConfig's fields and strategy settings (raydp.cli_flags)
+        brief=_train_brief_help)  # one line per common flag; --help-strategy NAME and --help-all give the rest
+    train.add_argument("--help-all", action=_FullHelp, help="every flag with its full help, the strategies' too")
+    train.add_argument("--help-strategy", action=_StrategyHelp, metavar="NAME",
+                       help="a strategy's own settings with their help, e.g. --help-strategy rldp")
     train.add_argument("--output", "-o", required=True, help="run directory to create")
     train.add_argument("--config", help="YAML file with TrainConfig fields (flags override it)")
     train.add_argument("--overwrite", action="store_true", help="replace an existing output directory")

@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import functools
 import re
+import shutil
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -158,6 +160,11 @@ def check_unique(flags: list[Flag]) -> tuple[Flag, ...]:
     return tuple(flags)
 
 
+def settings_group(strategy: str) -> str:
+    """The argument group of ``strategy``'s settings flags."""
+    return f"{strategy} settings (--strategy {strategy})"
+
+
 @functools.cache
 def train_flags() -> tuple[Flag, ...]:
     """The flags of ``raydp train``: TrainConfig's fields, then each light strategy settings model's (under
@@ -169,7 +176,7 @@ def train_flags() -> tuple[Flag, ...]:
     for spec in SPECS.values():
         if spec.settings:  # importable without the strategy (no numpy, no torch)
             model = settings_model(spec.name)
-            flags += model_flags(model, ("settings",), group=f"{spec.name} settings (--strategy {spec.name})",
+            flags += model_flags(model, ("settings",), group=settings_group(spec.name),
                                  group_description=_first_line(model))
     return check_unique(flags)
 
@@ -257,3 +264,127 @@ def naming_flags(error: ConfigError, flags, args: argparse.Namespace, where: str
         if text.startswith(head) and flag_value(flag, args) is not None:
             return ConfigError(f"{head[:-1]} ({flag.option}):{text[len(head):]}")
     return error
+
+
+# --- `raydp train --help`: one screen -------------------------------------------------------------------------------
+# The full help of every flag is 300 lines; `--help` gives one line per common flag, a strategy's own settings are
+# listed by `--help-strategy NAME`, and `--help-all` prints argparse's full help. Only the help changes: every flag is
+# on the parser, and parses, whichever help was read.
+
+#: a summary keeps the help's default where it is this short
+SHORT_DEFAULT = 24
+
+
+def _help_width() -> int:
+    return max(60, shutil.get_terminal_size().columns - 2)  # argparse's own width
+
+
+def _summary(text: str) -> str:
+    """A flag's help in brief: its first clause (up to its first ``;`` or sentence end), without its parentheses, and
+    with its default where that is short."""
+    text = " ".join((text or "").replace("%%", "%").split())
+    default = re.search(r" ?\(default: [^()]*\)", text)
+    rest = text[:default.start()] + text[default.end():] if default else text
+    while re.search(r" ?\([^()]*\)", rest):  # parentheses, innermost first
+        rest = re.sub(r" ?\([^()]*\)", "", rest)
+    head = re.split(r"; |(?<=[A-Za-z0-9`'])(?<!\be\.g)(?<!\bi\.e)\. ", rest, maxsplit=1)[0].strip()
+    head = head[:-1] if head.endswith(".") and not head.endswith("..") else head
+    if default and len(default.group().strip()) <= SHORT_DEFAULT:
+        head += " " + default.group().strip()
+    return head
+
+
+def _fit(line: str, width: int) -> str:
+    """``line`` cut to ``width`` characters at a word, ``...`` marking the cut."""
+    if len(line) <= width:
+        return line
+    cut = line[:width - 3]
+    return (cut[:cut.rfind(" ")] if " " in cut.strip() else cut).rstrip(" ,;:") + "..."
+
+
+def _brief_metavar(action: argparse.Action) -> str:
+    if action.nargs == 0:
+        return ""
+    if action.metavar:
+        name = action.metavar
+    elif action.choices and len("{" + ",".join(map(str, action.choices)) + "}") <= SHORT_DEFAULT:
+        name = "{" + ",".join(map(str, action.choices)) + "}"
+    elif action.choices:
+        name = "CHOICE"
+    else:
+        name = {int: "N", float: "X"}.get(action.type) or (action.dest.upper() if len(action.dest) <= 10 else "VALUE")
+    return f" {name}" + (" ..." if action.nargs in ("+", "*") else "")
+
+
+def _brief_line(action: argparse.Action, width: int) -> str:
+    options = list(action.option_strings)
+    if isinstance(action, argparse.BooleanOptionalAction):  # --x, --no-x
+        options = [f"--[no-]{options[0][2:]}", *options[2:]]
+    left = ", ".join(options) + _brief_metavar(action)
+    return _fit(f"  {left:<24}  {_summary(action.help)}", width)
+
+
+def train_brief_help(parser: argparse.ArgumentParser) -> str:
+    """``raydp train --help``: one line per flag but the strategy settings' (the first clause of each flag's help),
+    then the strategies' names, and where a strategy's settings and every flag's full help are."""
+    from raydp.strategies.registry import STRATEGY_CHOICES  # lazy: as train_flags
+
+    width = _help_width()
+    hidden = {flag.dest for flag in train_flags() if flag.path[0] == "settings"}
+    lines = [parser.format_usage().rstrip(), ""]
+    if parser.description:
+        lines += [*textwrap.wrap(parser.description, width), ""]
+    for group in parser._action_groups:  # argparse's own order: the options, then each config model's group
+        actions = [a for a in group._group_actions if a.dest not in hidden and a.help != argparse.SUPPRESS]
+        if actions:
+            lines.append(_fit(f"{group.title}:" + (f" {_summary(group.description)}" if group.description else ""),
+                              width))
+            lines += [_brief_line(action, width) for action in actions]
+            lines.append("")
+    lines += [*textwrap.wrap(f"strategies (--strategy NAME): {', '.join(STRATEGY_CHOICES)}", width), ""]
+    flagged = "; ".join(f"{name}'s {len(fs)} flags, e.g. {', '.join(f.option for f in fs[:3])}"
+                        for name, fs in _strategies_with_flags())
+    lines += textwrap.wrap(f"Not listed: each strategy's own settings ({flagged}; any strategy's as --set "
+                           "KEY=VALUE): raydp train --help-strategy NAME. Each line above is the start of the flag's "
+                           "help: raydp train --help-all gives it whole.", width)
+    return "\n".join(lines) + "\n"
+
+
+def _strategies_with_flags() -> list[tuple[str, list[Flag]]]:
+    """(strategy, its settings' flags) of each strategy whose settings have flags (those the registry loads light)."""
+    from raydp.strategies.registry import SPECS  # lazy: as train_flags
+
+    by_name = [(name, [flag for flag in train_flags() if flag.group == settings_group(name)]) for name in SPECS]
+    return [(name, flags) for name, flags in by_name if flags]
+
+
+def strategy_help(name: str) -> str:
+    """``raydp train --help-strategy NAME``: the strategy's own settings, each with its full help: its flags where the
+    registry loads its settings model light (RLDP's), else its settings as ``--set KEY=VALUE`` (importing the strategy).
+    ConfigError for an unknown name."""
+    from raydp.strategies.registry import STRATEGY_CHOICES, get_spec, settings_model  # lazy: as train_flags
+
+    if name not in STRATEGY_CHOICES:
+        raise ConfigError(f"unknown strategy {name!r}; known: {', '.join(STRATEGY_CHOICES)}")
+    spec = get_spec(name)
+    flagged = dict(_strategies_with_flags())
+    model = settings_model(name)
+    if model is None:
+        return f"strategy {name!r} takes no settings ({spec.summary})\n"
+    parser = argparse.ArgumentParser(prog="raydp train", add_help=False, usage=(
+        f"raydp train --strategy {name} [SETTING ...]" if name in flagged else
+        f"raydp train --strategy {name} [--set KEY=VALUE ...]"))
+    if name in flagged:
+        add_flags(parser, tuple(flagged[name]))
+        note = "Each setting is also --set KEY=VALUE, or a key under settings: in --config's YAML."
+    else:
+        group = parser.add_argument_group(settings_group(name), _first_line(model))
+        for key, info in model.model_fields.items():
+            description = _plain(info.description)
+            if "default" not in description.lower():
+                description += _default_text(info)
+            group.add_argument(f"--set {key}=VALUE", dest=key, action="store_true",
+                               help=description.replace("%", "%%"))
+        note = "Give a setting as --set KEY=VALUE, or as a key under settings: in --config's YAML."
+    summary = textwrap.wrap(f"{name}: {spec.summary}. {note}", _help_width())
+    return "\n".join([parser.format_help().rstrip(), "", *summary]) + "\n"

@@ -32,7 +32,8 @@ OLD_DATA_BUILD_FLAGS = (
     "--output", "-o", "--overwrite", "--source", "--ids-mapping", "--text-column", "--unit-column", "--n-records",
     "--sample-fraction", "--split", "--data-seed", "--n-canary", "--canary-seed", "--n-audit")
 #: `raydp train`'s options that are no config field
-HAND_WRITTEN = {"-h", "--help", "--output", "-o", "--config", "--overwrite", "--quiet", "--set", "--overwrite-policy"}
+HAND_WRITTEN = {"-h", "--help", "--output", "-o", "--config", "--overwrite", "--quiet", "--set", "--overwrite-policy",
+                "--help-all", "--help-strategy"}
 #: config fields with no generated flag (settings: `--set KEY=VALUE`, and the settings models' own flags)
 #: set in a config file or with --set only: the strategy settings' mapping; RLDP's residual schedule (its fields would
 #: collide with --clip)
@@ -211,16 +212,55 @@ def test_a_value_the_model_refuses_is_a_one_line_error_naming_the_flag(tmp_path,
     assert not (tmp_path / "run").exists()
 
 
-def test_train_help_lists_every_flag_with_its_description(capsys, monkeypatch):
+def _help(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main(list(argv))
+    assert exit_.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_train_help_fits_a_screen_with_one_line_per_common_flag(capsys, monkeypatch):
+    """`raydp train --help` lists every flag but the strategies' settings, one line each, on one screen, and says
+    where those settings are; `--help-strategy rldp` lists RLDP's with their help (the full help was 312 lines)."""
+    monkeypatch.setenv("COLUMNS", "80")
+    out = _help(capsys, "train", "--help")
+    lines = out.splitlines()
+    assert len(lines) <= 80 and max(map(len, lines)) <= 80, len(lines)
+    assert "--help-strategy NAME" in out and "--help-all" in out
+    starts = {line.split()[0].rstrip(",") for line in lines if line.startswith("  -")}
+    for flag in train_flags():
+        option = flag.option if flag.kind != "bool" else f"--[no-]{flag.option[2:]}"
+        assert (option in starts) == (flag.path[0] != "settings"), flag.option
+    assert HAND_WRITTEN - {"--help", "-o"} <= starts
+    rldp = _help(capsys, "train", "--help-strategy", "rldp")
+    assert "  --t-warm T_WARM       steps before the controller acts" in rldp and "--epochs" not in rldp
+    quantile = _help(capsys, "train", "--help-strategy", "quantile")  # a strategy whose settings have no flags
+    assert "--set target_quantile=VALUE" in quantile and "gamma: the fraction of units left unclipped" in quantile
+
+
+def test_help_strategy_refuses_an_unknown_name_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--help-strategy", "rldq"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "unknown strategy 'rldq'; known:" in err
+
+
+def test_a_strategy_flag_absent_from_the_help_still_parses(tmp_path):
+    args = build_parser().parse_args(["train", "-o", str(tmp_path / "run"), *RLDP, "--t-warm", "7", "--no-frozen"])
+    settings = train_config_from_args(args).strategy_settings()
+    assert settings.t_warm == 7 and settings.frozen is False
+
+
+def test_train_help_all_lists_every_flag_with_its_description(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "100000")  # one line per flag: descriptions are not wrapped
     with pytest.raises(SystemExit) as exit_:
-        main(["train", "--help"])
+        main(["train", "--help-all"])
     assert exit_.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
     leaves = _train_leaves()
     for flag in train_flags():
         description = " ".join(leaves[flag.path].description.split())
-        assert f"{flag.option} " in out and description in out, flag.option
+        assert (f"{flag.option} " in out or f"{flag.option}, " in out) and description in out, flag.option
     assert "--set KEY=VALUE" in out and "rldp settings (--strategy rldp)" in out
 
 
