@@ -20,6 +20,7 @@ from pathlib import Path
 
 from raydp import __version__
 from raydp.errors import ConfigError, RaydpError
+from raydp.files import private_umask
 
 
 class RaydpParser(argparse.ArgumentParser):
@@ -637,7 +638,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = getattr(args, "data_command", None) or getattr(args, "policy_command", None)
     handler = COMMANDS[(args.command, sub)]
     try:
-        return handler(args)
+        with private_umask():  # what any command writes may hold private data: owner-only (raydp.files)
+            return handler(args)
     except RaydpError as exc:
         print(f"raydp: error: {exc}", file=sys.stderr)
         return 2

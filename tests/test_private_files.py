@@ -224,3 +224,16 @@ def test_a_grid_study_and_a_private_selection_on_private_data_leave_nothing_othe
             assert result.returncode != 0 and "Permission denied" in result.stderr, (path, result)
         result = as_nobody(f"ls -R '{ray_tmp}'")
         assert result.returncode != 0 and "Permission denied" in result.stderr
+
+
+def test_every_command_writes_owner_only_files(tmp_path):
+    """A command's files are owner-only whatever the user's umask, and the user's mask is back afterwards."""
+    from raydp.cli import main
+
+    previous = os.umask(0o022)
+    try:
+        assert main(["data", "build", "--out", str(tmp_path / "ds"), "--n-records", "300"]) == 0
+        assert os.umask(0o022) == 0o022  # the user's mask is the user's again after the command
+    finally:
+        os.umask(previous)
+    assert files.open_to_others(tmp_path / "ds") == []
