@@ -1,7 +1,7 @@
 """The report's figures: matplotlib (Agg, no pyplot state) rendered to inline SVG strings.
 
-Each function takes plain data (numbers, labels) prepared by :mod:`raydp.report.page` and returns the
-``<svg>`` element of one figure: no XML prolog, no metadata, no namespace URL, and element ids prefixed
+Each function takes plain data (numbers, labels) prepared by the page's sections (:mod:`raydp.report.page`) and
+returns the ``<svg>`` element of one figure: no XML prolog, no metadata, no namespace URL, and element ids prefixed
 with the figure's id so that several figures can share one HTML page without id clashes. Text stays text
 (``svg.fonttype: none``), so the page is searchable and small.
 """
