@@ -399,3 +399,34 @@ def test_a_rebuild_with_another_split_seed_fraction_or_cap_is_charged_to_the_bud
     docs = " ".join((Path(__file__).parents[1] / "docs" / "privacy.md").read_text().split())
     assert "has another id and no budget" not in docs
     assert "another split seed, split fractions or sample fraction) is charged to it" in docs
+
+
+def test_a_plain_caller_cannot_skip_the_charge_on_a_budgeted_dataset(tmp_path, monkeypatch):
+    """run_training(charge_lifetime=False) ran a DP run uncharged on a budgeted dataset. Now only a caller that holds
+    the run's charge skips it, by passing its receipt (_charged_by): a plain False, something that is not a receipt,
+    another dataset's receipt or one naming a charge the register does not hold is refused, nothing written; a
+    receipt of a charge in the register runs without a second charge; without a budget, False still runs (a plain
+    run's own charge: test_a_run_past_the_lifetime_budget_is_refused_before_it_starts)."""
+    from raydp.privacy.lifetime import LifetimeReceipt
+    from raydp.runner.privacy_setup import LifetimeCharge, build_strategy, charge_lifetime
+    from raydp.runner.run import run_training
+
+    monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "owner.key"))
+    data = tmp_path / "data"
+    assert main(["data", "build", "--output", str(data), "--n-records", "400"]) == 0
+    config = tiny(data, max_steps=2)
+    run_training(config, tmp_path / "unbudgeted", progress=False, charge_lifetime=False)  # nothing to charge
+    assert main(["data", "budget", str(data), "--epsilon", "8", "--delta", "1e-5"]) == 0
+    manifest = load_manifest(data)
+    dataset_id = manifest_id(manifest)
+    for name, skip in [("plain", {"charge_lifetime": False}), ("not-a-receipt", {"_charged_by": True}),
+                       ("other-dataset", {"_charged_by": LifetimeReceipt("rdi1:" + "f" * 32, "study:x/t")}),
+                       ("never-charged", {"_charged_by": LifetimeReceipt(dataset_id, "study:x/t")})]:
+        with pytest.raises(ConfigError, match="lifetime"):
+            run_training(config, tmp_path / name, progress=False, **skip)
+        assert not (tmp_path / name).exists(), name
+    assert read_budget(dataset_id)["charges"] == {}
+    plan = plan_private_run(config, training_units(config, str(data), len(load_texts(data, "train"))).public_count)
+    charge_lifetime(manifest, {"study:x/t": LifetimeCharge.of(plan, config, build_strategy(config), "patient")})
+    run_training(config, tmp_path / "held", progress=False, _charged_by=LifetimeReceipt(dataset_id, "study:x/t"))
+    assert list(read_budget(dataset_id)["charges"]) == ["study:x/t"]  # charged once, by the caller

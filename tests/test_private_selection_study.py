@@ -646,6 +646,15 @@ def test_lifetime_budget_is_charged_the_end_to_end_curve(tmp_path, monkeypatch):
         assert spent == pytest.approx(plan.end_to_end_epsilon, rel=1e-9)
     assert spent == pytest.approx(selection_epsilon(plan.trial_curve, DEFAULT_ORDERS,
                                                     SelectionDistribution.poisson(2.0), 1e-5), rel=1e-9)
+    # a trial of the cell runs under the receipt of its cell's charge (run_training(_charged_by=...)), which the
+    # register must hold: another study run's tag is refused
+    from raydp.privacy.lifetime import LifetimeReceipt, check_receipt
+
+    check_receipt(LifetimeReceipt(dataset_id, ps.charge_label("run-1", plan.key)), dataset_id,
+                  manifest.get("source_sha256"))
+    with pytest.raises(ConfigError, match="holds no charge"):
+        check_receipt(LifetimeReceipt(dataset_id, ps.charge_label("run-9", plan.key)), dataset_id,
+                      manifest.get("source_sha256"))
     ps._charge(str(data), plans, "run-2")  # the study run again (e.g. into its removed directory): charged again
     twice = spent_epsilon(read_budget(dataset_id, manifest.get("source_sha256")))
     assert twice == pytest.approx(rdp_epsilon(2 * plan.end_to_end_curve, DEFAULT_ORDERS, 1e-5), rel=1e-9)

@@ -26,6 +26,10 @@ would be under one key.
 
 Local-DP runs (EW-FT, DP-Forward) are accounted otherwise and are refused on a dataset with a budget; a
 non-private run releases nothing and is not charged.
+
+A run is charged by whoever starts it (:func:`raydp.runner.run.run_training`), unless its caller charged it first
+and proves it with a :class:`LifetimeReceipt` (a study for its trials, a private selection for its cells'
+trials): that is the only way to skip a run's own charge (:func:`check_receipt`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import os
 import uuid
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -263,3 +268,30 @@ def charge(dataset_id: str | None, charges: Mapping[str, Sequence[float]], order
             register["charges"].update(new)
             _write(path, register)
         return after
+
+
+@dataclass(frozen=True)
+class LifetimeReceipt:
+    """A caller's proof that it holds a run's lifetime charge: the dataset it charged and the register label it
+    charged under (a plan that covers the run: the trial's own, or a private selection's cell, whose end-to-end
+    curve covers its every trial). Only a run given one skips its own charge (:func:`check_receipt`)."""
+
+    dataset_id: str
+    label: str
+
+
+def check_receipt(receipt, dataset_id: str | None, source_sha256: str | None = None) -> None:
+    """Refuse (one line) a ``receipt`` that does not prove the charge of a run on ``dataset_id``: anything but a
+    :class:`LifetimeReceipt`, another dataset's, or, where this machine holds the dataset's register, a label the
+    register does not hold. A dataset without a budget needs no charge; where the register is elsewhere (a study's
+    trial on another node: the driver charged it there), the receipt is taken as given."""
+    if not isinstance(receipt, LifetimeReceipt):
+        raise ConfigError(f"a run skips its lifetime charge only with the LifetimeReceipt of the charge its caller "
+                          f"holds, got {type(receipt).__name__}")
+    if receipt.dataset_id != dataset_id:
+        raise ConfigError(f"the lifetime charge held ({receipt.label}) is on dataset {receipt.dataset_id}, not on this "
+                          f"run's dataset {dataset_id}; nothing was started")
+    register = read_budget(dataset_id, source_sha256) if dataset_id is not None else None
+    if register is not None and receipt.label not in register["charges"]:
+        raise ConfigError(f"dataset {dataset_id} has a lifetime budget, and its register holds no charge "
+                          f"{receipt.label!r}, the one this run's caller says it holds; nothing was started")

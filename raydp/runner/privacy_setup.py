@@ -244,6 +244,13 @@ class LifetimeCharge:
         return cls(plan, config.delta, unit, caveats)
 
 
+def has_lifetime_budget(manifest: dict) -> bool:
+    """Whether the dataset of ``manifest`` has a lifetime budget: its register is found here, or its manifest says it
+    has one (a register on another machine)."""
+    return bool(manifest.get("lifetime_budget")) or \
+        read_budget(manifest_id(manifest), manifest.get("source_sha256")) is not None
+
+
 def charge_lifetime(manifest: dict, runs: dict[str, LifetimeCharge], commit: bool = True) -> float | None:
     """Charge planned runs (label -> :class:`LifetimeCharge`) to the dataset's lifetime budget, if it has one
     (:mod:`raydp.privacy.lifetime`), in one step: a one-line ConfigError, nothing charged, when they would exceed

@@ -50,6 +50,7 @@ from raydp.runner.privacy_setup import (
     build_strategy,
     LifetimeCharge,
     charge_lifetime as charge_lifetime_budget,
+    has_lifetime_budget,
     plan_private_run,
     privacy_summary,
     setup_private_run,
@@ -69,6 +70,7 @@ from raydp.runner.task import Task
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve
 from raydp.privacy.clipping import isolates_records
 from raydp.privacy.ledger import LEDGER_FILENAME
+from raydp.privacy.lifetime import LifetimeReceipt, check_receipt
 
 SYNTHETIC_NOTE = "synthetic records: they describe no real patient"
 PUBLIC_PROBE_SEED = 7_777
@@ -209,7 +211,8 @@ def policy_provenance(private, config: TrainConfig, manifest: dict, privacy: dic
 
 def run_training(config: TrainConfig, output: str | Path, overwrite: bool = False, progress: bool = True,
                  client=None, on_evaluation=None, on_checkpoint=None, checkpoint_every: int | None = None,
-                 resume: dict | None = None, population_admit=None, charge_lifetime: bool = True) -> dict:
+                 resume: dict | None = None, population_admit=None, charge_lifetime: bool = True,
+                 _charged_by: LifetimeReceipt | None = None) -> dict:
     """Run one fine-tuning and write everything it produces under ``output``; returns the summary.
 
     ``client``: the policy connection of an RLDP run (:class:`raydp.control.service.PolicyClient`, or over
@@ -219,9 +222,13 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
     ``on_checkpoint(state)`` receives the resumable state at evaluations, every ``checkpoint_every``
     steps and before every controller decision; ``resume`` is such a state: the run continues from it
     with exactly its ledger (no step lost or charged twice). ``population_admit``: a PBT member's admission by
-    its population's Renyi filter (:mod:`raydp.study.population`). ``charge_lifetime``: charge the run's plan to
-    its dataset's lifetime budget, if the owner set one (:mod:`raydp.privacy.lifetime`; a study charges its
-    trials itself, before they start)."""
+    its population's Renyi filter (:mod:`raydp.study.population`).
+
+    Lifetime budget (:mod:`raydp.privacy.lifetime`): a fresh DP run is charged its plan, if the owner set a budget on
+    its dataset. Only a caller that charged the run itself, before it starts (a study its trials, a private
+    selection its cells), skips that, by passing ``_charged_by``, the :class:`~raydp.privacy.lifetime.LifetimeReceipt`
+    of its charge (checked: :func:`~raydp.privacy.lifetime.check_receipt`). ``charge_lifetime=False`` without one
+    is kept for callers without a budget (where there is nothing to charge) and refused on a dataset with one."""
     started = time.perf_counter()
     check_model_name(config.model)  # fail on a bad model before building anything
     keep_freed_memory()  # every step reuses the last step's pages (raydp.runner.allocator; nothing computed changes)
@@ -240,11 +247,19 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             plan = plan_local_run(config, strategy, units, classification_spec(config.task.label).n_classes)
         else:
             plan = plan_private_run(config, units.public_count, strategy) if config.is_private else None
-        if plan is not None and charge_lifetime and resume is None:  # refused here, before any step, when past
-            # the lifetime budget; every fresh run is charged anew (a rerun into the same directory spends again),
-            # a resumed one was charged when it started
-            label = f"run:{Path(output).resolve()}#{uuid.uuid4().hex[:12]}"
-            charge_lifetime_budget(manifest, {label: LifetimeCharge.of(plan, config, strategy, units.name)})
+        if plan is not None and resume is None:  # refused here, before any step, when past the lifetime budget;
+            # every fresh run is charged anew (a rerun into the same directory spends again), a resumed one was
+            # charged when it started
+            if _charged_by is not None:  # its caller charged it: the receipt must show that charge
+                check_receipt(_charged_by, manifest_id(manifest), manifest.get("source_sha256"))
+            elif charge_lifetime:
+                label = f"run:{Path(output).resolve()}#{uuid.uuid4().hex[:12]}"
+                charge_lifetime_budget(manifest, {label: LifetimeCharge.of(plan, config, strategy, units.name)})
+            elif has_lifetime_budget(manifest):
+                raise ConfigError(f"dataset {manifest_id(manifest)} has a lifetime budget: a run on it is charged "
+                                  "its plan unless its caller charged it first and passes the receipt of that "
+                                  "charge (_charged_by); charge_lifetime=False alone does not skip it; nothing "
+                                  "was started")
         torch.manual_seed(config.seed)
         loaded = load_model(
             config.model,

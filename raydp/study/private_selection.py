@@ -56,7 +56,7 @@ from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve, rdp_e
 from raydp.privacy.accounting.selection import (POISSON, SelectionDistribution, calibrate_trial_parameter,
                                                 selection_rdp)
 from raydp.privacy.ledger import NEIGHBOURING_RELATION, PrivacyLedger
-from raydp.privacy.lifetime import charge, read_budget
+from raydp.privacy.lifetime import LifetimeReceipt, charge, read_budget
 from raydp.runner.privacy_setup import (LifetimeCharge, build_strategy, plan_key, plan_private_run, planned_rdp_curve,
                                         training_units)
 from raydp.strategies.base import Strategy
@@ -478,7 +478,9 @@ def run_selection_trial(params: dict) -> None:
                                              trial["settings"]), dataset)
     torch.set_num_threads(config.cpus or 1)
     out = Path(params["study_dir"]) / "work" / "trials" / trial["id"]
-    run_training(config, out / "run", overwrite=True, progress=False, charge_lifetime=False)  # charged by the cell
+    # charged by its cell's end-to-end curve (_charge), which covers every trial of the cell: the receipt says so
+    run_training(config, out / "run", overwrite=True, progress=False,
+                 _charged_by=LifetimeReceipt(trial["dataset_id"], trial["charge_label"]))
     check_trial_spend(out / "run", np.asarray(trial["training_curve"]))
     score = trial_score(out / "run", config, dataset, study.selection_settings)
     _write_private(out / "score.json", {"id": trial["id"], "score": score})
@@ -542,13 +544,15 @@ def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, r
     if state.get("released"):  # a finished selection is released once: its trials are never run again
         say("this selection was released already: its released files are rewritten from its kept trials")
     pending = []
+    dataset_id = manifest_id(load_manifest(dataset))
     for key, trials in state["cells"].items():
         plan = plans[key]
         for trial in trials:
             if trial["id"] not in state["scores"]:
                 pending.append({"id": trial["id"], "settings": trial["settings"], "model": plan.model,
                                 "seed": plan.seed, "trial_epsilon": plan.trial_epsilon,
-                                "training_curve": plan.training_curve.tolist()})
+                                "training_curve": plan.training_curve.tolist(), "dataset_id": dataset_id,
+                                "charge_label": charge_label(state["charge_tag"], key)})
     if pending and state.get("released"):
         raise ConfigError(f"{study_dir} was released, and some of its trials' kept outputs are gone: a selection is "
                           "run once (running them again would be a second, uncharged selection)")
@@ -590,7 +594,7 @@ def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, r
     released = _release(study, study_dir, plans, state, total)
     state["released"] = True
     _save_state(study_dir, state)
-    summary = selection_summary(study.name, released, plans, manifest_id(load_manifest(dataset)))
+    summary = selection_summary(study.name, released, plans, dataset_id)
     atomic_write(study_dir / "study_summary.json", json.dumps(summary, indent=2, default=str))
     _stamp_releasable(study_dir)
     return study_dir
@@ -644,6 +648,11 @@ def _output_to(path: Path):
             os.close(handle)
 
 
+def charge_label(charge_tag: str, key: str) -> str:
+    """The lifetime register's label of a cell's charge (:func:`_charge`), which its trials' receipts name."""
+    return f"study:{charge_tag}/private-dp/{key}"
+
+
 def _charge(dataset: str, plans: dict[str, CellPlan], charge_tag: str) -> None:
     """Charge every cell's end-to-end curve (independent of K) to the dataset's lifetime budget, before any trial,
     under labels tagged with the selection's ``charge_tag`` (drawn with K and kept with it in ``work/``: a resume is
@@ -655,8 +664,7 @@ def _charge(dataset: str, plans: dict[str, CellPlan], charge_tag: str) -> None:
     units = {plan.privacy_unit for plan in plans.values()}
     if len(units) != 1:
         raise ConfigError(f"the study's cells protect different units ({sorted(units)}): charge them apart")
-    charge(dataset_id, {f"study:{charge_tag}/private-dp/{key}": plan.end_to_end_curve
-                        for key, plan in plans.items()},
+    charge(dataset_id, {charge_label(charge_tag, key): plan.end_to_end_curve for key, plan in plans.items()},
            DEFAULT_ORDERS, privacy_unit=units.pop(), required=bool(manifest.get("lifetime_budget")),
            source_sha256=source)
 
