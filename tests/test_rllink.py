@@ -358,6 +358,8 @@ def test_the_training_loop_trains_once_per_pending_transition_and_survives_an_er
         NUM_MODULE_STEPS_TRAINED,
     )
 
+    import importlib
+
     from raydp.control import rllink, service
     from raydp.control.training import TrainingLoop
 
@@ -399,9 +401,12 @@ def test_the_training_loop_trains_once_per_pending_transition_and_survives_an_er
         loop.wait_trained(11)
     # both transports train through it: each builds this TrainingLoop and no other training loop
     import inspect
+    import pkgutil
 
     for transport in (rllink, service):
-        source = inspect.getsource(transport)
+        modules = [transport] + [importlib.import_module(f"{transport.__name__}.{m.name}")
+                                 for m in pkgutil.iter_modules(getattr(transport, "__path__", []))]
+        source = "".join(inspect.getsource(m) for m in modules)
         assert source.count("TrainingLoop(") == 1 and "threading.Thread(" not in source, transport.__name__
 
 
@@ -871,7 +876,9 @@ def test_speaking_rllink_leaves_rays_own_serialization_of_numpy_arguments_alone(
     import ray
     from ray.rllib.env.external import RLlink, get_rllink_message, send_rllink_message
 
-    import raydp.control.rllink  # noqa: F401  (installs the wire functions' msgpack)
+    from raydp.control.rllink import use_numpy_msgpack
+
+    use_numpy_msgpack()  # as the server and the client do when they start
 
     left, right = socket_module.socketpair()
     try:
@@ -887,3 +894,26 @@ def test_speaking_rllink_leaves_rays_own_serialization_of_numpy_arguments_alone(
         return type(value["a"]).__name__
 
     assert ray.get(kind_of.remote({"a": np.arange(3.0)})) == "ndarray"
+
+
+def test_importing_rllink_leaves_rays_module_alone_and_the_explicit_call_installs_the_msgpack():
+    """The wire functions' msgpack is installed by an explicit, idempotent call where RLlink is spoken (the
+    server's EnvRunner, the client, the probe), not as a side effect of an import. A fresh interpreter: this
+    session's other tests may have made the call already."""
+    import subprocess
+    import sys
+
+    script = """
+import msgpack
+import ray.rllib.env.external.rllink as wire
+packb, before = msgpack.packb, wire.msgpack
+import raydp.control.rllink as rllink
+assert wire.msgpack is before is None, wire.msgpack
+rllink.use_numpy_msgpack()
+assert wire.msgpack is rllink.NumpyMsgpack
+rllink.use_numpy_msgpack()
+assert wire.msgpack is rllink.NumpyMsgpack and msgpack.packb is packb  # idempotent; msgpack itself untouched
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
