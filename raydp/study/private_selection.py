@@ -122,7 +122,7 @@ too.
 
 def study_privacy_note(total: dict) -> str:
     """The study directory's PRIVACY.txt: :data:`PRIVATE_SELECTION_NOTE` and what releasing every cell costs."""
-    return PRIVATE_SELECTION_NOTE + f"The guarantee: {all_cells_line(total)} (study_summary.json, all_cells).\n"
+    return PRIVATE_SELECTION_NOTE + f"The guarantee (study_summary.json, all_cells): {all_cells_line(total)}.\n"
 
 
 def distribution_of(settings: PrivateSelectionSettings) -> SelectionDistribution:
