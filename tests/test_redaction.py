@@ -131,6 +131,35 @@ def test_redact_all_matches_redact_and_parallel(base, high):
         assert d.redact_all(texts, batch_size=4, n_process=2) == one  # forked workers
 
 
+def test_the_lexeme_flag_speed_up_runs_only_on_the_spacy_versions_it_was_checked_on():
+    from raydp.data.redaction.lexeme_flags import CHECKED_SPACY, lexeme_flags_supported
+
+    major, minor = CHECKED_SPACY[0]
+    assert lexeme_flags_supported(f"{major}.{minor}.0") and lexeme_flags_supported(f"{major}.{minor}.18")
+    for other in (f"{major}.{minor + 1}.0", f"{major + 1}.0.0", "3.7.5", "not-a-version", ""):
+        assert not lexeme_flags_supported(other), other
+
+
+def test_the_plain_path_finds_the_same_spans_as_the_lexeme_flags(base, high, monkeypatch):
+    """On a spaCy version the speed-up was not checked on, the detector runs the patterns and token rules as
+    spaCy's plain predicates: the same spans, slower."""
+    from raydp.data.redaction.lexeme_flags import lexeme_flags_supported
+
+    texts = verbalise_records(generate_records(60, seed=9, progress=False), progress=False)
+    texts = [t + suffix(s) for t, s in zip(texts, random_secrets(np.random.default_rng(9), 60))]
+    texts += ["She met Alice in Boston on May 3, 2021 at 10:30; MRN: 1234567, a 72-year-old, 80 kg, race is White."]
+    if lexeme_flags_supported(spacy.__version__):
+        assert base.describe()["lexeme_flags"] > 0 and base._token_flags.use_flags
+    monkeypatch.setattr(spacy, "__version__", "3.999.0")  # a version nobody checked
+    for fast in (base, high):
+        plain = SecretDetector(fast.level)
+        assert plain.describe()["lexeme_flags"] == 0 and not plain._token_flags.use_flags
+        assert not any(isinstance(key, int) for p in plain.nlp.get_pipe("raydp_secret_ruler").patterns
+                       if not isinstance(p["pattern"], str) for token in p["pattern"] for key in token)
+        assert plain.spans_all(texts) == fast.spans_all(texts), fast.level
+        assert plain.redact_all(texts, batch_size=4, n_process=2) == fast.redact_all(texts)
+
+
 def test_describe(high):
     info = high.describe()
     assert info["level"] == "high_context" and info["spacy_version"] == spacy.__version__
