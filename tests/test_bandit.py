@@ -1,4 +1,4 @@
-"""The episode-level contextual bandit (raydp.control.bandit) and its study (search: bandit, raydp.study.bandit).
+"""The episode-level contextual bandit (raydp.study.schedule_bandit) and its study (search: bandit, raydp.study.bandit).
 
 The bandit is checked against a brute-force search of a known loss surface, not against itself; the study runs
 for real (Ray Tune, local ray.init) on public episodes of the embedded-tiny model."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-from raydp.control.bandit import Dimension, ScheduleBandit
+from raydp.study.schedule_bandit import Dimension, ScheduleBandit
 from tests.test_learned_schedule import SEARCH_STUDY
 
 

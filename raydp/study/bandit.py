@@ -1,4 +1,4 @@
-"""``search: bandit``: the episode-level contextual bandit (:mod:`raydp.control.bandit`) as a Ray Tune searcher.
+"""``search: bandit``: the episode-level contextual bandit (:mod:`raydp.study.schedule_bandit`) as a Ray Tune searcher.
 
 A bandit study learns on PUBLIC episodes only (``private_data: false``): one Tune experiment whose trials cycle
 through the study's epsilons (the contexts) ``bandit.num_samples`` times, each trial's values chosen by Thompson
@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 from ray.tune.search import Searcher
 
-from raydp.control.bandit import Dimension, ScheduleBandit
+from raydp.study.schedule_bandit import Dimension, ScheduleBandit
 from raydp.study.config import StudyConfig, search_cells
 from raydp.study.results import METRIC_COLUMNS
 

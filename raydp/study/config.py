@@ -70,7 +70,7 @@ class OptunaSettings(StrictModel):
 
 
 class BanditSettings(StrictModel):
-    """``search: bandit``: the episode-level contextual bandit over a ``search_space`` (raydp.control.bandit)."""
+    """``search: bandit``: the episode-level contextual bandit over a ``search_space`` (raydp.study.schedule_bandit)."""
 
     num_samples: int = Field(10, gt=0, description="episodes per epsilon (the study runs num_samples x epsilons)")
     seed: int = Field(0, description="seeds the random start, the candidates and the Thompson draws (public)")
