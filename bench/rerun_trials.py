@@ -32,7 +32,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     for trial in sorted(p for p in (args.study_dir / "trials").iterdir() if (p / "config.json").exists()):
         config = TrainConfig(**json.loads((trial / "config.json").read_text()))
-        summary = run_training(config, args.out / trial.name, overwrite=True, progress=False, charge_lifetime=False)
+        summary = run_training(config, args.out / trial.name, overwrite=True, progress=False)  # charged like any run
         print(trial.name, summary["final_eval_value_nll"], summary["final_public_value_nll"], flush=True)
 
 

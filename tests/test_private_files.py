@@ -13,8 +13,10 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -159,9 +161,10 @@ SELECTION = {**STUDY, "name": "owner-select", "epsilons": [4.0, 8.0], "strategie
              "private_selection": {"distribution": "poisson", "mean": 2.0, "score_noise": 6.0}}
 
 
-def _readable_mentions(roots: list[Path], needles: tuple[str, ...]) -> list[str]:
-    """Files under ``roots`` that another local user could read (every folder on the way open to them and the file
-    readable by others) and whose path or content names one of ``needles``."""
+def _readable_mentions(roots: list[Path], needles: tuple[str, ...], since: float) -> list[str]:
+    """Files under ``roots`` written at or after ``since`` (not another run's leftovers) that another local user could
+    read (every folder on the way open to them and the file readable by others) and whose path or content names one
+    of ``needles``."""
     found = []
     for root in roots:
         if not root.exists():
@@ -174,7 +177,8 @@ def _readable_mentions(roots: list[Path], needles: tuple[str, ...]) -> list[str]
             for name in names:
                 path = Path(folder, name)
                 try:
-                    if os.lstat(path).st_mode & 0o004 == 0 or stat.S_ISLNK(os.lstat(path).st_mode):
+                    info = os.lstat(path)
+                    if info.st_mode & 0o004 == 0 or stat.S_ISLNK(info.st_mode) or info.st_mtime < since:
                         continue
                     text = path.read_bytes()[:1_000_000].decode("utf-8", "replace")
                 except OSError:
@@ -192,10 +196,19 @@ def test_a_grid_study_and_a_private_selection_on_private_data_leave_nothing_othe
     from raydp.report.page import write_report
     from raydp.study.runner import run_study
 
+    from raydp.cli import main
+    from raydp.data import load_manifest, manifest_id
+    from raydp.privacy.lifetime import read_budget
+
+    started = time.time() - 1
     previous = os.umask(0o022)  # a user's usual mask: what raydp writes must not depend on it
     try:
+        # the grid study on a dataset with a lifetime budget: charged before it runs, its trial holds the receipt
+        data = tmp_path / "data"
+        assert main(["data", "build", "--output", str(data), "--n-records", "400", "--n-audit", "20"]) == 0
+        assert main(["data", "budget", str(data), "--epsilon", "20", "--delta", "1e-5"]) == 0
         grid_path, selection_path = tmp_path / "owner-grid.yaml", tmp_path / "owner-select.yaml"
-        grid_path.write_text(yaml.safe_dump(GRID))
+        grid_path.write_text(yaml.safe_dump({**GRID, "base": {**GRID["base"], "data": {"source": str(data), "n_audit": 20}}}))
         selection_path.write_text(yaml.safe_dump(SELECTION))
         runs = tmp_path / "runs"
         grid = run_study(grid_path, runs, progress=False)
@@ -205,9 +218,15 @@ def test_a_grid_study_and_a_private_selection_on_private_data_leave_nothing_othe
     finally:
         os.umask(previous)
     assert json.loads((grid / "study_summary.json").read_text())["trials"] == 1
+    assert pd.read_parquet(grid / "results.parquet")["status"].tolist() == ["TERMINATED"]
+    # the budget follows the source: the private selection built the same synthetic records, so its two cells are
+    # charged to it too, beside the grid's trial
+    charges = read_budget(manifest_id(load_manifest(data)))["charges"]
+    assert sorted(label.split("/")[-1] for label in charges) == [
+        "embedded-tiny_eps4_seed0", "embedded-tiny_eps8_seed0", "static-pairwise_embedded-tiny_eps4_seed0"]
     assert len(json.loads((selection / "study_summary.json").read_text())["released"]) == 2
     ray_tmp = Path(ray._private.worker._global_node.get_temp_dir_path())  # the Ray the studies ran on
-    for root in (runs, grid, selection, ray_tmp, files.user_scratch()):
+    for root in (data, runs, grid, selection, ray_tmp, files.user_scratch()):
         assert files.open_to_others(root) == [], root
     assert (grid / "tune").is_dir() and stat.S_IMODE(report.stat().st_mode) == 0o600
     # Tune's staging in Ray's temporary folder is gone after the study (the study keeps its own copy)
@@ -216,7 +235,7 @@ def test_a_grid_study_and_a_private_selection_on_private_data_leave_nothing_othe
         tuple(p.name for p in (selection / "work" / "trials").iterdir())
     shared = [Path("/tmp/ray"), *Path("/tmp").glob("raydp-*"), Path(tempfile.gettempdir()),
               Path("~/ray_results").expanduser()]
-    assert _readable_mentions(shared, ("owner-grid", "owner-select", *trial_names)) == []
+    assert _readable_mentions(shared, ("owner-grid", "owner-select", *trial_names), since=started) == []
     if NOBODY:  # another local user tries
         for path in (grid / "results.parquet", selection / "work" / "private-selection.json",
                      grid / "dataset" / "manifest.json", selection / "released"):

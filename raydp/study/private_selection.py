@@ -114,9 +114,9 @@ Not in any file here but still telling how many trials ran: the study's run time
 change times (ctime) and birth times (btime, where the filesystem keeps one: `stat` shows it as Birth): their
 modification and access times are set to the study's start, but they were created and stamped at its end, after
 every trial. Copy them with cp, rsync or Python's tarfile (the copies are born and changed when copied), not with
-tar --format=posix, which keeps ctime, and do not hand over the filesystem or a snapshot of it; and Ray's own logs
-and dashboard (/tmp/ray/session_*/ on this machine, or the cluster's), which name every trial: keep them private
-too.
+tar --format=posix, which keeps ctime, and do not hand over the filesystem or a snapshot of it; and Ray's temporary
+folder (its logs and Tune's staged copy name every trial): owner-only and removed when the study's process ends
+where raydp started Ray; on a joined cluster, its nodes' folders (/tmp/ray by default): keep them private too.
 """
 
 

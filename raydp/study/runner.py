@@ -56,7 +56,7 @@ from raydp.evaluation.evaluate import evaluate_run
 from raydp.evaluation.results import flat_metrics
 from raydp.model.embedded import ensure_embedded_model, is_embedded_name
 from raydp.privacy.accounting.rdp import epsilon_over_steps
-from raydp.privacy.lifetime import read_budget
+from raydp.privacy.lifetime import LifetimeReceipt, read_budget
 from raydp.runner.local_setup import is_local, plan_local_run
 from raydp.runner.privacy_setup import LifetimeCharge, build_strategy, plan_key, plan_private_run, training_units
 from raydp.runner.privacy_setup import charge_lifetime as charge_lifetime_budget  # prepare_study's flag has the name
@@ -537,7 +537,8 @@ def _run_trial(params: dict) -> None:
                              tune.get_context().get_trial_id())
     elif trial is None:  # an Optuna-sampled SAC cell
         trial = optuna_trial(study, params["t_rl"], params["b_sac"], params["k"], tune.get_context().get_trial_id())
-    config = trial_config(study, trial, node_local_dataset(params), trial.policy_path)
+    dataset = node_local_dataset(params)
+    config = trial_config(study, trial, dataset, trial.policy_path)
     torch.set_num_threads(config.cpus or 1)
     # with the study's storage, the trial writes on its own node and its run directory travels back to the study
     # as its final checkpoint (fetch_trial_outputs); without it, into the study directory (one machine, or NFS)
@@ -572,7 +573,9 @@ def _run_trial(params: dict) -> None:
                 session = start_policy(config, restore=policy_snapshot)
                 client = session.client(trial.name)
         summary = run_training(config, out, overwrite=True, progress=False, client=client,
-                               charge_lifetime=False,  # the study charged every trial before any started
+                               # the study charged every trial before any started, under this label
+                               _charged_by=LifetimeReceipt(manifest_id(load_manifest(dataset)),
+                                                           f"study:{params.get('lifetime_nonce')}/{trial.name}"),
                                on_evaluation=reporter.evaluation, on_checkpoint=checkpoint, resume=resume,
                                population_admit=_population_hook(params, trial))  # PBT: the population filter
         reporter.finish(summary, out)
@@ -701,7 +704,8 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     common = {"study": study.model_dump(mode="json"), "dataset": dataset, "study_dir": str(study_dir),
               "wandb": wandb_target(study, study_dir),
               "connection": None, "log_checkpoints": sys.stderr.isatty(),
-              "n_trials": len(trials)}  # audits in the family: each trial's audit is Bonferroni-corrected
+              "n_trials": len(trials),  # audits in the family: each trial's audit is Bonferroni-corrected
+              "lifetime_nonce": nonce}  # the tag of the trials' lifetime charge (their receipt's label)
     if study.policy == "shared" and study.controller_strategy is not None:
         from raydp.control.service import start_policy_session  # lazy: imports Ray (`raydp study --check` does not)
 
