@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from raydp.report import figures
 from raydp.report.load import Report, _dig, _evaluated, _missing_evaluation_note
-from raydp.report.markup import Cell, _eps, _missing, _section, figure, how, num, para, table
+from raydp.report.markup import Cell, _eps, _missing, _section, figure, how, num, para, table, trial_cell
 
 AUDIT_TOLERANCE = 1e-9
 
@@ -46,7 +46,8 @@ def audit(r: Report) -> str:
         bad = _violation(a, claimed)
         one_run_detail = (f" ({a.get('one_run_correct')}/{a.get('one_run_guesses')} correct)"
                           if a.get("one_run_guesses") is not None else "")
-        rows.append([row["trial"], row["strategy"], _eps(row.get("epsilon_target")), Cell(num(claimed, 3), "num"),
+        rows.append([trial_cell(row["trial"]), row["strategy"], _eps(row.get("epsilon_target")),
+                     Cell(num(claimed, 3), "num"),
                      Cell(num(a.get("epsilon_one_run"), 3) + one_run_detail,
                           "num bad" if _above(a.get("epsilon_one_run"), claimed) else "num"),
                      Cell(num(a.get("epsilon_clopper_pearson"), 3), "num"),

@@ -71,6 +71,12 @@ class Cell:
         return f"<{tag}{attrs}>{self.text if self.raw else _e(self.text)}</{tag}>"
 
 
+def trial_cell(name) -> Cell:
+    """A trial's name (one long word: ``static-pairwise_embedded_eps2_seed0_...``) that may wrap after each ``_``
+    in a narrow column instead of widening its table."""
+    return Cell("<wbr>".join(_e(part) + "_" for part in str(name).split("_"))[:-1], "trial", raw=True)
+
+
 def _cell(value) -> Cell:
     if isinstance(value, Cell):
         return value
@@ -83,7 +89,7 @@ def table(table_id: str, columns: Sequence[str], rows: Sequence[Sequence], capti
     head = "".join(f"<th>{_e(c)}</th>" for c in columns)
     body = "\n".join("<tr>" + "".join(_cell(v).render() for v in row) + "</tr>" for row in rows)
     cap = f"<caption>{_e(caption)}</caption>" if caption else ""
-    return (f'<div class="scroll"><table id="{_e(table_id)}">{cap}<thead><tr>{head}</tr></thead>'
+    return (f'<div class="table-box"><table id="{_e(table_id)}">{cap}<thead><tr>{head}</tr></thead>'
             f"<tbody>\n{body}\n</tbody></table></div>")
 
 
@@ -128,12 +134,13 @@ td.strong { font-weight: 700; }
 td.private { color: var(--muted); }
 td.key { font-weight: 600; white-space: nowrap; }
 td.warn-text { color: #8a5300; }
-.scroll { overflow-x: auto; margin: 8px 0 16px; }
-table { border-collapse: collapse; font-size: 12.5px; min-width: 40%; }
+.table-box { margin: 8px 0 16px; }
+table { border-collapse: collapse; font-size: 12.5px; min-width: 40%; max-width: 100%; }
 caption { text-align: left; color: var(--muted); padding: 4px 0; font-size: 13px; }
 th, td { border-bottom: 1px solid var(--line); padding: 4px 8px; text-align: left; vertical-align: top; }
 th { background: var(--alt); font-weight: 600; max-width: 180px; }
-td.arm { white-space: nowrap; }
+td.arm { min-width: 7em; }
+td.trial { min-width: 9em; }
 tbody tr:nth-child(even) { background: #fafbfc; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 td.pm { white-space: normal; }

@@ -15,7 +15,8 @@ from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
 from raydp.report import figures
 from raydp.report.curves import _frontier
 from raydp.report.load import Report, _dig, _evaluated, _groups, _missing_evaluation_note
-from raydp.report.markup import Cell, _e, _eps, _missing, _section, figure, how, mean_std, num, para, pm_cell, table
+from raydp.report.markup import (Cell, _e, _eps, _missing, _section, figure, how, mean_std, num, para, pm_cell, table,
+                                 trial_cell)
 from raydp.study.report import VERDICT_ALPHA, gates, headroom, table2, table3, verdicts
 
 PRIVATE_SPLIT_WARNING = "private eval split: unprotected (ERRATA E15): these perplexities are not a DP release"
@@ -84,10 +85,10 @@ def tables(r: Report) -> str:
             if r.public:
                 row.append(pm_cell(g.get(r.private_column, []), 4, "num private"))
             rows.append(row)
-    columns = ["model", "ε target", "strategy", "seeds", f"final {split} {r.metric}", "best", "initial",
+    columns = ["model", "ε target", "arm", "seeds", f"final {split} {r.metric}", "best", "initial",
                "steps to target, % (seeds reaching)"]
     if r.public:
-        columns.append(f"final private-eval {r.metric} (not a DP release)")
+        columns.append(f"final private eval {r.metric} (no DP release)")
     body = [how(f"per (model, epsilon, strategy): the {split} {r.metric} at the end of training, mean ± sample "
                 "std over seeds (one seed: the value alone); 'seeds' counts seeds with a final value / trials. "
                 "Steps to target: the first evaluation at which a trial reached the best baseline's final "
@@ -99,7 +100,7 @@ def tables(r: Report) -> str:
         body.append(how(f"The DP gap: per model, epsilon and arm, the final {r.metric} on both splits (mean ± sd over "
                         "seeds); 'recovered' is the share of the non-private arm's gain over the untrained model, "
                         "'sd from non-private' the distance in pooled seed standard deviations. The private eval "
-                        "split is unprotected (E15) and shown for reference; the gates are the benchmark's (issue 27)."))
+                        "split is unprotected (E15) and shown for reference; the gates are the benchmark's."))
         cols = ["model", "ε", "arm", "seeds", "public", "public recovered", "public sd from non-private",
                 "private eval", "private recovered", "private sd from non-private"]
         body.append(table("table-headroom", cols, [
@@ -162,7 +163,7 @@ def privacy(r: Report) -> str:
     for _, row in res.iterrows():
         within = row.get("within_budget")
         within_cell = (Cell("n/a") if _missing(within) else Cell("yes", "ok") if bool(within) else Cell("NO", "bad"))
-        rows.append([row["trial"], row["strategy"], _eps(row.get("epsilon_target")),
+        rows.append([trial_cell(row["trial"]), row["strategy"], _eps(row.get("epsilon_target")),
                      Cell(num(row.get("epsilon"), 3), "num"),
                      *(Cell(num(row.get(f"epsilon_{a}"), 3), "num") for a in REPORTED_ACCOUNTANTS),
                      row.get("enforcing_accountant"), row.get("guarantee"), within_cell,
@@ -238,7 +239,7 @@ def _phase_one(res: pd.DataFrame) -> list[str]:
     rows = []
     for _, row in res[res["phase1_data"].notna()].iterrows():
         redacted = row["phase1_data"] == "redacted"
-        rows.append([row["trial"], row["phase1_data"], Cell(num(row.get("phase1_steps"), 0), "num"),
+        rows.append([trial_cell(row["trial"]), row["phase1_data"], Cell(num(row.get("phase1_steps"), 0), "num"),
                      Cell(num(row.get("phase1_public_perplexity"), 4), "num"),
                      Cell("NO: epsilon covers phase 2 only", "bad") if redacted else Cell("yes (public data)", "ok"),
                      Cell(num(row.get("detector_canary_recall"), 3), "num"),
