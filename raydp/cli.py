@@ -20,7 +20,7 @@ from pathlib import Path
 
 from raydp import __version__
 from raydp.errors import ConfigError, RaydpError
-from raydp.files import private_umask
+from raydp.files import atomic_write, private_umask
 
 
 class RaydpParser(argparse.ArgumentParser):
@@ -293,7 +293,7 @@ def cmd_data_show(args) -> int:
 def cmd_data_budget(args) -> int:
     from raydp.data import load_manifest, manifest_id  # lazy: `raydp --help` loads no pandas
     from raydp.privacy.lifetime import (  # lazy: `raydp --help` loads no pandas
-        read_budget, register_for, set_budget, spent_epsilon)
+        read_budget, register_for, set_budget, spend_record_path, spent_epsilon, spent_so_far)
 
     manifest = load_manifest(args.dataset)
     dataset_id = manifest_id(manifest)
@@ -305,15 +305,16 @@ def cmd_data_budget(args) -> int:
                               source_sha256=manifest.get("source_sha256"))
         # the dataset itself says it is budgeted: a run that cannot find the register is refused (fail closed)
         manifest["lifetime_budget"] = {k: register[k] for k in ("epsilon", "delta", "privacy_unit")}
-        path = Path(args.dataset) / "manifest.json"
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(manifest, indent=2))
-        os.replace(tmp, path)
+        atomic_write(Path(args.dataset) / "manifest.json", json.dumps(manifest, indent=2))
     else:
         register = read_budget(dataset_id, manifest.get("source_sha256"))
     where = register_for(dataset_id, manifest.get("source_sha256"))
     if register is None:
         print(f"dataset {dataset_id}: no lifetime budget (set one with --epsilon E --delta D)")
+        spent = spent_so_far(dataset_id, 1e-5)  # the record of what DP runs spent on it without one
+        if spent is not None:
+            print(f"  recorded: {spent['runs']} DP run(s) compose to epsilon {spent['epsilon']:.3f} at delta 1e-05 "
+                  f"(their planned RDP curves, in {spend_record_path(dataset_id)})")
         return 0
     print(f"dataset {dataset_id}: lifetime budget epsilon={register['epsilon']:g} at delta={register['delta']:g} per "
           f"{register['privacy_unit']}; {len(register['charges'])} run(s) charged, composed epsilon "

@@ -430,3 +430,35 @@ def test_a_plain_caller_cannot_skip_the_charge_on_a_budgeted_dataset(tmp_path, m
     charge_lifetime(manifest, {"study:x/t": LifetimeCharge.of(plan, config, build_strategy(config), "patient")})
     run_training(config, tmp_path / "held", progress=False, _charged_by=LifetimeReceipt(dataset_id, "study:x/t"))
     assert list(read_budget(dataset_id)["charges"]) == ["study:x/t"]  # charged once, by the caller
+
+
+def test_spend_on_a_dataset_without_a_budget_is_recorded_and_printed_when_a_run_starts(tmp_path, monkeypatch, capsys):
+    """Without a budget nothing used to record what DP runs spent: a second run now says what the first one spent
+    (checked against dp_accounting), in an owner-only record beside the owner key, and why a DP run takes fewer
+    steps than a non-private one at the same epochs."""
+    import stat
+
+    from raydp.privacy.lifetime import spend_record_path
+    from raydp.runner.launch import train
+
+    monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "key" / "owner.key"))
+    data = tmp_path / "data"
+    assert main(["data", "build", "--output", str(data), "--n-records", "400"]) == 0
+    dataset_id = manifest_id(load_manifest(data))
+    config = tiny(data)
+    plan = plan_private_run(config, training_units(config, str(data), len(load_texts(data, "train"))).public_count)
+    capsys.readouterr()
+    train(config, tmp_path / "first", progress=True)
+    first = capsys.readouterr().err
+    assert "earlier DP run" not in first  # nothing was spent before it
+    assert f"plan {plan.planned_steps} steps" in first and "a non-private run takes batches of 16 records" in first
+    record = spend_record_path(dataset_id)
+    assert record.is_file() and stat.S_IMODE(record.stat().st_mode) == 0o600
+    train(config, tmp_path / "second", progress=True)
+    line = next(x for x in capsys.readouterr().err.splitlines() if "earlier DP run" in x)
+    expected = dp_accounting_epsilon([plan], 1e-5)
+    assert f"1 earlier DP run(s) on it compose to epsilon {expected:.3g} at delta 1e-05" in line
+    assert "raydp data budget" in line
+    assert main(["data", "budget", str(data)]) == 0
+    out = capsys.readouterr().out
+    assert "no lifetime budget" in out and f"2 DP run(s) compose to epsilon " in out

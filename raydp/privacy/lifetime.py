@@ -34,15 +34,12 @@ trials): that is the only way to skip a run's own charge (:func:`check_receipt`)
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import hmac
 import json
 import math
 import os
-import uuid
 from collections.abc import Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +47,7 @@ import numpy as np
 
 from raydp.data.identity import PUBLIC_PREFIX, is_dataset_id, owner_key_path
 from raydp.errors import ConfigError
+from raydp.files import atomic_write, locked
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, rdp_epsilon
 
 FORMAT = "raydp-lifetime-budget-v1"
@@ -121,16 +119,9 @@ def adopt(dataset_id: str, source_sha256: str | None) -> Path | None:
     return path
 
 
-@contextmanager
 def _flock(lock_file: Path):
     """An exclusive lock held on ``lock_file`` for the block (its directory made owner-only if new)."""
-    lock_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with open(lock_file, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    return locked(lock_file)
 
 
 def _locked(path: Path):
@@ -159,13 +150,7 @@ def _read(path: Path) -> dict | None:
 
 
 def _write(path: Path, register: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(register, handle, indent=1)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(register, indent=1))  # owner-only, fsync, rename: never half-written
 
 
 def set_budget(dataset_id: str, epsilon: float, delta: float, privacy_unit: str = "patient",
@@ -240,6 +225,8 @@ def charge(dataset_id: str | None, charges: Mapping[str, Sequence[float]], order
         if required:
             raise ConfigError(f"dataset {dataset_id} has a lifetime budget, but its register is not at {path} (set "
                               f"RAYDP_OWNER_KEY to the owner's key file on this machine); nothing was started")
+        if commit:  # no budget to enforce: what the runs spend is still recorded
+            record_spend(dataset_id, charges, orders)
         return None
     with _locked(path):
         register = _read(path)
@@ -295,3 +282,81 @@ def check_receipt(receipt, dataset_id: str | None, source_sha256: str | None = N
     if register is not None and receipt.label not in register["charges"]:
         raise ConfigError(f"dataset {dataset_id} has a lifetime budget, and its register holds no charge "
                           f"{receipt.label!r}, the one this run's caller says it holds; nothing was started")
+
+
+#: the owner's record of what DP runs spent on a dataset that has no lifetime budget
+SPEND_FORMAT = "raydp-spend-record-v1"
+
+
+def spend_record_path(dataset_id: str) -> Path:
+    """Where the owner keeps the spend of ``dataset_id`` when it has no budget: ``spend/`` beside the owner key."""
+    if not is_dataset_id(dataset_id) or dataset_id.startswith(PUBLIC_PREFIX):
+        raise ConfigError(f"{dataset_id!r} is not a private dataset id: public data has no spend to record")
+    return owner_key_path().parent / "spend" / f"{dataset_id.replace(':', '_')}.json"
+
+
+def _read_spend(path: Path) -> dict | None:
+    if not path.is_file() or path.is_symlink():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("format") == SPEND_FORMAT else None
+
+
+def record_spend(dataset_id: str | None, charges: Mapping[str, Sequence[float]],
+                 orders: Sequence[float] = DEFAULT_ORDERS) -> None:
+    """Record the planned RDP curve of runs (label -> curve at ``orders``) on a dataset without a lifetime budget, so
+    that what piles up is never silent: an owner-only record beside the owner key (``spend/<dataset id>.json``),
+    one curve per label (a label recorded again keeps the larger curve, as :func:`charge` does). Nothing is
+    refused: that is what a budget is for (``raydp data budget``). The record follows the dataset id, so the same
+    records built under another owner key start a new one; a budget set later does not take it over (the budget
+    bounds what runs spend from then on)."""
+    if dataset_id is None or not charges or not is_dataset_id(dataset_id) or dataset_id.startswith(PUBLIC_PREFIX):
+        return
+    path = spend_record_path(dataset_id)
+    with locked(path.with_suffix(".lock")):
+        record = _read_spend(path) or {"format": SPEND_FORMAT, "dataset_id": dataset_id,
+                                       "orders": [float(a) for a in orders], "charges": {},
+                                       "note": "planned RDP curves of the DP runs on this dataset (no lifetime "
+                                               "budget): private, the owner's"}
+        if [float(a) for a in orders] != record["orders"]:
+            return  # curves at other orders cannot be added: the record keeps what it has
+        for label, curve in charges.items():
+            curve = np.asarray(curve, dtype=np.float64)
+            old = record["charges"].get(label)
+            record["charges"][label] = (curve if old is None else np.maximum(curve, np.asarray(old))).tolist()
+        atomic_write(path, json.dumps(record, indent=1))
+
+
+def spent_so_far(dataset_id: str | None, delta: float, source_sha256: str | None = None) -> dict | None:
+    """What the DP runs charged or recorded on the dataset compose to (RDP curves added order by order, Mironov 2017,
+    Prop. 1; converted as the accountants do): ``{"runs", "epsilon", "delta", "budget"}`` with the budget's epsilon
+    and delta where the dataset has one (``budget`` None otherwise, the figure then at ``delta``); None where no
+    run was recorded."""
+    if dataset_id is None or not is_dataset_id(dataset_id) or dataset_id.startswith(PUBLIC_PREFIX):
+        return None
+    register = read_budget(dataset_id, source_sha256)
+    if register is not None:
+        return {"runs": len(register["charges"]), "epsilon": spent_epsilon(register), "delta": register["delta"],
+                "budget": register["epsilon"]} if register["charges"] else None
+    record = _read_spend(spend_record_path(dataset_id))
+    if not record or not record["charges"]:
+        return None
+    total = np.sum([np.asarray(c, dtype=np.float64) for c in record["charges"].values()], axis=0)
+    return {"runs": len(record["charges"]), "epsilon": rdp_epsilon(total, record["orders"], delta), "delta": delta,
+            "budget": None}
+
+
+def spend_line(dataset_id: str | None, delta: float, source_sha256: str | None = None) -> str | None:
+    """One line for the start of a DP run or study: what earlier runs on the dataset spent (None: nothing yet)."""
+    spent = spent_so_far(dataset_id, delta, source_sha256)
+    if spent is None:
+        return None
+    if spent["budget"] is not None:
+        return (f"dataset {dataset_id}: {spent['runs']} DP run(s) charged so far compose to epsilon "
+                f"{spent['epsilon']:.3g} of its lifetime budget {spent['budget']:g} at delta {spent['delta']:g}")
+    return (f"dataset {dataset_id}: {spent['runs']} earlier DP run(s) on it compose to epsilon {spent['epsilon']:.3g} "
+            f"at delta {spent['delta']:g}, and it has no lifetime budget (`raydp data budget DATASET --epsilon E "
+            f"--delta D` sets one)")

@@ -41,7 +41,7 @@ from raydp.privacy.ghost import GhostClippingComputer
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, rdp_vector
 from raydp.privacy.filter import FILTER_NAME, FilterGuard, RenyiFilter
 from raydp.privacy.ledger import NEIGHBOURING_RELATION
-from raydp.privacy.lifetime import charge, read_budget
+from raydp.privacy.lifetime import charge, read_budget, record_spend
 from raydp.privacy.randomness import PrivateRandomness
 from raydp.runner.sampling import PoissonSampler
 from raydp.strategies import make_strategy
@@ -259,7 +259,12 @@ def charge_lifetime(manifest: dict, runs: dict[str, LifetimeCharge], commit: boo
     of another privacy unit. A dataset marked budgeted whose register is not found is refused (fail closed)."""
     dataset_id, required = manifest_id(manifest), bool(manifest.get("lifetime_budget"))
     source = manifest.get("source_sha256")  # the budget follows the source under another owner key
-    if not runs or (read_budget(dataset_id, source) is None and not required):
+    if not runs:
+        return None
+    if read_budget(dataset_id, source) is None and not required:  # no budget: what they spend is still recorded
+        if commit:
+            record_spend(dataset_id, {label: planned_rdp_curve(run.plan, run.delta) for label, run in runs.items()
+                                      if isinstance(run.plan, PrivacyPlan)})  # a local-DP run has no RDP curve
         return None
     for label, run in runs.items():
         if not isinstance(run.plan, PrivacyPlan):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -70,7 +71,7 @@ from raydp.runner.task import Task
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve
 from raydp.privacy.clipping import isolates_records
 from raydp.privacy.ledger import LEDGER_FILENAME
-from raydp.privacy.lifetime import LifetimeReceipt, check_receipt
+from raydp.privacy.lifetime import LifetimeReceipt, check_receipt, spend_line
 
 SYNTHETIC_NOTE = "synthetic records: they describe no real patient"
 PUBLIC_PROBE_SEED = 7_777
@@ -209,6 +210,18 @@ def policy_provenance(private, config: TrainConfig, manifest: dict, privacy: dic
             "rdp_curve": list(curve)}
 
 
+def dp_steps_note(config: TrainConfig, plan, units) -> str:
+    """Why a DP run's step count differs from a non-private run's at the same ``epochs``: it samples privacy units
+    (patients) with probability q = batch_size / units each step (Poisson, ERRATA E10/E11), so an epoch is 1/q steps
+    of about batch_size units, each with all its records; a non-private run takes batches of batch_size records.
+    Only public figures: the planned q, steps and the public unit count."""
+    capped = ", capped by max_steps" if config.max_steps and plan.planned_steps >= config.max_steps else ""
+    return (f"DP steps: each step samples each of the {units.public_count} {units.name}s with probability "
+            f"q = {plan.q:.4g} (about {config.batch_size} {units.name}s, all their records), so {config.epochs:g} "
+            f"epoch(s) plan {plan.planned_steps} steps (ceil(epochs / q){capped}); a non-private run takes batches "
+            f"of {config.batch_size} records, so more steps at the same epochs")
+
+
 def run_training(config: TrainConfig, output: str | Path, overwrite: bool = False, progress: bool = True,
                  client=None, on_evaluation=None, on_checkpoint=None, checkpoint_every: int | None = None,
                  resume: dict | None = None, population_admit=None, charge_lifetime: bool = True,
@@ -247,6 +260,10 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             plan = plan_local_run(config, strategy, units, classification_spec(config.task.label).n_classes)
         else:
             plan = plan_private_run(config, units.public_count, strategy) if config.is_private else None
+        if plan is not None and resume is None and progress and not local:  # what earlier runs spent, never silent
+            spent = spend_line(manifest_id(manifest), config.delta, manifest.get("source_sha256"))
+            if spent:
+                print(f"raydp: {spent}", file=sys.stderr, flush=True)
         if plan is not None and resume is None:  # refused here, before any step, when past the lifetime budget;
             # every fresh run is charged anew (a rerun into the same directory spends again), a resumed one was
             # charged when it started
@@ -304,6 +321,8 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
                                         loss=task.loss if task.is_classification else None,
                                         public_utility=public_utility(loaded, public_eval, strategy))
             sampler, gradient, total_steps = private.sampler, private.step, private.planned_steps
+            if progress and resume is None:  # why a DP run takes fewer steps than a non-private one at equal epochs
+                print(f"raydp: {dp_steps_note(config, plan, units)}", file=sys.stderr, flush=True)
         else:
             sampler = ShuffledBatchSampler(len(train), config.batch_size, seed=config.seed)
             gradient = NonPrivateGradient(task.loss if task.is_classification else None)

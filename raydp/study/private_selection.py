@@ -56,7 +56,7 @@ from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve, rdp_e
 from raydp.privacy.accounting.selection import (POISSON, SelectionDistribution, calibrate_trial_parameter,
                                                 selection_rdp)
 from raydp.privacy.ledger import NEIGHBOURING_RELATION, PrivacyLedger
-from raydp.privacy.lifetime import LifetimeReceipt, charge, read_budget
+from raydp.privacy.lifetime import LifetimeReceipt, charge, read_budget, record_spend
 from raydp.runner.privacy_setup import (LifetimeCharge, build_strategy, plan_key, plan_private_run, planned_rdp_curve,
                                         training_units)
 from raydp.strategies.base import Strategy
@@ -659,7 +659,8 @@ def _charge(dataset: str, plans: dict[str, CellPlan], charge_tag: str) -> None:
     charged once; a selection drawn anew, its state removed or the study run again anywhere, is charged again)."""
     manifest = load_manifest(dataset)
     dataset_id, source = manifest_id(manifest), manifest.get("source_sha256")
-    if read_budget(dataset_id, source) is None and not manifest.get("lifetime_budget"):
+    if read_budget(dataset_id, source) is None and not manifest.get("lifetime_budget"):  # no budget: recorded
+        record_spend(dataset_id, {charge_label(charge_tag, key): plan.end_to_end_curve for key, plan in plans.items()})
         return
     units = {plan.privacy_unit for plan in plans.values()}
     if len(units) != 1:

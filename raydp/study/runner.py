@@ -134,10 +134,12 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
 def _charge_lifetime(study: StudyConfig, dataset: str, trial_plans: dict, commit: bool) -> None:
     """The study's DP trials against its dataset's lifetime budget, if the owner set one: all of them in one
     charge, on this machine, before any starts. Optuna's and PBT's trials are not planned before they run:
-    refused there."""
+    refused there. Without a budget the grid's trials are recorded (:func:`raydp.privacy.lifetime.record_spend`);
+    searched trials are planned only when they run, and are not."""
     manifest = load_manifest(dataset)
     dataset_id = manifest_id(manifest)
     if read_budget(dataset_id, manifest.get("source_sha256")) is None and not manifest.get("lifetime_budget"):
+        charge_lifetime_budget(manifest, trial_plans, commit=commit)  # no budget: records what the trials spend
         return
     if study.search != "grid" or search_cells(study):
         raise ConfigError(f"dataset {dataset_id} has a lifetime budget: a study on it must be a grid "
