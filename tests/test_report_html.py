@@ -476,3 +476,32 @@ def test_frontier_figure_and_privacy_spent_over_steps(study, tmp_path):
     assert steps[-1] == len(ledger) and (np.diff(spent) >= 0).all()
     assert spent[-1] == pytest.approx(summary["privacy"]["epsilon_by_accountant"]["rdp"], rel=1e-3)
     assert "privacy spent over steps: the RDP upper bound" in page.figures["fig-dials-1"]["caption"]
+
+
+def test_the_audit_says_how_many_canaries_could_show_anything(study_page):
+    """The audit's power table: for the fixture's setting (claimed epsilon, 200 canaries), the best one-run bound
+    with every guess right and with the strongest attack the claim allows, and the canaries each needs for half the
+    claimed epsilon, checked against the audit's own bound (raydp.evaluation.audit): reached there, not one
+    canary before."""
+    from raydp.evaluation.audit import _one_run_bound, one_run_guess_grid
+    from raydp.report.audit import audit_power
+
+    page = Page(study_page[1])
+    rows = page.rows("table-audit-power")
+    assert len(rows) == 2, rows  # one setting: every audited trial claims the same epsilon with 200 canaries
+    claimed, m, delta, confidence, zero = rows[1][:5]
+    assert (m, delta, confidence, zero) == ("200", "1e-05", "0.95", "1 of 3")  # static seed 0's bound is 0
+
+    def bound(m: int, eps: float, rate: float) -> float:  # the audit's own: max over its grid, Bonferroni
+        grid = one_run_guess_grid(m)
+        return max(_one_run_bound(m, kp + km, int((kp + km) * rate + 1e-12), 0.05 / len(grid), 1e-5) for kp, km in grid)
+
+    eps = float(claimed)
+    power = audit_power(eps, 200, 1e-5, 0.95)
+    strongest = np.exp(eps) / (1 + np.exp(eps))
+    assert rows[1][5:] == [f"{power.perfect:.3f}", f"{power.strongest:.3f}", f"{power.canaries_perfect:,}",
+                           f"{power.canaries_strongest:,}"]
+    assert power.perfect == pytest.approx(bound(200, eps, 1.0), abs=1e-5)
+    assert power.strongest == pytest.approx(bound(200, eps, strongest), abs=1e-5)
+    for n, rate in ((power.canaries_perfect, 1.0), (power.canaries_strongest, strongest)):
+        assert bound(n, eps, rate) >= eps / 2 > bound(n - 1, eps, rate), (n, rate)
