@@ -15,6 +15,12 @@ privacy_ledger and train_metrics. CONSTRUCTED here, and only these:
 * ``evaluation.json`` files in the format of the evaluation (see ``evaluation()`` below): static seed 0
   consistent, static seed 1 with an audit lower bound ABOVE its claimed epsilon (must show as a violation),
   the RLDP trial with null membership/extraction sections, static-pairwise without one.
+
+The wide study (``wide_study``): the study as a searched campaign names its arms (experiments/residual-rldp's
+deciding studies): a copy of it plus a fifth, REAL trial, clip-schedule with a searched schedule and learning rate
+(its results row carries the searched values as ``variant``, the label raydp.study.trial.Trial.variant writes), and
+the RLDP row marked as driven by a frozen policy with the schedule's learning rate as its variant. Its long arm
+labels are what a new user's page had to lay out.
 """
 
 from __future__ import annotations
@@ -40,13 +46,13 @@ MODEL = "embedded-tiny"
 
 
 # -- inputs -----------------------------------------------------------------------------------------
-def _train(out: Path, strategy: str, seed: int) -> dict:
+def _train(out: Path, strategy: str, seed: int, **more) -> dict:
     from raydp.config import TrainConfig
     from raydp.runner.run import run_training
 
     config = TrainConfig(model=MODEL, strategy=strategy, epsilon=2.0, seed=seed, data={"n_records": 400},
                          max_steps=4, eval_every=2, eval_max_records=16, public_eval_records=16, warmup_steps=2,
-                         cpus=1)
+                         cpus=1, **more)
     return run_training(config, out, progress=False)
 
 
@@ -159,6 +165,35 @@ def study(tmp_path_factory, raydp_cache) -> Path:
     return root
 
 
+#: a searched clip schedule and learning rate, as trials/tuned/schedule-search.json records them (rounded)
+SCHEDULE = {"clip": 0.014422366502531475, "clip_end": 0.0708851658645352, "depth_tilt": 1.8224239591076814}
+SEARCHED_LR = 0.009049911227773816
+
+
+@pytest.fixture(scope="module")
+def wide_study(study, tmp_path_factory) -> Path:
+    """The study with a campaign's long arm labels (see the module docstring)."""
+    from raydp.study.results import steps_to_target
+
+    root = tmp_path_factory.mktemp("wide") / "widestudy"
+    shutil.copytree(study, root)
+    name = f"clip-schedule_{MODEL}_eps2_seed0_clip0.0144-clipend0.0709-depthtilt1.82"
+    run = root / "trials" / name
+    _train(run, "clip-schedule", 0, settings=SCHEDULE, lr=SEARCHED_LR, lr_decay="cosine")
+    table = pd.read_parquet(root / "results.parquet")
+    table["run_dir"] = [str(root / "trials" / t) for t in table["trial"]]  # this copy's trials
+    table["variant"] = None
+    lr = f"lr={SEARCHED_LR:.4g}, lr_decay=cosine"
+    rldp = table["strategy"] == "rldp"
+    table.loc[rldp, "variant"], table.loc[rldp, "frozen_policy"] = lr, True
+    row = {**_row(name, run, "clip-schedule", 0), "selection_split": "public",
+           "variant": ", ".join(f"{k}={v:.4g}" for k, v in SCHEDULE.items()) + ", " + lr}
+    table = pd.concat([table, pd.DataFrame([row])], ignore_index=True)
+    table["steps_to_target"] = steps_to_target(table, "public")
+    table.to_parquet(root / "results.parquet")
+    return root
+
+
 # -- reading the page -------------------------------------------------------------------------------
 class Page(HTMLParser):
     """The page's ids, tables (id -> rows of cell texts and classes), figures and visible text."""
@@ -259,7 +294,7 @@ def study_page(study) -> tuple[Path, str]:
 def test_study_page_has_every_section_with_real_numbers(study, study_page):
     out, text = study_page
     _self_contained(text)
-    assert str(study.parent) not in text  # no absolute path of the machine that ran it (issue 31)
+    assert str(study.parent) not in text  # no absolute path of the machine that ran it
     for summary in study.glob("trials/*/summary.json"):
         assert str(study.parent) not in summary.read_text() and "/.cache/" not in summary.read_text()
     page = Page(text)
@@ -426,8 +461,8 @@ def _drawn_in_browser(text: str, ids: list[str], tmp_path: Path) -> dict:
 
 
 def test_the_page_renders_in_a_browser(study_page, tmp_path):
-    """The page as a browser shows it: a screenshot that is not blank, and issue 31's figures (ROC, the dials
-    with the privacy spent over steps, utility) laid out and drawn."""
+    """The page as a browser shows it: a screenshot that is not blank, and the figures (ROC, the dials with the
+    privacy spent over steps, utility) laid out and drawn."""
     figures, source = ("fig-utility", "fig-roc", "fig-dials-1", "fig-attacks"), Page(study_page[1])
     for fid, state in _drawn_in_browser(study_page[1], list(figures), tmp_path).items():
         # every curve, band and bar outline in the page's source is drawn by the browser
@@ -449,9 +484,11 @@ def test_the_page_renders_in_a_browser(study_page, tmp_path):
 
 
 def test_frontier_figure_and_privacy_spent_over_steps(study, tmp_path):
-    """Issue 31's figures: the frontier (a second epsilon added to a copy of the study) and, in each dials
-    figure, the epsilon spent over steps, which ends at the run's own RDP figure."""
+    """The frontier (a second epsilon added to a copy of the study) and, in each dials figure, the epsilon spent over
+    steps: the enforcing accountant's (PLD), which ends at the run's enforced figure, beside the RDP bound of the same
+    ledger, which ends at the run's own RDP figure."""
     from raydp.report import write_report
+    from raydp.report.curves import _enforced_over_steps
     from raydp.report.page import _epsilon_over_steps
 
     copy = tmp_path / "teststudy"
@@ -475,7 +512,46 @@ def test_frontier_figure_and_privacy_spent_over_steps(study, tmp_path):
     steps, spent = _epsilon_over_steps(ledger, {"delta": summary["privacy"]["delta"]})
     assert steps[-1] == len(ledger) and (np.diff(spent) >= 0).all()
     assert spent[-1] == pytest.approx(summary["privacy"]["epsilon_by_accountant"]["rdp"], rel=1e-3)
-    assert "privacy spent over steps: the RDP upper bound" in page.figures["fig-dials-1"]["caption"]
+    privacy = summary["privacy"]
+    assert privacy["enforcing_accountant"] == "pld"
+    steps, enforced = _enforced_over_steps(ledger, "pld", privacy["epsilon_target"], privacy["delta"])
+    assert steps[-1] == len(ledger) and (np.diff(enforced) >= 0).all()
+    assert enforced[-1] == pytest.approx(privacy["epsilon"], rel=1e-9)  # the run's guarantee, as its guard computed it
+    assert enforced[-1] <= privacy["epsilon_target"] < spent[-1]  # within budget; the RDP bound alone reads as over
+    caption = page.figures["fig-dials-1"]["caption"]
+    assert (f"privacy spent over steps: the enforcing accountant's (PLD) epsilon, {privacy['epsilon']:.3f} at the end"
+            in caption and f"the RDP upper bound of the same ledger, {spent[-1]:.3f}" in caption)
+
+
+def test_a_campaigns_page_names_arms_short_and_says_what_it_draws(wide_study):
+    """The wide study's page: short arm names in the legend and the tables, each arm's settings in the arms table;
+    the utility caption names the frozen-policy RLDP arm it draws; the clip schedule's dials say that its settings
+    are relative to each pair's public median norm (and what they are in absolute radii)."""
+    from raydp.report import write_report
+
+    text = write_report(wide_study).read_text()
+    page = Page(text)
+    schedule = next(row for row in page.rows("table-arms")[1:] if row[0] == "clip-schedule")
+    assert schedule[2] == "clip=0.01442, clip_end=0.07089, depth_tilt=1.822, lr=0.00905, lr_decay=cosine"
+    assert schedule[5].startswith("relative: clip and clip_end multiply r_i")
+    rldp = next(row for row in page.rows("table-arms")[1:] if row[1] == "rldp")
+    assert rldp[0] == "rldp T_RL=4 B_SAC=4 K=2 (frozen policy)" and rldp[2] == "lr=0.00905, lr_decay=cosine"
+    assert {row[2] for row in page.rows("table-seeds")[1:]} == {"static", "static-pairwise", "clip-schedule",
+                                                                  "rldp T_RL=4 B_SAC=4 K=2 (frozen policy)"}
+    legend = re.search(r'<figure id="fig-utility">.*?</figure>', text, re.S).group(0)
+    assert "clip-schedule</text>" in legend and "lr_decay" not in legend  # short names; settings stay out
+    caption = page.figures["fig-utility"]["caption"]
+    assert "No RLDP trials" not in caption and "frozen policy" in caption and "arms table" in caption
+
+    dials = next(f["caption"] for f in page.figures.values() if "· clip-schedule [clip=0.01442" in f["caption"])
+    summary = json.loads(next(wide_study.glob("trials/clip-schedule_*/summary.json")).read_text())
+    norms = summary["privacy"]["strategy"]["public_reference_norms"]
+    assert "clip and clip_end multiply r_i, each adapter pair's median per-sample gradient norm on public records" \
+        in dials and f"r_i here: {norms[0]:.4g}, {norms[1]:.4g}" in dials
+    ledger = pd.read_parquet(next(wide_study.glob("trials/clip-schedule_*/privacy_ledger.parquet")))
+    clips = np.stack(ledger["clip"].to_numpy())
+    assert f"clip radii (absolute) {clips.min():.4f} to {clips.max():.4f}" in dials
+    assert clips.max() < SCHEDULE["clip"]  # the radii are r_i times the settings, not the settings
 
 
 def test_the_audit_says_how_many_canaries_could_show_anything(study_page):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import math
 import re
+import textwrap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -93,6 +94,29 @@ def _plain_y(ax) -> None:
     ax.yaxis.set_major_formatter(formatter)
 
 
+#: the average advance of a DejaVu Sans character, in ems (digits and lower case; capitals are wider): how the
+#: figures estimate a text's width before matplotlib lays it out
+CHAR_EM = 0.62
+
+
+def _fit(text: str, width_in: float, fontsize: float) -> str:
+    """``text`` wrapped into lines that fit ``width_in`` inches at ``fontsize`` points (a title or a legend entry
+    wider than its room would be cut at the SVG's edge or run into its neighbour)."""
+    chars = max(8, int(width_in * 72 / (fontsize * CHAR_EM)))
+    return "\n".join(textwrap.wrap(text, chars, break_on_hyphens=False)) or text
+
+
+def _legend(fig: Figure, handles: list, labels: list[str], width_in: float, fontsize: float) -> None:
+    """A figure legend below the axes, inside the figure: as many columns as the longest entry allows across
+    ``width_in`` inches, wrapping to more rows (an entry longer than the whole width wraps onto lines of its own)."""
+    em = fontsize / 72
+    labels = [_fit(label, width_in - 5 * em, fontsize) for label in labels]
+    longest = max(max(len(line) for line in label.split("\n")) for label in labels)
+    entry = (longest * CHAR_EM + 2.0 + 0.8 + 2.0) * em  # text, handle, handle padding, column spacing
+    ncol = max(1, min(len(labels), int(width_in / entry)))
+    fig.legend(handles, labels, loc="outside lower center", ncol=ncol, frameon=False, fontsize=fontsize)
+
+
 # -- utility curves ---------------------------------------------------------------------------------
 @dataclass
 class Series:
@@ -129,7 +153,7 @@ def utility_figure(panels: list[Panel], ylabel: str, prefix: str) -> str:
                                 alpha=0.55 if s.thin else 1.0, linestyle="--" if s.dashed else "-",
                                 marker=None if s.thin or len(s.steps) > 12 else "o", markersize=3)
                 handles.setdefault(s.label, line)
-            ax.set_title(panel.title)
+            ax.set_title(_fit(panel.title, width * 0.85, STYLE["axes.titlesize"]))
             ax.set_xlabel("step")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_ylabel(ylabel)
@@ -137,33 +161,41 @@ def utility_figure(panels: list[Panel], ylabel: str, prefix: str) -> str:
         for ax in list(axes.flat)[len(panels):]:
             ax.set_visible(False)
         if handles:
-            fig.legend(list(handles.values()), list(handles), loc="outside lower center",
-                       ncol=min(4, len(handles)), frameon=False)
+            _legend(fig, list(handles.values()), list(handles), width * ncols, STYLE["legend.fontsize"])
         return to_svg(fig, prefix)
 
 
 # -- dials ------------------------------------------------------------------------------------------
+@dataclass
+class Spent:
+    """The privacy spent over steps: ``epsilon`` after ``steps`` steps as ``label`` counts it (the run's enforcing
+    accountant), with the RDP upper bound of the same ledger beside it (``bound``: steps, epsilon; dashed), the
+    run's target and a Renyi filter's guarantee fixed before training (horizontal lines)."""
+
+    steps: np.ndarray
+    epsilon: np.ndarray
+    label: str
+    bound: tuple[np.ndarray, np.ndarray] | None = None
+    target: float | None = None
+    guarantee: float | None = None
+
+
 def dials_figure(title: str, steps: np.ndarray, clips: np.ndarray, sigma_eff: np.ndarray,
-                 decision_steps: Sequence[int] | None, prefix: str,
-                 epsilon: tuple[np.ndarray, np.ndarray] | None = None) -> str:
-    """Clip radii per adapter pair (log y, left), the effective noise multiplier (middle) and, given
-    ``epsilon`` (steps, epsilon spent), the privacy spent (right) over steps.
+                 decision_steps: Sequence[int] | None, prefix: str, spent: Spent | None = None) -> str:
+    """Clip radii per adapter pair (log y, left), the effective noise multiplier (middle) and, given ``spent``, the
+    privacy spent (right) over steps; ``title`` (the run) above the three panels.
 
     ``clips``: steps x radii (one column per adapter pair, or one for a flat clip). ``decision_steps``:
     the controller's decision steps (RLDP), drawn as a rug under the sigma curve."""
     with matplotlib.rc_context(STYLE):
-        fig = _figure(13.5 if epsilon is not None else 10.0, 2.9)
-        axes = fig.subplots(1, 3 if epsilon is not None else 2,
-                            width_ratios=[1.35, 1, 1] if epsilon is not None else [1.35, 1])
+        width = 13.5 if spent is not None else 10.0
+        fig = _figure(width, 3.2)
+        ratios = [1.35, 1, 1] if spent is not None else [1.35, 1]
+        axes = fig.subplots(1, len(ratios), width_ratios=ratios)
+        fig.suptitle(_fit(title, width * 0.95, 10), fontsize=10)
         left, right = axes[0], axes[1]
-        if epsilon is not None:
-            ax = axes[2]
-            ax.plot(epsilon[0], epsilon[1], color="#2ca02c", linewidth=1.5)
-            ax.set_xlabel("step")
-            ax.set_ylabel("epsilon spent (RDP bound)")
-            ax.set_title("privacy spent")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            _plain_y(ax)
+        if spent is not None:
+            _spent_panel(axes[2], spent)
         n = clips.shape[1]
         if n == 1:
             left.plot(steps, clips[:, 0], color="#1f77b4", linewidth=1.5, label="flat clip")
@@ -182,7 +214,7 @@ def dials_figure(title: str, steps: np.ndarray, clips: np.ndarray, sigma_eff: np
                 left.set_ylim(0, 2 * finite.max())
         left.set_xlabel("step")
         left.set_ylabel("clip radius (log)" if log else "clip radius")
-        left.set_title(f"{title}: clip radii" + ("" if n == 1 else f" ({n} adapter pairs)"))
+        left.set_title("clip radii" + ("" if n == 1 else f" ({n} adapter pairs)"))
         if n <= 8:
             left.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, fontsize=7.5)
         right.plot(steps, sigma_eff, color="#d62728", linewidth=1.5, label="sigma_eff")
@@ -198,6 +230,29 @@ def dials_figure(title: str, steps: np.ndarray, clips: np.ndarray, sigma_eff: np
                        markersize=8, color="#555555", label="controller decision")
             right.legend(loc="best", frameon=False, fontsize=7.5)
         return to_svg(fig, prefix)
+
+
+def _spent_panel(ax, spent: Spent) -> None:
+    ax.plot(spent.steps, spent.epsilon, color="#2ca02c", linewidth=1.6, label=spent.label)
+    tops = [float(np.nanmax(spent.epsilon))] if len(spent.epsilon) else [0.0]
+    if spent.bound is not None and len(spent.bound[1]):
+        ax.plot(spent.bound[0], spent.bound[1], color="#7f7f7f", linewidth=1.1, linestyle="--",
+                label="RDP upper bound (looser)")
+        tops.append(float(np.nanmax(spent.bound[1])))
+    if spent.guarantee is not None and math.isfinite(spent.guarantee):
+        ax.axhline(spent.guarantee, color="#2ca02c", linewidth=1.0, linestyle=":", label="filter's guarantee")
+        tops.append(spent.guarantee)
+    if spent.target is not None and math.isfinite(spent.target):
+        ax.axhline(spent.target, color="#d62728", linewidth=1.0, linestyle=":", label=f"target ε = {spent.target:g}")
+        tops.append(spent.target)
+    top = max(t for t in tops if math.isfinite(t)) if any(math.isfinite(t) for t in tops) else 1.0
+    ax.set_ylim(0, 1.12 * top if top > 0 else 1.0)
+    ax.set_xlabel("step")
+    ax.set_ylabel("epsilon spent")
+    ax.set_title("privacy spent")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    _plain_y(ax)
+    ax.legend(loc="lower right", frameon=False, fontsize=7)
 
 
 # -- privacy ----------------------------------------------------------------------------------------

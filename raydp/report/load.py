@@ -4,6 +4,7 @@ lazily and never changed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from raydp.data.identity import identity_of
 from raydp.errors import ConfigError
 from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
 from raydp.report.markup import _missing
-from raydp.study.arms import arms
+from raydp.study.arms import Arm, arms
 from raydp.study.report import _final_column, column_split, load_results, metric_label
 from raydp.study.results import CONTROLLERS, METRIC_COLUMNS
 from raydp.study.trial import Trial
@@ -89,6 +90,25 @@ class Report:
             path = d / EVALUATION_FILE
             return json.loads(path.read_text()) if path.exists() else None
         return self._load(row, "evaluation", read)
+
+    def run_summary(self, row) -> dict | None:
+        """The trial's own summary.json (its privacy block: the enforcing accountant, a Renyi filter's orders, the
+        strategy's resolved settings and public reference norms)."""
+        def read(d: Path):
+            path = d / "summary.json"
+            return json.loads(path.read_text()) if path.exists() else None
+        return self._load(row, "summary", read)
+
+    @property
+    def short_of(self) -> dict[str, str]:
+        """Every arm label of the page (with and without its SAC cell) -> its short name (:func:`short_names`)."""
+        if "short_of" not in self.cache:
+            self.cache["short_of"] = short_names(self.results)
+        return self.cache["short_of"]
+
+    def short(self, label) -> str:
+        """The short name of an arm label (the label itself when it is not one of the study's arms)."""
+        return self.short_of.get(str(label), str(label))
 
 
 def _parquet(path: Path, columns: list[str] | None = None) -> pd.DataFrame | None:
@@ -174,6 +194,33 @@ def _single_run(root: Path) -> Report:
     note = ("single run: curves and tables use the public validation split (E15)" if public else
             "single run without public validation figures: the private eval split is shown, unprotected (E15)")
     return Report("run", root.name, root, _with_arms(results), {}, column, _eval_column(column), note)
+
+
+def short_names(results: pd.DataFrame) -> dict[str, str]:
+    """A short name per arm, for legends, panel titles and tables: its label (:class:`raydp.study.arms.Arm`) without
+    the settings in brackets (a searched, grid or tuned variant, often longer than a legend or a title has room for);
+    arms of one strategy that differ only in those settings are told apart by ``v1``, ``v2``... in order of
+    appearance. Maps both labels of each arm (with and without its SAC cell) to the matching short name; the
+    overview's arms table gives each short name its settings."""
+    out: dict[str, str] = {}
+    variants: dict[str, list] = {}
+    rows = [Arm.from_row(row) for row in results.to_dict("records")]
+    for arm in rows:  # the distinct settings behind each short name, in order of appearance
+        base = dataclasses.replace(arm, variant=None).label(cell=False)
+        seen = variants.setdefault(base, [])
+        if arm.variant not in seen:
+            seen.append(arm.variant)
+    for arm in rows:
+        base = dataclasses.replace(arm, variant=None)
+        seen = variants[base.label(cell=False)]
+        suffix = f" v{seen.index(arm.variant) + 1}" if len(seen) > 1 else ""
+        for cell in (False, True):
+            short = base.label(cell=cell)
+            if suffix:  # after the strategy's name: 'static-pairwise v2', 'rldp v2 T_RL=4 B_SAC=4 K=2'
+                head, _, tail = short.partition(" ")
+                short = f"{head}{suffix}" + (f" {tail}" if tail else "")
+            out[arm.label(cell=cell)] = short
+    return out
 
 
 def _with_arms(results: pd.DataFrame) -> pd.DataFrame:

@@ -3,20 +3,23 @@
 The page has no script, no stylesheet link and no external URL: CSS is inline and every figure is an
 inline SVG drawn by matplotlib (:mod:`raydp.report.figures`). Sections (ids in brackets; a test finds them):
 
-1. overview [``table-overview``]: name, trials and statuses, dataset identity, privacy units, labels and
-   the selection note (ERRATA E15).
+1. overview [``table-overview``, ``table-arms``]: name, trials and statuses, dataset identity, privacy units,
+   labels and the selection note (ERRATA E15); the arms: the short name every figure and table gives an arm, and
+   the settings it leaves out.
 2. utility curves [``fig-utility``]: RLDP paper Fig. 1-4 analogues; per (model, epsilon) the selection
    split's perplexity over steps, mean over seeds with a min-max band per strategy.
 3. dials [``fig-dials-N``]: Fig. 5-8 analogues; per (model, epsilon, strategy), first seed: clip radius
-   per adapter pair and sigma_eff from the privacy ledger (at most :data:`raydp.report.curves.MAX_DIALS` figures).
+   per adapter pair and sigma_eff from the privacy ledger, and the privacy spent over steps as the run's enforcing
+   accountant counts it (at most :data:`raydp.report.curves.MAX_DIALS` figures).
 4. tables [``table-seeds``, ``table2``, ``table3``]: final perplexity mean +- std over seeds, and the
    paper's Table 2 / Table 3 analogues (:func:`raydp.study.report.table2` / ``table3``).
 5. privacy [``table-privacy``, ``table-tuning``, ``fig-tuning-N``]: every accountant's epsilon per trial,
    the tuning-aware epsilon per dataset (ERRATA E7/E14), the PBT population's figure.
 6. attacks [``table-membership``, ``table-extraction``, ``fig-attacks``]: Tables 4-9 analogues from each
    trial's ``evaluation.json`` (computed from private records: not a DP release).
-7. audit [``table-audit``, ``fig-audit``]: claimed epsilon beside the empirical lower bounds; a lower
-   bound above the claim is a bug and is shown as "VIOLATION: bug".
+7. audit [``table-audit``, ``fig-audit``, ``table-audit-power``]: claimed epsilon beside the empirical lower
+   bounds; a lower bound above the claim is a bug and is shown as "VIOLATION: bug"; what an audit of as many
+   canaries could show at that epsilon at best, and how many canaries it would need to show half of it.
 
 Inputs are read, never changed; the page is written atomically (temp file + rename).
 

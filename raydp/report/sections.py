@@ -3,6 +3,7 @@ accountant, the tuning-aware epsilon, PBT, a non-private phase 1) and the attack
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import numpy as np
@@ -13,11 +14,13 @@ from raydp.evaluation.base import Column
 from raydp.evaluation.registry import ATTACKS
 from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
 from raydp.report import figures
-from raydp.report.curves import _frontier
+from raydp.report.curves import _clip_basis, _frontier
 from raydp.report.load import Report, _dig, _evaluated, _groups, _missing_evaluation_note
 from raydp.report.markup import (Cell, _e, _eps, _missing, _section, figure, how, mean_std, num, para, pm_cell, table,
                                  trial_cell)
+from raydp.study.arms import Arm
 from raydp.study.report import VERDICT_ALPHA, gates, headroom, table2, table3, verdicts
+from raydp.study.results import CONTROLLERS
 
 PRIVATE_SPLIT_WARNING = "private eval split: unprotected (ERRATA E15): these perplexities are not a DP release"
 ATTACK_LABEL_FALLBACK = ("attack and audit metrics are computed from private records: not a DP release, "
@@ -50,7 +53,8 @@ def overview(r: Report) -> str:
                      f"{float(r.summary['wall_seconds']):.0f} s"))
     body = [how("what was run: one row per setting. Every figure and table below uses the selection split named "
                 "here; the private eval split is never a DP release (ERRATA E15)."),
-            table("table-overview", ["", ""], [(Cell(k, "key"), v) for k, v in rows])]
+            table("table-overview", ["", ""], [(Cell(k, "key"), v) for k, v in rows]),
+            _arms_table(r)]
     if not r.public:
         body.append(para(PRIVATE_SPLIT_WARNING, "warn"))
     labels = _labels(res)
@@ -59,6 +63,42 @@ def overview(r: Report) -> str:
     if "description" in r.summary:
         body.insert(0, para(str(r.summary["description"])))
     return _section("sec-overview", "Overview", "\n".join(body))
+
+
+def _arms_table(r: Report) -> str:
+    """The key to the short arm names of the figures and tables: per arm, its strategy, the settings its short name
+    leaves out (a searched, grid or tuned variant), a controller's SAC cell and policy, its trials, and what its clip
+    settings are relative to (from its first trial's summary.json)."""
+    res, rows = r.results, []
+    for arm in dict.fromkeys(res["arm"]):
+        g = res[res["arm"] == arm]
+        first = g.iloc[0]
+        parts = Arm.from_row(first)
+        cell = dataclasses.replace(parts, variant=None).label().partition(" ")[2]  # 'T_RL=4 ... (frozen policy)'
+        rows.append([Cell(r.short(arm), "arm", title=arm), parts.strategy,
+                     Cell(parts.variant or "—", "settings"), Cell(cell or "—"), Cell(str(len(g)), "num"),
+                     Cell(_clip_basis(r.run_summary(first)) or "—")])
+    return table("table-arms", ["arm", "strategy", "settings (left out of the arm's name)", "SAC cell, policy",
+                                "trials", "clip settings"], rows,
+                 caption="arms: the short name figures and tables give each arm, and its settings")
+
+
+def _arm_cell(r: Report, arm) -> Cell:
+    """An arm's cell: its short name, the full label as the cell's tooltip (the arms table has its settings)."""
+    short = r.short(arm)
+    return Cell(short, "arm", title=None if short == str(arm) else str(arm))
+
+
+def _cell_text(r: Report, text) -> str:
+    """Table 2's RLDP cell ('T_RL=4 B_SAC=4 K=2 [lr=0.009]') with its settings as the arm's short name gives them."""
+    cell, sep, variant = str(text).partition(" [")
+    if not sep:
+        return cell
+    for strategy in CONTROLLERS:
+        label = f"{strategy} [{variant}"
+        if r.short(label) != label:
+            return f"{cell} {r.short(label).partition(' ')[2]}".strip()
+    return str(text)
 
 
 def _labels(res: pd.DataFrame) -> list[str]:
@@ -77,7 +117,7 @@ def tables(r: Report) -> str:
             g = group[group["arm"] == arm]
             finished = g[g[r.column].notna()] if r.column in g else g.iloc[0:0]
             stt = g["steps_to_target"].dropna() if "steps_to_target" in g else pd.Series(dtype=float)
-            row = [model, _eps(eps), Cell(arm, "arm"), Cell(f"{len(finished)}/{len(g)}", "num"),
+            row = [model, _eps(eps), _arm_cell(r, arm), Cell(f"{len(finished)}/{len(g)}", "num"),
                    pm_cell(g.get(r.column, []), 4),
                    pm_cell(g.get(r.column.replace("final", "best"), []), 4),
                    pm_cell(g.get(r.column.replace("final", "initial"), []), 4),
@@ -105,7 +145,7 @@ def tables(r: Report) -> str:
                 "private eval", "private recovered", "private sd from non-private"]
         body.append(table("table-headroom", cols, [
             [rec["model"], _eps(rec["epsilon"]) if rec["epsilon"] != float("inf") else "∞ (non-private)",
-             Cell(rec["arm"], "arm"), Cell(str(rec["seeds"]), "num"),
+             _arm_cell(r, rec["arm"]), Cell(str(rec["seeds"]), "num"),
              Cell(f"{num(rec['public_mean'], 3)} ± {num(rec['public_sd'], 3)}", "num"),
              Cell(num(rec["public_recovered"], 3), "num"), Cell(num(rec["public_sd_from_nonprivate"], 1), "num"),
              Cell(f"{num(rec['eval_mean'], 3)} ± {num(rec['eval_sd'], 3)}", "num private"),
@@ -122,10 +162,12 @@ def tables(r: Report) -> str:
                 ("best_baseline", "best baseline", str), ("baseline_final", "baseline", lambda x: num(x, 4)),
                 ("change_pct", "change", lambda x: "n/a" if _missing(x) else f"{x:+.1f}%")]
         cols = [c for c in cols if c[0] in t2]
+        shorten = {"rldp_cell": lambda cell: _cell_text(r, cell), "best_baseline": r.short}
         body.append(table("table2", [c[1] for c in cols],
                           [[Cell(f(rec[k]) if not _missing(rec[k]) else "n/a",
-                                 "num" if k.endswith(("final", "pct")) else None) for k, _, f in cols]
-                           for rec in t2.to_dict("records")],
+                                 "num" if k.endswith(("final", "pct")) else None) if k not in shorten else
+                            Cell(shorten[k](rec[k]), "arm", title=str(rec[k])) if not _missing(rec[k]) else "n/a"
+                            for k, _, f in cols] for rec in t2.to_dict("records")],
                           caption=f"final {split} {r.metric}, mean over seeds"))
     else:
         body.append(para(f"Table 2: no DP trials with a final {r.metric}", "missing"))
@@ -136,9 +178,9 @@ def tables(r: Report) -> str:
                         f"{VERDICT_ALPHA:g}): wins or loses when the difference is significant, ties otherwise."))
         body.append(table("table-verdicts", ["model", "ε", "RLDP arm", "RLDP", "best baseline", "baseline",
                                              "change", "p", "seeds (RLDP/baseline)", "verdict"],
-                          [[rec["model"], _eps(rec["epsilon"]), Cell(rec["rldp_arm"], "arm"),
+                          [[rec["model"], _eps(rec["epsilon"]), _arm_cell(r, rec["rldp_arm"]),
                             Cell(f"{num(rec['rldp_mean'], 4)} ± {num(rec['rldp_sd'], 4)}", "num"),
-                            Cell(rec["best_baseline"], "arm"),
+                            _arm_cell(r, rec["best_baseline"]),
                             Cell(f"{num(rec['baseline_mean'], 4)} ± {num(rec['baseline_sd'], 4)}", "num"),
                             Cell(f"{rec['change_pct']:+.2f}%", "num"),
                             Cell("n/a" if rec["p_value"] is None else f"{rec['p_value']:.3g}", "num"),
@@ -291,7 +333,7 @@ def attacks(r: Report) -> str:
         for key in keys:
             evs = [ev for ev in groups[key] if any(isinstance(ev.get(k), dict) for k in t.keys)]
             if evs:
-                rows.append([key[0], _eps(key[1]), Cell(key[2], "arm"), Cell(str(len(evs)), "num"),
+                rows.append([key[0], _eps(key[1]), _arm_cell(r, key[2]), Cell(str(len(evs)), "num"),
                              *(cell(evs, c) for c in t.columns)])
         body.append(table(t.id, ["model", "ε", "strategy", "trials", *(c.header for c in t.columns)], rows,
                           caption=t.caption(evaluations)) if rows else para(t.missing, "missing"))
@@ -301,7 +343,8 @@ def attacks(r: Report) -> str:
         if with_m:
             vals = lambda *p: [v for v in (_dig(ev, *p) for ev in with_m) if not _missing(v)]  # noqa: E731
             la, ca = vals("membership", "loss", "auc"), vals("membership", "calibrated", "auc")
-            auc.append((f"ε={_eps(key[1])} · {key[2]}" + (f" · {key[0]}" if len({k[0] for k in keys}) > 1 else ""),
+            models = f" · {key[0]}" if len({k[0] for k in keys}) > 1 else ""
+            auc.append((f"ε={_eps(key[1])} · {r.short(key[2])}{models}",
                         float(np.mean(la)) if la else np.nan, float(np.std(la, ddof=1)) if len(la) > 1 else np.nan,
                         float(np.mean(ca)) if ca else np.nan, float(np.std(ca, ddof=1)) if len(ca) > 1 else np.nan))
     if auc:
@@ -313,7 +356,7 @@ def attacks(r: Report) -> str:
         ev = next((ev for ev in groups[key] if isinstance(_dig(ev, "membership", "loss", "roc"), dict)), None)
         if ev is not None:
             curve = ev["membership"]["loss"]["roc"]
-            roc.append((f"ε={_eps(key[1])} · {key[2]}", curve["fpr"], curve["tpr"]))
+            roc.append((f"ε={_eps(key[1])} · {r.short(key[2])}", curve["fpr"], curve["tpr"]))
     if roc:
         floor = min(float(_dig(ev, "membership", "fpr_resolution") or 1e-3) for _, ev in evaluated
                     if isinstance(ev.get("membership"), dict))
