@@ -443,21 +443,73 @@ window.addEventListener('load', () => {
 </script>"""
 
 
-def _drawn_in_browser(text: str, ids: list[str], tmp_path: Path) -> dict:
-    """Each figure's layout and drawn paths as headless Chromium renders the page (skips without Chromium)."""
+def _in_browser(text: str, script: str, tmp_path: Path, width: int = 1400) -> dict:
+    """What ``script`` measured in a COPY of the page as headless Chromium lays it out at ``width`` px (the page
+    itself has no script): the script writes JSON into ``<pre id="browser-check">``, read back from the DOM
+    Chromium dumps. Skips without Chromium."""
     chromium = _chromium()
     if chromium is None:
-        pytest.skip("chromium is not installed: the figures were not checked in a browser")
+        pytest.skip("chromium is not installed: the page was not checked in a browser")
     page = tmp_path / "checked.html"
-    page.write_text(text.replace("</body>", BROWSER_CHECK % json.dumps(ids) + "</body>"))
+    page.write_text(text.replace("</body>", script + "</body>"))
     dom = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
                           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                          f"--user-data-dir={tmp_path / 'dom-profile'}", "--window-size=1400,4000",
-                          "--virtual-time-budget=5000", "--dump-dom", page.resolve().as_uri()],
-                         timeout=60, capture_output=True, text=True, check=False).stdout
+                          "--hide-scrollbars", f"--user-data-dir={tmp_path / 'dom-profile'}",
+                          f"--window-size={width},4000", "--virtual-time-budget=5000", "--dump-dom",
+                          page.resolve().as_uri()],
+                         timeout=120, capture_output=True, text=True, check=False).stdout
     found = re.search(r'<pre id="browser-check">(.*?)</pre>', dom, re.S)
     assert found, "the browser did not run the page's check"
     return json.loads(html.unescape(found.group(1)))
+
+
+def _drawn_in_browser(text: str, ids: list[str], tmp_path: Path) -> dict:
+    """Each figure's layout and drawn paths as headless Chromium renders the page (skips without Chromium)."""
+    return _in_browser(text, BROWSER_CHECK % json.dumps(ids), tmp_path)
+
+
+#: run in the browser after the page loads: per figure, the boxes (left, top, right, bottom in CSS px) of its SVG,
+#: of every legend entry's text (matplotlib's legend groups, a figure's or an axes') and of every panel title (a
+#: text of an axes group itself, not of its axis, legend or lines, that lies above the axes' plotting area:
+#: matplotlib draws the title there), and every other text of it (tick labels, axis labels, a figure's title);
+#: per table, its box and the width of the box it sits in; the page's width
+GEOMETRY_CHECK = """<script>
+window.addEventListener('load', () => {
+  const box = e => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+  const out = {page: document.documentElement.clientWidth, figures: {}, tables: {}};
+  for (const fig of document.querySelectorAll('figure')) {
+    const svg = fig.querySelector('svg');
+    if (!svg) continue;
+    const titles = [];
+    for (const axes of svg.querySelectorAll('g[id*="-axes_"]')) {
+      const patch = axes.querySelector(':scope > g[id*="-patch_"]');
+      if (!patch) continue;
+      const top = patch.getBoundingClientRect().top;
+      for (const t of axes.querySelectorAll(':scope > g[id*="-text_"] text')) {
+        const b = box(t);
+        if (t.textContent.trim() && b[3] <= top + 1) titles.push({text: t.textContent, box: b});
+      }
+    }
+    out.figures[fig.id] = {svg: box(svg), titles,
+      legend: [...svg.querySelectorAll('g[id*="-legend_"] text')].map(t => ({text: t.textContent, box: box(t)})),
+      texts: [...svg.querySelectorAll('text')].map(t => ({text: t.textContent, box: box(t)}))};
+  }
+  for (const table of document.querySelectorAll('table')) {
+    out.tables[table.id || table.parentElement.id] = {box: box(table), container: table.parentElement.clientWidth};
+  }
+  const pre = document.createElement('pre'); pre.id = 'browser-check'; pre.textContent = JSON.stringify(out);
+  document.body.appendChild(pre);
+});
+</script>"""
+
+
+def _inside(inner: list[float], outer: list[float], slack: float = 1.0) -> bool:
+    return (inner[0] >= outer[0] - slack and inner[1] >= outer[1] - slack and inner[2] <= outer[2] + slack
+            and inner[3] <= outer[3] + slack)
+
+
+def _overlap(a: list[float], b: list[float], slack: float = 1.0) -> bool:
+    return min(a[2], b[2]) - max(a[0], b[0]) > slack and min(a[3], b[3]) - max(a[1], b[1]) > slack
 
 
 def test_the_page_renders_in_a_browser(study_page, tmp_path):
@@ -521,6 +573,32 @@ def test_frontier_figure_and_privacy_spent_over_steps(study, tmp_path):
     caption = page.figures["fig-dials-1"]["caption"]
     assert (f"privacy spent over steps: the enforcing accountant's (PLD) epsilon, {privacy['epsilon']:.3f} at the end"
             in caption and f"the RDP upper bound of the same ledger, {spent[-1]:.3f}" in caption)
+
+
+def test_legends_titles_and_tables_fit_at_1280_px(wide_study, tmp_path):
+    """The page of a campaign with long arm labels as a new user's browser lays it out at 1,280 px: every legend
+    entry lies inside its figure's SVG (an entry outside it is cut off), no two panel titles of a figure overlap and
+    none leaves its SVG (nor any other text of a figure), and no table is wider than the box it sits in or the page
+    (it would scroll, and print cut)."""
+    from raydp.report import write_report
+
+    text = write_report(wide_study).read_text()
+    found = _in_browser(text, GEOMETRY_CHECK, tmp_path, width=1280)
+    page, figures, tables = found["page"], found["figures"], found["tables"]
+    assert 1200 <= page <= 1280 and {"fig-utility", "fig-dials-1", "fig-audit"} <= set(figures), found
+    assert len(figures["fig-utility"]["legend"]) >= 4  # static, static-pairwise, rldp, clip-schedule
+    cut, titled = [], 0
+    for fid, f in figures.items():
+        cut += [(fid, "legend", e["text"], e["box"], f["svg"]) for e in f["legend"] if not _inside(e["box"], f["svg"])]
+        cut += [(fid, "title", t["text"], t["box"], f["svg"]) for t in f["titles"] if not _inside(t["box"], f["svg"])]
+        cut += [(fid, "titles overlap", a["text"], b["text"]) for i, a in enumerate(f["titles"])
+                for b in f["titles"][i + 1:] if _overlap(a["box"], b["box"])]
+        cut += [(fid, "text", t["text"], t["box"], f["svg"]) for t in f["texts"] if not _inside(t["box"], f["svg"])]
+        titled += bool(f["titles"])
+    assert titled == len(figures), {fid: f["titles"] for fid, f in figures.items()}  # every figure's titles found
+    assert not cut, cut
+    wide = {tid: t for tid, t in tables.items() if t["box"][2] - t["box"][0] > t["container"] + 1 or t["box"][2] > page}
+    assert len(tables) >= 9 and not wide, (page, wide)
 
 
 def test_a_campaigns_page_names_arms_short_and_says_what_it_draws(wide_study):
