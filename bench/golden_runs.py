@@ -197,7 +197,8 @@ class Part:
     within: bool = True
     max_abs: float = 0.0
     differing: list[str] = field(default_factory=list)  # tensors, columns or keys that are not exactly equal
-    note: str = ""  # what was compared, or why it could not be
+    total: int = 0  # tensors, columns or keys compared
+    note: str = ""  # what was compared
 
     def add(self, item: str, tally: Tally) -> None:
         if not tally.exact:
@@ -212,18 +213,19 @@ class Part:
         self.max_abs = math.inf
 
 
-def compare_adapter(a: Path, b: Path, margin: float) -> Part:
+def compare_adapter(a: Path, b: Path, margin: float) -> list[Part]:
+    """The adapter's tensors (``torch.equal``; NaN equal to NaN) and its adapter_config.json."""
     import torch
     from safetensors.torch import load_file
 
-    part = Part("tensors")
+    part, config = Part("tensors"), Part("adapter_config")
     files = [run / ADAPTER_TENSORS for run in (a, b)]
     if not all(f.is_file() for f in files):
         part.missing("adapter missing")
-        return part
+        return [part]
     ta, tb = (load_file(str(f)) for f in files)
     for name in sorted(set(ta) | set(tb)):
-        short = name.removeprefix("base_model.model.")
+        short = name.removeprefix("base_model.model.").removeprefix("transformer.")
         if name not in ta or name not in tb or ta[name].shape != tb[name].shape or ta[name].dtype != tb[name].dtype:
             part.missing(f"{short} (only one side, or shape/dtype)")
             continue
@@ -239,15 +241,21 @@ def compare_adapter(a: Path, b: Path, margin: float) -> Part:
                 bound = margin * torch.maximum(x64.abs(), y64.abs()).clamp_min(1.0)
                 tally.within = bool((diff <= bound).all())
         part.add(short, tally)
-    configs = [run / ADAPTER_CONFIG for run in (a, b)]
-    if all(f.is_file() for f in configs):
-        tally = Tally(0.0)
-        walk(*(json.loads(f.read_text()) for f in configs), tally)
-        part.add("adapter_config.json", tally)
+    part.total, part.note = len(set(ta) | set(tb)), f"{len(ta)} tensors"
+    files = [run / ADAPTER_CONFIG for run in (a, b)]
+    if all(f.is_file() for f in files):
+        values = [json.loads(f.read_text()) for f in files]
+        for key in sorted(set(values[0]) | set(values[1])):
+            tally = Tally(0.0)  # settings, not floats computed: exact
+            if key in values[0] and key in values[1]:
+                walk(values[0][key], values[1][key], tally)
+            else:
+                tally.mismatch()
+            config.add(key, tally)
+        config.total = len(set(values[0]) | set(values[1]))
     else:
-        part.missing("adapter_config.json missing")
-    part.note = f"{len(ta)} tensors"
-    return part
+        config.missing("adapter_config.json missing")
+    return [part, config]
 
 
 def compare_table(name: str, a: Path, b: Path, margin: float, excluded=()) -> Part | None:
@@ -277,7 +285,7 @@ def compare_table(name: str, a: Path, b: Path, margin: float, excluded=()) -> Pa
             if before and not tally.exact:
                 first = row
         part.add(column if first is None else f"{column} (from row {first})", tally)
-    part.note = f"{len(da)} rows x {len(columns)} columns"
+    part.total, part.note = len(columns), f"{len(da)} rows x {len(columns)} columns"
     return part
 
 
@@ -299,12 +307,12 @@ def compare_summary(a: Path, b: Path, margin: float) -> Part:
         tally = Tally(margin)
         walk(sa[key], sb[key], tally)
         part.add(key, tally)
-    part.note = f"{len(sa)} fields"
+    part.total, part.note = len(set(sa) | set(sb)), f"{len(sa)} fields"
     return part
 
 
 def compare_runs(a: Path, b: Path, margin: float) -> list[Part]:
-    parts = [compare_adapter(a, b, margin)]
+    parts = compare_adapter(a, b, margin)
     ledger = compare_table(LEDGER, a, b, margin)
     parts.append(ledger if ledger is not None else Part("ledger", note="none in either (non-private)"))
     parts[-1].name = "ledger"
@@ -316,14 +324,14 @@ def compare_runs(a: Path, b: Path, margin: float) -> list[Part]:
     return parts
 
 
-def listed(items: list[str], most: int = 4) -> str:
-    return ", ".join(items[:most]) + (f" (+{len(items) - most} more)" if len(items) > most else "")
+def listed(items: list[str], most: int = 3) -> str:
+    return ", ".join(items[:most]) + (f", +{len(items) - most} more" if len(items) > most else "")
 
 
 def verdict(parts: list[Part], margin: float) -> tuple[str, str]:
     """("identical" | "within margin" | "differs", the line's detail)."""
     if all(p.exact for p in parts):
-        tables = [p for p in parts if p.name not in ("tensors", "ledger", "summary")]
+        tables = [p for p in parts if p.name not in ("tensors", "adapter_config", "ledger", "summary")]
         by = {p.name: p for p in parts}
         return "identical", (f"{by['tensors'].note} and adapter_config bit for bit; ledger {by['ledger'].note}; "
                              f"{len(tables)} other tables; summary {by['summary'].note}")
@@ -331,10 +339,11 @@ def verdict(parts: list[Part], margin: float) -> tuple[str, str]:
     for p in parts:
         if p.exact:
             continue
-        size = "" if p.max_abs in (0.0, math.inf) else f", max abs diff {p.max_abs:.3g}"
-        label = {"tensors": "tensors", "ledger": "ledger columns", "summary": "summary keys"}.get(
-            p.name, f"{p.name} columns")
-        shown.append(f"{label} {listed(p.differing)}{size}")
+        size = "" if p.max_abs in (0.0, math.inf) else f"; max abs diff {p.max_abs:.3g}"
+        label = {"tensors": "tensors", "adapter_config": "adapter_config.json keys", "ledger": "ledger columns",
+                 "summary": "summary keys"}.get(p.name, f"{p.name} columns")
+        count = f" {len(p.differing)} of {p.total}" if p.total else ""
+        shown.append(f"{label}{count} ({listed(p.differing)}{size})")
     status = "within margin" if margin > 0 and all(p.within for p in parts) else "differs"
     return status, "; ".join(shown)
 
@@ -423,7 +432,9 @@ def main(argv=None) -> int:
     key.chmod(0o600)
     trees = {"this": ROOT, "other": other}
     margin = f", margin {args.margin:g}" if args.margin else ", bit for bit"
-    print(f"golden runs: {len(configs)} configs from {args.configs}, torch threads {THREADS}{margin}, work {work}")
+    plural = "s" if len(configs) != 1 else ""
+    print(f"golden runs: {len(configs)} config{plural} from {args.configs}, torch threads {THREADS}{margin}, "
+          f"work {work}")
     print(f"  this:  {ROOT} ({describe(ROOT)})")
     print(f"  other: {other} ({describe(other)})", flush=True)
     started = time.perf_counter()

@@ -158,8 +158,8 @@ def test_a_difference_names_the_tensors_ledger_columns_and_summary_keys(golden, 
                                                                         "privacy": {"sigma_0": 0.5, "labels": ["x"]}})
     status, detail = golden.verdict(golden.compare_runs(a, b, 0.0), 0.0)
     assert status == "differs"
-    assert "tensors h.0.lora_A.weight" in detail and "max abs diff 4.77e-06" in detail  # 5e-6 in float32
-    assert "ledger columns sigma_eff (from row 1)" in detail
+    assert "tensors 1 of 2 (h.0.lora_A.weight; max abs diff 4.77e-06)" in detail  # 5e-6 in float32
+    assert "ledger columns 1 of 4 (sigma_eff (from row 1); max abs diff 0.1)" in detail
     assert "final_public_value_nll" in detail and "privacy.labels" in detail and "privacy.sigma_0" not in detail
 
 
@@ -177,4 +177,4 @@ def test_a_file_on_one_side_only_differs(golden, tmp_path):
     b = _fake_run(tmp_path / "b")
     (b / "privacy_ledger.parquet").unlink()
     status, detail = golden.verdict(golden.compare_runs(a, b, 0.0), 0.0)
-    assert status == "differs" and "ledger columns only in this run" in detail
+    assert status == "differs" and "ledger columns (only in this run)" in detail
