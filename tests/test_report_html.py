@@ -383,6 +383,10 @@ def test_single_run_page_and_missing_evaluation(study):
                for t in missing) == 2  # attacks and audit
     assert any("single run" in t for t in missing)  # no tuning-aware figure
     assert "2 clip radius(es)" in page.figures["fig-dials-1"]["caption"]  # one per adapter pair
+    # the privacy spent over steps, at the delta of the run's summary (a lone run's row has no config)
+    assert (f"privacy spent over steps: the enforcing accountant's (PLD) epsilon, {summary['privacy']['epsilon']:.3f}"
+            in page.figures["fig-dials-1"]["caption"])
+    assert "value-token NLL (nats/record) vs step" in page.figures["fig-utility"]["caption"]
 
 
 def test_a_directory_that_is_neither_raises_one_line_and_writes_nothing(tmp_path):

@@ -66,7 +66,7 @@ def utility(r: Report, colours: dict[str, str]) -> str:
                 "One panel per model and target epsilon (RLDP paper Fig. 1-4).")]
     if panels:
         body.append(figure("fig-utility", figures.utility_figure(panels, ylabel, "fig-utility"),
-                           f"{ylabel.capitalize()} vs step, mean over seeds with min-max band. "
+                           f"{ylabel[:1].upper()}{ylabel[1:]} vs step, mean over seeds with min-max band. "
                            + _rldp_caption(rldp_notes, frozen) + _legend_caption(r)))
     else:
         body.append(para("no utility curves: no trial has an eval_metrics.parquet with the selection split's "
@@ -222,11 +222,14 @@ EPSILON_POINTS = 40
 COMPOSED_POINTS = 24
 
 
-def _delta(row):
+def _delta(row, summary: dict | None = None):
+    """The trial's delta: its row's, its config's (a study's row) or its summary.json's (a single run's)."""
     delta = row.get("delta")
     if _missing(delta):
         config = json.loads(row["config"]) if isinstance(row.get("config"), str) else {}
         delta = config.get("delta")
+    if _missing(delta):
+        delta = _dig(summary, "privacy", "delta")
     return None if _missing(delta) else float(delta)
 
 
@@ -278,7 +281,7 @@ def _privacy_spent(r: Report, ledger: pd.DataFrame, row) -> tuple[figures.Spent 
     from raydp.privacy.accounting.rdp import epsilon_over_steps
     from raydp.privacy.filter import FILTER_NAME
 
-    delta = _delta(row)
+    delta = _delta(row, r.run_summary(row))
     if delta is None or not {"q", "sigma_eff"} <= set(ledger) or not len(ledger):
         return None, ""
     privacy = _dig(r.run_summary(row), "privacy") or {}
@@ -286,7 +289,7 @@ def _privacy_spent(r: Report, ledger: pd.DataFrame, row) -> tuple[figures.Spent 
     name = str(privacy.get("enforcing_accountant") if _missing(name) else name)
     target = row.get("epsilon_target")
     target = None if _missing(target) else float(target)
-    rdp = _epsilon_over_steps(ledger, row)
+    rdp = _epsilon_over_steps(ledger, {"delta": delta})
     if name in ("pld", "prv", "rdp"):
         steps, spent = _enforced_over_steps(ledger, name, target, delta)
         label = f"{name.upper()}, the enforcing accountant"
