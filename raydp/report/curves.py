@@ -12,6 +12,8 @@ from raydp.report import figures
 from raydp.privacy.accounting.grid import StepHistogram
 from raydp.report.load import Report, _best_rldp_cell, _controller_cells, _dig, _groups
 from raydp.report.markup import _eps, _missing, _section, figure, how, num, para
+from raydp.errors import ConfigError
+from raydp.strategies.registry import get_spec
 from raydp.study.results import CONTROLLERS
 
 MAX_DIALS = 24
@@ -183,6 +185,14 @@ def _clip_basis(summary: dict | None) -> str | None:
             + ("; the policy scales each clip" if note.startswith("Its schedule's") else ""))
 
 
+def _relative_clips(name) -> bool:
+    """Whether the strategy ``name`` declares relative clip settings (its registry capability)."""
+    try:
+        return bool(name) and get_spec(str(name)).relative_clips
+    except ConfigError:  # a strategy this raydp does not know (a study written by another version)
+        return False
+
+
 def _clip_note(summary: dict | None) -> str | None:
     """What a strategy's clip settings are relative to, from the run's summary.json (the strategy's resolved settings
     and the public reference norms it measured): the ledger, and so the dials figure, holds absolute radii, while a
@@ -199,7 +209,7 @@ def _clip_note(summary: dict | None) -> str | None:
     r_i = (" (r_i here: " + ", ".join(f"{float(x):.4g}" for x in norms[:8]) + (", …" if len(norms) > 8 else "") + ")"
            if norms else "")
     median = "r_i, each adapter pair's median per-sample gradient norm on public records"
-    if name == "clip-schedule" and (strategy.get("settings") or {}).get("relative", True):
+    if _relative_clips(name) and (strategy.get("settings") or {}).get("relative", True):
         return (f"Its settings are relative: clip and clip_end multiply {median}{r_i}; the radius of pair i at step t "
                 "of T is r_i · clip^(1−t/T) · clip_end^(t/T) · e^(depth_tilt (d_i − 1/2)), d_i its depth in [0, 1], "
                 "so the radii plotted are not the settings in the arm's label.")

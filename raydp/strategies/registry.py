@@ -46,6 +46,9 @@ class StrategySpec:
     population: bool = False
     #: a learned method (a controller or a learned schedule) that study reports test against the tuned baselines
     challenger: bool = False
+    #: its clip settings multiply each adapter pair's median per-sample gradient norm on public records (unless its
+    #: settings say ``relative: false``): the radii a run's ledger holds are not the settings (the report says so)
+    relative_clips: bool = False
 
     def load(self):
         if not self.target:
@@ -63,7 +66,7 @@ _SPECS = (
                  "pairwise clipping with C_i=0.1 per LoRA pair, constant sigma_0"),
     StrategySpec("clip-schedule", "raydp.strategies.clipschedule:ClipScheduleStrategy",
                  "an open-loop per-pair clip schedule (multiples of public gradient norms), searched on public data",
-                 challenger=True),
+                 challenger=True, relative_clips=True),
     StrategySpec("ewpba", "raydp.strategies.ewpba:EWPBAStrategy",
                  "EW-FT's epoch-weighted noise schedule (EWPBA, Alg. 1) on static DP-SGD, flat clip C=1"),
     StrategySpec("ewft", "raydp.strategies.forward:EWFTStrategy",
