@@ -99,7 +99,7 @@ from raydp.runner.local_setup import ledger_local_plan
 from raydp.strategies.base import PAPER_MODE_LABEL
 from raydp.strategies.registry import is_private
 # the strategy groups a study compares (defined beside the arm label; imported from here by the report and page)
-from raydp.study.arms import BASELINE_EXCLUDED, CHALLENGERS, CONTROLLERS, NONPRIVATE_ARMS  # noqa: F401
+from raydp.study.arms import BASELINE_EXCLUDED, CHALLENGERS, CONTROLLERS, NONPRIVATE_ARMS, arms  # noqa: F401
 from raydp.study.trial import Trial, tune_trial
 
 #: the metrics a study selects and reports on (lower is better), by split: (results.parquet final column,
@@ -129,6 +129,38 @@ SELECTION_FALLBACK_NOTE = ("selection asked for the public validation split but 
                            "selection used the private eval split: unprotected (E15)")
 PAPER_POLICY_LABEL = ("a policy trained in paper mode drove a run: its controller saw unprivatized statistics "
                       "(E3/E14); epsilon covers the gradient releases only")
+
+
+def would_release(table: pd.DataFrame, column: str) -> pd.DataFrame:
+    """The trial a study would release, one row per (model, epsilon) cell: of the cell's DP arms (never the non-private
+    one; an arm as :func:`raydp.study.arms.arms` labels it, SAC cell and frozen policy included) the arm with the
+    lowest mean of ``column`` over its seeds, and of that arm's seeds the trial with the lowest ``column`` (lower is
+    better; a tie goes to the first arm by label, then the first trial by name). Finished trials only.
+
+    ``column`` is the study's final selection metric on PUBLIC validation (:data:`METRIC_COLUMNS`, ``[metric]
+    ['public'][0]``): the private eval split never selects what is released (no accountant covers it, E15), and a
+    private column is refused. Columns: model, epsilon, arm, trial, seed, value (the trial's ``column``), arm_mean,
+    seeds (the arm's finished seeds)."""
+    out_columns = ["model", "epsilon", "arm", "trial", "seed", "value", "arm_mean", "seeds"]
+    if "_public_" not in column:
+        raise ValueError(f"{column} is not a public validation column: only public validation selects a release (E15)")
+    if column not in table or "epsilon_target" not in table:
+        return pd.DataFrame(columns=out_columns)
+    done = table[table[column].notna() & table["epsilon_target"].notna()
+                 & ~table["strategy"].isin(NONPRIVATE_ARMS)]
+    if "status" in done:
+        done = done[done["status"] == "TERMINATED"]
+    done = done.assign(_arm=arms(done, cell=True)).sort_values(["_arm", "trial"], kind="stable")
+    rows = []
+    for (model, eps), cell in done.groupby(["model", "epsilon_target"], sort=True):
+        means = cell.groupby("_arm", sort=True)[column].mean()
+        arm = means.idxmin()
+        seeds = cell[cell["_arm"] == arm]
+        best = seeds.loc[seeds[column].idxmin()]
+        rows.append({"model": model, "epsilon": float(eps), "arm": arm, "trial": best["trial"],
+                     "seed": int(best["seed"]) if "seed" in best and pd.notna(best["seed"]) else None,
+                     "value": float(best[column]), "arm_mean": float(means.min()), "seeds": int(len(seeds))})
+    return pd.DataFrame(rows, columns=out_columns)
 
 
 def search_best(table: pd.DataFrame, split: str, metric: str) -> list[dict]:
