@@ -190,6 +190,26 @@ STUDY_SUMMARY = {
         "neighbouring_relations[]", "nonprivate_trials[]", "note", "orders", "privacy_units[]", "target_epsilons[]",
         "warnings[]")},
     _FIGURE + "dataset_id": ID,
+    # what `raydp study` printed (raydp.study.outcome.outcome_record): the trial counts; per (model, epsilon) cell the
+    # arms' names and trials (the plan), their public validation figures and epsilon (DP-trained runs), the private
+    # eval split's figures and the shares of the non-private gain (no DP covers them, labelled in the table's note),
+    # and the trial the study would release (the argmin of DP-trained runs' public figures)
+    **{k: PUBLIC for k in ("finished_trials", "failed_trials", "planned_trials", "partial")},
+    **{f"results_table.{k}": PUBLIC for k in (
+        "column", "decimals", "note", "cells[].model", "cells[].epsilon", "cells[].would_release",
+        "cells[].arms[].arm", "cells[].arms[].name", "cells[].arms[].seeds", "cells[].arms[].trials[]",
+        "cells[].nonprivate.arm", "cells[].nonprivate.name", "cells[].nonprivate.seeds",
+        "cells[].untrained.public", "cells[].untrained.gain_share_pct")},
+    **{f"results_table.{k}": DP for k in (
+        "cells[].arms[].public", "cells[].arms[].public_sd", "cells[].arms[].epsilon_spent",
+        "cells[].arms[].would_release", "cells[].would_release.trial", "cells[].would_release.arm",
+        "cells[].would_release.seed")},
+    **{f"results_table.{k}": UNPROTECTED for k in (
+        "cells[].arms[].private", "cells[].arms[].private_sd", "cells[].arms[].gain_share_pct",
+        "cells[].nonprivate.public", "cells[].nonprivate.public_sd", "cells[].nonprivate.private",
+        "cells[].nonprivate.private_sd", "cells[].nonprivate.gain_share_pct", "cells[].untrained.private")},
+    **{f"would_release[].{k}": PUBLIC for k in ("model", "epsilon")},
+    **{f"would_release[].{k}": DP for k in ("trial", "arm", "seed")},
 }
 
 TRAIN_METRICS_DP = {**{k: DP for k in ("sigma", "sigma_eff", "clamped", "clip_mean", "noisy_grad_norm")},

@@ -1,5 +1,5 @@
 """The benchmark's gates in `raydp report` (issue 27): the headroom and epsilon gates computed by hand here, and a study
-with one seed per arm, whose sd-based gates cannot be judged (N/A, not FAIL)."""
+with one seed per arm, whose sd-based gates cannot be judged (N/A: 1 seed, no test; not FAIL)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def test_the_gates_by_hand_and_with_one_seed():
     assert lines[0].startswith("PASS") and "3.000 nats/record apart, 4.5% and 300.0 pooled sd" in lines[0]
     assert lines[1].startswith("PASS") and "1.000 nats/record apart, 100.0 pooled sd" in lines[1]
     one = gates(_table([0]), "final_public_value_nll")
-    assert one[0].startswith("N/A (one seed: no sd)") and one[1].startswith("N/A")
+    assert one[0].startswith("N/A (1 seed: no test)") and one[1].startswith("N/A")
+    assert not any("nan" in line for line in one)  # no NaN pooled sd where there is none
     assert one[2].startswith(("PASS", "FAIL")) and one[3].startswith("PASS")  # the rank and public gates need no sd
 
 

@@ -29,6 +29,8 @@ import pandas as pd
 from raydp.data.identity import frame_ids as dataset_ids
 from raydp.errors import ConfigError
 from raydp.study.arms import arms
+from raydp.study.outcome import (attack_lines, format_outcome, header_line, outcome_cells, outcome_record,
+                                 privacy_lines, short_names, trial_counts, wrap)
 from raydp.study.results import BASELINE_EXCLUDED, CHALLENGERS, CONTROLLERS, NONPRIVATE_ARMS
 
 
@@ -97,6 +99,8 @@ def cell_arm_keys(results: pd.DataFrame) -> pd.Series:
 
 
 VERDICT_ALPHA = 0.05
+#: what a verdict, decision or gate says where an arm has one seed: no spread, so no test (never NaN, never p=1)
+NO_TEST = "1 seed: no test"
 BASELINES_EXCLUDED = BASELINE_EXCLUDED  # not DP baselines at an epsilon: the challengers and non-private
 
 
@@ -124,7 +128,7 @@ def verdicts(results: pd.DataFrame, column: str = "final_public_perplexity") -> 
             p = float(stats.ttest_ind(r, b, equal_var=False).pvalue)
             if p != p:  # both arms without spread: any difference is certain
                 p = 0.0 if diff != 0 else 1.0
-        verdict = ("undecided (fewer than 2 seeds)" if p is None else
+        verdict = (NO_TEST if p is None else
                    "wins" if p < VERDICT_ALPHA and diff < 0 else "loses" if p < VERDICT_ALPHA and diff > 0 else "ties")
         rows.append({"model": model, "epsilon": eps, "rldp_arm": r_arm, "rldp_mean": float(r.mean()),
                      "rldp_sd": float(r.std(ddof=1)) if len(r) > 1 else float("nan"), "best_baseline": b_arm,
@@ -215,22 +219,26 @@ def challenge(results: pd.DataFrame, column: str, challenger: str) -> pd.DataFra
     if table.empty:
         return table
     table["private_p_holm"] = float("nan")
-    for model, idx in table.groupby("model").groups.items():
-        ps = table.loc[idx, "private_p"].fillna(1.0).tolist()
-        table.loc[idx, "private_p_holm"] = _holm(ps)
+    for model, idx in table.groupby("model").groups.items():  # Holm over the cells that have a test (>= 2 seeds)
+        tested = [i for i in idx if table.loc[i, "private_p"] == table.loc[i, "private_p"]]
+        if tested:
+            table.loc[tested, "private_p_holm"] = _holm(table.loc[tested, "private_p"].tolist())
     better = ((table["private_p_holm"] < VERDICT_ALPHA) & (table["private_change_pct"] <= -CHALLENGE_MIN_PCT)
               & (table["gap_share"] >= CHALLENGE_MIN_GAP_SHARE))
     worse = (table["private_p_holm"] < VERDICT_ALPHA) & (table["private_change_pct"] > 0)
-    table["decision"] = ["better" if b else "worse" if w else "not shown" for b, w in zip(better, worse)]
+    table["decision"] = [NO_TEST if p != p else "better" if b else "worse" if w else "not shown"
+                         for p, b, w in zip(table["private_p"], better, worse)]
     return table
 
 
 def challenge_success(table: pd.DataFrame) -> str:
     """Issue 29's criterion over a model's cells: better in at least 2 of 3 and worse in none."""
     n_better, n_worse = int((table["decision"] == "better").sum()), int((table["decision"] == "worse").sum())
+    untested = int((table["decision"] == NO_TEST).sum())
     ok = n_better >= 2 and n_worse == 0
-    return (f"{'SUCCESS' if ok else 'NOT MET'}: better in {n_better} of {len(table)} cells, worse in {n_worse} "
-            f"(needs better in >= 2, by >= {CHALLENGE_MIN_PCT:g}% and >= {100 * CHALLENGE_MIN_GAP_SHARE:g}% of the "
+    return (f"{'SUCCESS' if ok else 'NOT MET'}: better in {n_better} of {len(table)} cells, worse in {n_worse}"
+            + (f", {untested} with 1 seed (no test)" if untested else "")
+            + f" (needs better in >= 2, by >= {CHALLENGE_MIN_PCT:g}% and >= {100 * CHALLENGE_MIN_GAP_SHARE:g}% of the "
             "baseline's gap to non-private, Holm-corrected Welch p < 0.05, and worse in none)")
 
 
@@ -315,25 +323,35 @@ def gates(results: pd.DataFrame, column: str, reference: str = "static-pairwise"
                            + (b.std(ddof=1) if len(b) > 1 else float("nan")) ** 2) / 2) ** 0.5)
 
         def verdict(ok: bool, sds: float) -> str:  # one seed in an arm: no sd, so the gate cannot be judged
-            return "N/A (one seed: no sd)" if math.isnan(sds) else ("PASS" if ok else "FAIL")
+            return f"N/A ({NO_TEST})" if math.isnan(sds) else ("PASS" if ok else "FAIL")
+
+        def apart(sds: float) -> str:
+            return "" if math.isnan(sds) else f"{sds:.1f} pooled sd"
 
         gap = float(low.mean() - nonprivate.mean())
         pct, sds = 100 * gap / float(low.mean()), gap / pooled(low, nonprivate)
         ok = pct >= GATE_HEADROOM_PCT and sds >= GATE_HEADROOM_SD
         out.append(f"{verdict(ok, sds)}: {model}: non-private vs {name} at epsilon {eps[0]:g} (private eval): "
-                   f"{gap:.3f} nats/record apart, {pct:.1f}% and {sds:.1f} pooled sd (needs >= {GATE_HEADROOM_PCT:g}% "
-                   f"and >= {GATE_HEADROOM_SD:g} sd)")
+                   f"{gap:.3f} nats/record apart, {pct:.1f}%" + (f" and {apart(sds)}" if apart(sds) else "")
+                   + f" (needs >= {GATE_HEADROOM_PCT:g}% and >= {GATE_HEADROOM_SD:g} sd)")
         if len(eps) > 1:
             d = float(low.mean() - high.mean())
             sds = d / pooled(low, high)
             out.append(f"{verdict(sds >= GATE_EPSILON_SD, sds)}: {model}: {name} at epsilon {eps[0]:g} vs "
-                       f"{eps[-1]:g} (private eval): {d:.3f} nats/record apart, {sds:.1f} pooled sd (needs >= "
-                       f"{GATE_EPSILON_SD:g})")
+                       f"{eps[-1]:g} (private eval): {d:.3f} nats/record apart" + (f", {apart(sds)}" if apart(sds)
+                                                                                   else "")
+                       + f" (needs >= {GATE_EPSILON_SD:g} sd)")
         means = group.groupby(["_arm", "_eps"])[[public_col, private_col]].mean()
-        rho = float(stats.spearmanr(means[public_col], means[private_col]).statistic) if len(means) > 2 else float("nan")
-        # Spearman's rho on a few cells takes exact values (4 cells, one swap: 0.8) that scipy returns a rounding short
-        out.append(f"{'PASS' if rho >= GATE_SPEARMAN - 1e-9 else 'FAIL'}: {model}: public validation ranks the {len(means)} "
-                   f"(arm, epsilon) cells like the private split: Spearman {rho:.3f} (needs >= {GATE_SPEARMAN:g})")
+        if len(means) > 2:
+            rho = float(stats.spearmanr(means[public_col], means[private_col]).statistic)
+            # Spearman's rho on a few cells takes exact values (4 cells, one swap: 0.8) that scipy returns a rounding
+            # short
+            out.append(f"{'PASS' if rho >= GATE_SPEARMAN - 1e-9 else 'FAIL'}: {model}: public validation ranks the "
+                       f"{len(means)} (arm, epsilon) cells like the private split: Spearman {rho:.3f} (needs >= "
+                       f"{GATE_SPEARMAN:g})")
+        else:  # two cells rank alike or not: no rank correlation to judge
+            out.append(f"N/A ({len(means)} cells: no rank test): {model}: public validation ranks the (arm, epsilon) "
+                       f"cells like the private split (needs >= 3 cells and Spearman >= {GATE_SPEARMAN:g})")
         np_public = float(group[group["strategy"].isin(NONPRIVATE_ARMS)][public_col].mean())
         best_dp = group[~group["strategy"].isin(NONPRIVATE_ARMS)].groupby(["_arm", "_eps"])[public_col].mean().min()
         out.append(f"{'PASS' if np_public < best_dp else 'FAIL'}: {model}: non-private beats every DP arm on public "
@@ -562,53 +580,100 @@ def format_report(study_dir: str | Path, *more: str | Path) -> str:
     if is_private_selection(study_dir):
         return _format_selection(study_dir)
     results, summary = load_results(study_dir)
-    lines = [f"study {summary.get('study', Path(study_dir).name)}: {len(results)} trials "
-             f"({int((results['status'] == 'TERMINATED').sum())} finished)"]
+    lines = [header_line(summary.get("study", Path(study_dir).name), trial_counts(results, summary))]
     return "\n".join(lines + _format_tables(results, summary) + _format_privacy(results, summary))
 
 
-def _format_tables(results: pd.DataFrame, summary: dict) -> list[str]:
+def format_study(study_dir: str | Path) -> str:
+    """What ``raydp study`` prints when a study ends (not a private-dp one: it prints its released cells): whether
+    it finished, the compact table per (model, epsilon) with the trial it would release, the attack and audit lines,
+    the gates where it has a non-private arm, the research tables where it has a learned controller, and the
+    tuning-aware epsilon; every line at most :data:`raydp.study.outcome.WIDTH` characters. ``raydp report`` prints
+    every table."""
+    results, summary = load_results(study_dir)
+    lines = [header_line(summary.get("study", Path(study_dir).name), trial_counts(results, summary))]
+    lines += _format_tables(results, summary, brief=True) + privacy_lines(results, summary)
+    return "\n".join(out for line in "\n".join(lines).split("\n") for out in wrap(line))
+
+
+def study_outcome(results: pd.DataFrame, summary: dict) -> tuple[str, list[dict], dict[str, str]]:
+    """(selection column, :func:`raydp.study.outcome.outcome_cells`, short arm names) of a study's results."""
+    column = _final_column(results, summary)
+    cells = outcome_cells(results, column)
+    labels = [r["arm"] for c in cells for r in c["arms"]] + [c["nonprivate"]["arm"] for c in cells
+                                                                 if c.get("nonprivate")]
+    if "strategy" in results:  # arms of no cell (an unfinished one) keep a name too, numbered after
+        labels += list(cell_arm_keys(results))
+    return column, cells, short_names(labels)
+
+
+def record_outcome(study_dir: str | Path) -> dict:
+    """Add to ``study_summary.json`` what :func:`format_study` prints in its table (rounded as printed), the trial
+    each (model, epsilon) cell would release (:func:`raydp.study.results.would_release`) and the trial counts
+    (``partial`` for a stopped study): :func:`raydp.study.outcome.outcome_record`. Returns what it added."""
+    from raydp.files import atomic_write  # lazy: only a finished study writes
+
+    results, summary = load_results(study_dir)
+    column, cells, names = study_outcome(results, summary)
+    record = outcome_record(cells, column, names, trial_counts(results, summary))
+    atomic_write(Path(study_dir) / "study_summary.json", json.dumps({**summary, **record}, indent=2, default=str))
+    return record
+
+
+def _has_controller(results: pd.DataFrame) -> bool:
+    return "strategy" in results and bool(results["strategy"].isin(CONTROLLERS).any())
+
+
+def _format_tables(results: pd.DataFrame, summary: dict, brief: bool = False) -> list[str]:
+    """The tables after the header: notes and labels, the compact table per (model, epsilon) with its attack lines,
+    the DP gap (not ``brief``) and the gates, and the research tables where the study has the arms they compare:
+    Table 2 and 3 analogues and the verdicts with RLDP trials, each learned controller's challenge where it ran.
+    ``brief`` (``raydp study``) names arms by their short names (footnoted with their settings)."""
     lines = []
     if "privacy_label" in results and results["privacy_label"].notna().any():
         lines.append(f"NOTE: paper-mode trials: {results['privacy_label'].dropna().iloc[0]}")
     if "privacy_labels" in results and results["privacy_labels"].notna().any():
         for label in dict.fromkeys(l for ls in results["privacy_labels"].dropna() for l in ls.split("; ")):
             lines.append(f"LABEL: {label}")
-    column = _final_column(results, summary)
+    column, cells, names = study_outcome(results, summary)
     selection = summary.get("selection") or {}
     note = selection.get("note") or ("selection used the public validation split (E15)" if column_split(column) ==
                                      "public" else "selection used the private eval split: unprotected (E15)")
     lines.append(f"NOTE: {note}")
+    lines += format_outcome(cells, column, names)
+    lines += attack_lines(results, names)
     split = f"{split_label(column)} {metric_label(column)}"
+    named = names if brief else {}
     head = headroom(results, column)
     if len(head):
-        lines.append(f"\nThe DP gap: final {metric_label(column)}, mean ± sd over seeds, on both splits (public "
-                     "validation selects; the private eval split is unprotected, E15, and shown for reference). "
-                     "'recovered' is the share of the non-private run's gain over the untrained model; 'sd from "
-                     "non-private' is the difference in pooled seed standard deviations")
-        lines.append(head.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
-        lines.extend(f"  gate: {g}" for g in gates(results, column))
-    t2 = table2(results, column)
-    lines.append(f"\nTable 2 analogue: final {split} (mean over seeds)")
-    lines.append(t2.to_string(index=False, float_format=lambda x: f"{x:.4f}") if len(t2) else "  (no DP trials)")
-    v = verdicts(results, column)
-    if len(v):
-        lines.append(f"\nRLDP against the best baseline: final {split}, mean ± sd over seeds; Welch's "
-                     f"t-test at {VERDICT_ALPHA:g} (wins/ties/loses). Both arms are chosen after the fact, the "
-                     "baseline as the best of all baseline arms (which favours the baselines); 'ties' means no "
-                     "significant difference over these seeds, not equality")
-        for rec in v.to_dict("records"):
-            lines.append(f"  {rec['model']} eps {rec['epsilon']:g}: RLDP {rec['verdict'].upper() if rec['verdict'] in ('wins', 'ties', 'loses') else rec['verdict']} "
-                         f"({rec['rldp_arm']} {rec['rldp_mean']:.4f} ± {rec['rldp_sd']:.4f} vs {rec['best_baseline']} "
-                         f"{rec['baseline_mean']:.4f} ± {rec['baseline_sd']:.4f}; {rec['change_pct']:+.2f}%, "
-                         f"p={'n/a' if rec['p_value'] is None else format(rec['p_value'], '.3g')}, seeds {rec['seeds']})")
+        if not brief:
+            lines.append(f"\nThe DP gap: final {metric_label(column)}, mean ± sd over seeds, on both splits (public "
+                         "validation selects; the private eval split is unprotected, E15, and shown for reference). "
+                         "'recovered' is the share of the non-private run's gain over the untrained model; 'sd from "
+                         "non-private' is the difference in pooled seed standard deviations")
+            lines.append(head.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+        gate_lines = gates(results, column)
+        if brief and gate_lines:
+            lines.append("\nThe benchmark's gates (docs/benchmark.md):")
+        lines.extend(f"  gate: {g}" for g in gate_lines)
+    if _has_controller(results):
+        t2 = table2(results, column)
+        lines.append(f"\nTable 2 analogue: final {split} (mean over seeds)")
+        if len(t2) and "best_baseline" in t2:
+            t2["best_baseline"] = [named.get(a, a) if isinstance(a, str) else a for a in t2["best_baseline"]]
+        lines.append(t2.to_string(index=False, float_format=lambda x: f"{x:.4f}") if len(t2) else "  (no DP trials)")
+        lines.extend(_format_verdicts(verdicts(results, column), split, named, brief))
     for challenger in CHALLENGERS:
-        lines.extend(_format_challenge(challenge(results, column, challenger), challenger))
-    t3 = table3(results, column)
-    lines.append(f"\nTable 3 analogue: RLDP steps to reach the best baseline's final {split} "
-                 "(% of its steps)")
-    lines.append(t3.to_string(index=False, float_format=lambda x: f"{x:.1f}") if len(t3)
-                 else "  (no RLDP trial that learns online; a frozen policy's are in Table 2)")
+        lines.extend(_format_challenge(challenge(results, column, challenger), challenger, named, brief))
+    if _has_controller(results):
+        t3 = table3(results, column)
+        lines.append(f"\nTable 3 analogue: RLDP steps to reach the best baseline's final {split} "
+                     "(% of its steps)")
+        if not (~results["strategy"].isin(BASELINES_EXCLUDED)).any():
+            lines.append("  (no DP baseline in this study: no target to reach)")
+        else:
+            lines.append(t3.to_string(index=False, float_format=lambda x: f"{x:.1f}") if len(t3)
+                         else "  (no RLDP trial that learns online; a frozen policy's are in Table 2)")
     acc = accuracy_table(results)
     if len(acc):
         lines.append("\nClassification accuracy (final; mean and sd over seeds; eval: private split, unprotected, E15)")
@@ -616,24 +681,57 @@ def _format_tables(results: pd.DataFrame, summary: dict) -> list[str]:
     return lines
 
 
-def _format_challenge(table: pd.DataFrame, challenger: str) -> list[str]:
+def _pm(mean: float, sd: float, fmt: str = ".4f") -> str:
+    """``mean ± sd``, or the mean alone where there is no sd (one seed)."""
+    return f"{mean:{fmt}}" + ("" if sd != sd else f" ± {sd:{fmt}}")
+
+
+def _format_verdicts(v: pd.DataFrame, split: str, names: dict[str, str], brief: bool = False) -> list[str]:
+    if v.empty:
+        return []
+    lines = [f"\nRLDP against the best baseline: final {split}, mean ± sd over seeds; Welch's t-test at "
+             f"{VERDICT_ALPHA:g} (wins/ties/loses). Both arms are chosen after the fact, the baseline as the best of all "
+             "baseline arms (which favours the baselines); 'ties' means no significant difference over these seeds, "
+             "not equality"] if not brief else [
+        f"\nRLDP against the best baseline (both chosen after the fact; Welch's t-test over seeds at {VERDICT_ALPHA:g}; "
+        "'ties': no significant difference)"]
+    for rec in v.to_dict("records"):
+        verdict = rec["verdict"].upper() if rec["verdict"] in ("wins", "ties", "loses") else rec["verdict"]
+        p = "" if rec["p_value"] is None else f", p={rec['p_value']:.3g}"
+        lines.append(f"  {rec['model']} eps {rec['epsilon']:g}: RLDP {verdict} ({names.get(rec['rldp_arm'], rec['rldp_arm'])} "
+                     f"{_pm(rec['rldp_mean'], rec['rldp_sd'])} vs {names.get(rec['best_baseline'], rec['best_baseline'])} "
+                     f"{_pm(rec['baseline_mean'], rec['baseline_sd'])}; {rec['change_pct']:+.2f}%{p}, seeds {rec['seeds']})")
+    return lines
+
+
+def _format_challenge(table: pd.DataFrame, challenger: str, names: dict[str, str] | None = None,
+                      brief: bool = False) -> list[str]:
     if table.empty:
         return []
-    lines = [f"\n{challenger} against the best tuned baseline (issue 29): both arms chosen on PUBLIC validation; the "
+    names = names or {}
+    lines = [f"\n{challenger} against the best tuned baseline: both arms chosen on PUBLIC validation; the "
              "decision is on the private eval split (reference only, E15), Welch over seeds, Holm over the cells; "
              "gap: the baseline's distance from non-private; steps: % of planned steps to reach the baseline's final "
-             "private mean"]
+             "private mean"] if not brief else [
+        f"\n{challenger} against the best tuned baseline (both chosen on public validation; decided on the private "
+        "eval split, E15: Welch over seeds, Holm over cells)"]
     for model, group in table.groupby("model"):
         for r in group.to_dict("records"):
-            lines.append(
-                f"  {model} eps {r['epsilon']:g}: {r['decision'].upper()}: private {r['private_challenger']:.3f} ± "
-                f"{r['private_challenger_sd']:.3f} vs {r['baseline']} {r['private_baseline']:.3f} ± "
-                f"{r['private_baseline_sd']:.3f} ({r['private_change_pct']:+.2f}%, Holm p={r['private_p_holm']:.3g}, "
-                f"{r['gap_share']:.0%} of the gap {r['gap']:.3f} to non-private {r['nonprivate']:.3f}); public "
-                f"{r['public_challenger']:.3f} ± {r['public_challenger_sd']:.3f} vs {r['public_baseline']:.3f} ± "
-                f"{r['public_baseline_sd']:.3f} ({r['public_change_pct']:+.2f}%, p={r['public_p']:.3g}); steps to "
-                f"target {r['steps_to_target_pct']:.0f}% ({r['seeds_reaching_target']} seeds); seeds {r['seeds']}; "
-                f"arm {r['challenger']}")
+            holm = "" if r["private_p_holm"] != r["private_p_holm"] else f", Holm p={r['private_p_holm']:.3g}"
+            p = "" if r["public_p"] != r["public_p"] else f", p={r['public_p']:.3g}"
+            gap = (f"; {r['gap_share']:.0%} of the gap {r['gap']:.3f} to non-private {r['nonprivate']:.3f}"
+                   if r["gap_share"] == r["gap_share"] else "")
+            steps = ("never" if r["steps_to_target_pct"] != r["steps_to_target_pct"]
+                     else f"{r['steps_to_target_pct']:.0f}%")
+            lines.append(f"  {model} eps {r['epsilon']:g}: {r['decision'].upper() if r['decision'] != NO_TEST else NO_TEST}: "
+                         f"{names.get(r['challenger'], r['challenger'])} vs {names.get(r['baseline'], r['baseline'])} "
+                         f"(seeds {r['seeds']})")
+            lines.append(f"    private {_pm(r['private_challenger'], r['private_challenger_sd'], '.3f')} vs "
+                         f"{_pm(r['private_baseline'], r['private_baseline_sd'], '.3f')} ({r['private_change_pct']:+.2f}%"
+                         f"{holm}){gap}")
+            lines.append(f"    public {_pm(r['public_challenger'], r['public_challenger_sd'], '.3f')} vs "
+                         f"{_pm(r['public_baseline'], r['public_baseline_sd'], '.3f')} ({r['public_change_pct']:+.2f}%{p}); "
+                         f"steps to target {steps} ({r['seeds_reaching_target']} seeds)")
         lines.append(f"  {model}: {challenge_success(group)}")
     return lines
 
