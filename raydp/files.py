@@ -13,7 +13,7 @@ a study's Tune state, its results and report), so what it creates is owner-only 
 - :func:`locked` holds an exclusive ``flock`` on a lock file (0600) for a read-modify-write;
 - :func:`private_dir` creates a folder 0700 (every level it creates), or checks that an existing one is the
   caller's and owner-only: a predictable name in a shared place such as /tmp must not be a folder another user
-  made first.
+  made first; and that no folder above it lets another user swap it (:func:`check_ancestors`).
 
 A umask is the process's, not a thread's: :func:`private_umask` only ever tightens it (077 is or-ed into the
 current mask), so a thread writing meanwhile gets a stricter mode, never a looser one.
@@ -154,6 +154,8 @@ def private_dir(path: str | os.PathLike, check: bool = True) -> Path:
     ``path`` that is a link, another user's or open to group or others, and tighten one of ours that is open (a
     folder another local user could enter may already have been read: the message says so)."""
     path = Path(path)
+    if check:  # before anything is created under a place another user controls
+        check_ancestors(path)  # the folders that exist already, up to /
     with private_umask():
         path.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
     if not check:
@@ -166,6 +168,27 @@ def private_dir(path: str | os.PathLike, check: bool = True) -> Path:
     if info.st_mode & GROUP_OTHER:
         os.chmod(path, PRIVATE_DIR)
     return path
+
+
+def check_ancestors(path: str | os.PathLike) -> None:
+    """Refuse (one line) a place where another local user could swap a private folder for one of theirs, or read
+    what is written there: every existing folder from ``path`` up to ``/`` (links resolved) must belong to this user
+    or root, and none may be writable by group or others unless it is sticky (as /tmp is: there only an entry's
+    owner may rename it). OpenSSH's StrictModes rule for a key's folders. A folder writable by others lets them
+    rename a study folder away while it runs and put their own in its place, which the study then fills."""
+    path = Path(path).resolve()
+    for folder in (path, *path.parents):
+        try:
+            info = os.stat(folder)
+        except FileNotFoundError:
+            continue
+        if info.st_uid not in (os.getuid(), 0):
+            raise ConfigError(f"{folder} belongs to another user (uid {info.st_uid}), who could replace what raydp "
+                              f"writes below it: use a folder of your own for private data")
+        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+            raise ConfigError(f"{folder} is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o}): "
+                              f"another local user could swap the private folders below it for theirs; use an "
+                              f"owner-only location, or chmod go-w {folder}")
 
 
 def user_scratch(*parts: str) -> Path:

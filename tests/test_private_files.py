@@ -256,3 +256,44 @@ def test_every_command_writes_owner_only_files(tmp_path):
     finally:
         os.umask(previous)
     assert files.open_to_others(tmp_path / "ds") == []
+
+
+def test_a_place_another_user_could_swap_is_refused_before_anything_is_written(tmp_path):
+    """A folder writable by others above a study, a run or a dataset let another local user rename the study away
+    while it ran and put their own folder in its place, which the study then filled (results, private figures)."""
+    from raydp.data.splits import build_dataset
+    from raydp.errors import RaydpError
+    from raydp.runner.output import staged_output
+
+    shared = Path(tempfile.mkdtemp(dir="/tmp"))
+    try:
+        os.chmod(shared, 0o777)  # writable by everyone, not sticky
+        with pytest.raises(ConfigError, match="writable by group or others"):
+            files.private_dir(shared / "runs" / "study")
+        with pytest.raises(RaydpError, match="writable by group or others"):
+            build_dataset(shared / "data" / "ds", n_records=300, progress=False)
+        with pytest.raises(ConfigError, match="writable by group or others"):
+            with staged_output(shared / "runs" / "dp"):
+                pass
+        assert list(shared.iterdir()) == []  # nothing was written there
+        os.chmod(shared, 0o1777)  # sticky, as /tmp: only an entry's owner may rename it
+        assert stat.S_IMODE(files.private_dir(shared / "runs" / "study").stat().st_mode) == 0o700
+    finally:
+        shutil.rmtree(shared)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a folder to another user")
+def test_a_private_selection_refuses_a_study_folder_another_user_made_first(tmp_path):
+    """The private selection's study folder was created with mkdir(exist_ok=True): a folder another user made first
+    (with their own work/ and tune.log in it) was used, and Tune's log, which counts the trials, went to them."""
+    from raydp.study.runner import run_study
+
+    path = tmp_path / "owner-select.yaml"
+    path.write_text(yaml.safe_dump(SELECTION))
+    planted = tmp_path / "runs" / "owner-select"
+    (planted / "work").mkdir(parents=True)
+    for folder in (planted, planted / "work"):
+        os.chown(folder, 65534, 65534)
+    with pytest.raises(ConfigError, match="belongs to another user"):
+        run_study(path, tmp_path / "runs", progress=False)
+    assert list((planted / "work").iterdir()) == []

@@ -58,7 +58,7 @@ import pyarrow.parquet as pq
 
 import raydp
 from raydp.errors import DataError
-from raydp.files import PRIVATE_DIR, owner_only
+from raydp.files import PRIVATE_DIR, check_ancestors, owner_only
 from raydp.data import canaries, schema
 from raydp.data.csv_source import load_diabetes_csv, load_ids_mapping
 from raydp.data.identity import keyed_id, manifest_id, public_id
@@ -293,6 +293,7 @@ def _prepare_target(out: Path, overwrite: bool) -> list[Path]:
         parent = parent.parent
     if not parent.is_dir():
         raise DataError(f"cannot create dataset directory {out}: {parent} is not a directory")
+    check_ancestors(parent)  # no other user can swap the dataset's folder for theirs
     try:
         for d in reversed(missing):
             d.mkdir()

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from raydp.errors import ConfigError
+from raydp.files import check_ancestors
 
 
 def check_output_dir(output: Path, overwrite: bool) -> None:
@@ -28,6 +29,7 @@ def staged_output(output: str | Path, overwrite: bool = False):
     """Yield a staging directory; on success it replaces ``output``, on failure it is deleted."""
     output = Path(output).expanduser().absolute()
     check_output_dir(output, overwrite)
+    check_ancestors(output.parent)  # no other user can swap the run's folder for theirs (before anything is made)
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.partial-", dir=output.parent))

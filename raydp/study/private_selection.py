@@ -24,7 +24,9 @@ cell is charged to the dataset's lifetime budget by its end-to-end curve, which 
 Limits (docs/privacy.md): K = 0 (Poisson only) releases nothing for the cell, which is part of Thm. 6's output;
 a trial that fails stops the study with nothing released (a failure is not covered by the theorem: the
 study's trials are fixed-plan DP-SGD runs, which fail on bugs or resources, not on the data); the study's total
-run time grows with K, so whoever watches the driver learns about K: release the result, not the run's timing.
+run time grows with K, so whoever watches the driver learns about K: release the result, not the run's timing;
+each trial is a process every local user sees in the process table (docs/privacy.md: run it where no one else
+logs in, or with /proc mounted hidepid=2).
 """
 
 from __future__ import annotations

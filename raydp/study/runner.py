@@ -51,7 +51,7 @@ from raydp.data import load_manifest, load_texts, manifest_id, resolve_dataset
 from raydp.data.build import is_public_dataset
 from raydp.data.tasks import classification_spec
 from raydp.errors import ConfigError
-from raydp.files import owner_only, private_dir, tighten_umask, user_scratch
+from raydp.files import atomic_write, owner_only, private_dir, tighten_umask, user_scratch
 from raydp.evaluation.evaluate import evaluate_run
 from raydp.evaluation.results import flat_metrics
 from raydp.model.embedded import ensure_embedded_model, is_embedded_name
@@ -171,7 +171,7 @@ def write_lifetime_nonce(study_dir: Path, nonce: str) -> None:
     text = f"{nonce}\n{Path(study_dir).resolve()}\n"
     if not path.is_file() or path.read_text() != text:  # a resume leaves it as it was
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        atomic_write(path, text)
 
 
 def lock_study_dir(study_dir: Path):
@@ -699,8 +699,8 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
         if created and held:  # only the driver that holds the lock removes what it created
             shutil.rmtree(study_dir, ignore_errors=True)
         raise
-    (study_dir / "PRIVACY.txt").write_text(STUDY_PRIVACY_NOTE)
-    (study_dir / "study.json").write_text(json.dumps(study.model_dump(mode="json"), indent=2))
+    atomic_write(study_dir / "PRIVACY.txt", STUDY_PRIVACY_NOTE)
+    atomic_write(study_dir / "study.json", json.dumps(study.model_dump(mode="json"), indent=2))
     write_lifetime_nonce(study_dir, nonce)  # a resume here is not charged twice (private: work/)
     session = None
     common = {"study": study.model_dump(mode="json"), "dataset": dataset, "study_dir": str(study_dir),
@@ -775,14 +775,14 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     unfinished = max(unfinished, stopped)  # a stopped search cell's trials not yet sampled are in no table
     if summary.get("search_best") and not study.private_data and not unfinished:  # a finished public search's record
         ids = sorted(set(table["dataset_id"].dropna())) if "dataset_id" in table else []
-        (study_dir / TUNING_RECORD).write_text(json.dumps({
+        atomic_write(study_dir / TUNING_RECORD, json.dumps({
             "format": TUNING_FORMAT, "study": study.name, "private_data": False, "data_source": "public",
             "dataset_ids": ids, "search_best": summary["search_best"],
             "note": "the best values of each search cell, chosen on public episodes (raydp study ... tuned_from)"},
             indent=2) + "\n")
     if unfinished:  # stopped (Ctrl-C: Tune saved its state and returned): finished trials are in the results
         summary["unfinished_trials"] = unfinished
-    (study_dir / "study_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    atomic_write(study_dir / "study_summary.json", json.dumps(summary, indent=2, default=str))
     return study_dir
 
 
@@ -792,7 +792,7 @@ def _run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, 
     if resume:
         check_resumed_study(study, study_dir)
     created = not study_dir.exists()
-    study_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(study_dir)  # owner-only, this user's, and nothing above it lets another user swap it
     held.append(lock_study_dir(study_dir))
     try:
         return run_private_selection(study, study_dir, progress, resume)  # its charge tag is drawn with K
