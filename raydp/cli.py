@@ -498,7 +498,7 @@ def eval_config_from_args(args):
 
 
 def cmd_eval(args) -> int:
-    from raydp.evaluation.evaluate import evaluate_run  # lazy: `raydp --help` loads no pandas
+    from raydp.evaluation.evaluate import evaluate_run, evaluation_path  # lazy: `raydp --help` loads no pandas
     from raydp.evaluation.results import summary_line  # lazy: `raydp --help` loads no pandas
 
     settings = eval_config_from_args(args)
@@ -514,7 +514,9 @@ def cmd_eval(args) -> int:
         result = evaluate_run(run, settings, progress=not args.quiet, audits_in_family=len(runs))
         print(f"{run.name}: {summary_line(result)}")
         violations += (result.get("audit") or {}).get("consistent") is False
-    print(f"evaluation written to {len(runs)} run director{'y' if len(runs) == 1 else 'ies'} (evaluation.json)")
+    where = sorted({str(evaluation_path(run).parent) for run in runs})
+    print(f"evaluation.json written for {len(runs)} run(s): "
+          + (where[0] if len(where) == 1 else "in each run's folder (a released cell's: its study's work/evaluations/)"))
     if violations:
         print(f"raydp: {violations} run(s) leak more than their claimed epsilon: a privacy bug", file=sys.stderr)
         return 3
