@@ -72,29 +72,14 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, mode: int = PRIVATE
     """Replace ``path`` with ``data`` (text is written as UTF-8) in one rename; its mode is ``mode`` (owner-only
     unless a caller passes a wider one for a file that holds nothing private). Creates the parent folder (0700) if
     needed. On any failure the temporary file is removed and the previous file stays as it was."""
-    path = Path(path)
-    if path.parent != path and not path.parent.is_dir():
-        private_dir(path.parent, check=False)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data.encode("utf-8") if isinstance(data, str) else data)
-            handle.flush()
-            if fsync:
-                os.fsync(handle.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    if fsync:
-        _fsync_dir(path.parent)
-    return path
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    return atomic_replace(path, lambda tmp: Path(tmp).write_bytes(payload), mode=mode, fsync=fsync)
 
 
 def atomic_replace(path: str | os.PathLike, write, mode: int = PRIVATE_FILE, fsync: bool = True) -> Path:
     """Like :func:`atomic_write` for a writer that takes a path (e.g. ``pyarrow.parquet.write_table``): ``write``
-    is called with a fresh temporary sibling's path, which then replaces ``path``."""
+    is called with a fresh temporary sibling's path (``mkstemp``: a unique name, 0600), which then replaces
+    ``path`` after an fsync; the folder is synced after the rename."""
     path = Path(path)
     if not path.parent.is_dir():
         private_dir(path.parent, check=False)
