@@ -12,6 +12,7 @@ its claimed epsilon (a privacy bug).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -172,7 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     study.add_argument("--results-dir", default="runs/studies", help="where the study directory goes")
     study.add_argument("--resume", action="store_true", help="restore a stopped study (Tuner.restore) and finish it")
     study.add_argument("--check", action="store_true", help="validate the study (configs, budgets) and list its trials")
-    study.add_argument("--quiet", action="store_true")
+    study.add_argument("--quiet", action="store_true", help="no progress: neither a line per trial nor progress bars")
+    study.add_argument("--verbose", "-v", action="count", default=0,
+                       help="Ray Tune's own status tables instead of a line per finished trial (-vv: also a block per "
+                            "result)")
     report = commands.add_parser("report", help="a study's (or a run's) tables and its HTML report")
     report.add_argument("study_dir", metavar="DIR", help="a study's directory (<results-dir>/<name>) or a run directory")
     report.add_argument("more_studies", metavar="MORE", nargs="*",
@@ -441,27 +445,50 @@ def cmd_study(args) -> int:
         if len(trials) > 20:
             print(f"  ... and {len(trials) - 20} more")
         return 0
-    from raydp.study.report import format_report  # lazy: `raydp --help` loads no pandas
+    from raydp.runner.progress import plain_output, quiet_library_notices  # lazy: `raydp --help` loads no tqdm
+    from raydp.study.report import format_study, record_outcome  # lazy: `raydp --help` loads no pandas
     from raydp.study.runner import run_study  # lazy: `raydp --help` loads no pandas
 
     from raydp.report import write_report  # lazy: `raydp --help` loads no pandas
 
     study = load_study(args.path)  # fail fast on a bad file
-    study_dir = run_study(args.path, args.results_dir, progress=not args.quiet, resume=args.resume)
+    quiet_library_notices()  # Ray's and Tune's notices that are not the user's to act on (raydp.runner.progress)
+    with plain_output(), _tune_verbosity(0 if args.quiet else args.verbose):
+        study_dir = run_study(args.path, args.results_dir, progress=not args.quiet, resume=args.resume)
     if study.selection == "private-dp":  # one released trial per cell: no results table, no page of every trial
         from raydp.study.private_selection import format_selection  # lazy: `raydp --help` loads no torch
 
         print(format_selection(study_dir))
         print(f"\nstudy written to {study_dir}; release only what {study_dir / 'PRIVACY.txt'} lists")
         return 0
-    print(format_report(study_dir))
-    print(f"\nstudy written to {study_dir}; HTML report: {write_report(study_dir)}")
+    record_outcome(study_dir)  # what the table prints, and the trial each cell would release, in study_summary.json
+    print(format_study(study_dir))
+    print(f"\nstudy written to {study_dir}\n  HTML report: {write_report(study_dir)}\n  every table: raydp report "
+          f"{study_dir}")
     unfinished = json.loads((study_dir / "study_summary.json").read_text()).get("unfinished_trials")
     if unfinished:  # one line, the only resume hint that names our command
         print(f"raydp: study stopped with {unfinished} trial(s) unfinished; finish it with: raydp study {args.path} "
               f"--resume --results-dir {args.results_dir}", file=sys.stderr)
         return 130
     return 0
+
+
+@contextlib.contextmanager
+def _tune_verbosity(level: int):
+    """Within the block, Ray Tune's console at ``level`` (``raydp study --verbose``; 0: raydp's line per trial);
+    the environment is restored afterwards."""
+    from raydp.study.runner import TUNE_VERBOSE_ENV  # lazy: `raydp --help` loads no pandas
+
+    before = os.environ.get(TUNE_VERBOSE_ENV)
+    if level:
+        os.environ[TUNE_VERBOSE_ENV] = str(min(level, 2))
+    try:
+        yield
+    finally:
+        if level and before is None:
+            os.environ.pop(TUNE_VERBOSE_ENV, None)
+        elif level:
+            os.environ[TUNE_VERBOSE_ENV] = before
 
 
 def cmd_report(args) -> int:

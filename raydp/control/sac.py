@@ -25,6 +25,7 @@ import numpy as np
 
 from raydp.control.features import ObservationLayout
 from raydp.control.modules import MODULES
+from raydp.runner.progress import quiet_library_notices
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ def spaces(layout: ObservationLayout, squashed: bool = False) -> tuple[gym.space
 def module_spec(layout: ObservationLayout, settings: SACSettings, inference_only: bool = False):
     from ray.rllib.core.rl_module.rl_module import RLModuleSpec
 
+    quiet_library_notices()  # RLlib's own notices of the modules built from here (not the user's to act on)
     obs, act = spaces(layout, settings.squashed)
     return RLModuleSpec(module_class=MODULES[layout.architecture], observation_space=obs, action_space=act,
                         inference_only=inference_only,
@@ -75,6 +77,7 @@ def sac_config(layout: ObservationLayout, settings: SACSettings, env_runner_cls,
     service so that this module does not depend on the broker (the broker builds its modules from here)."""
     from ray.rllib.algorithms.sac import SACConfig
 
+    quiet_library_notices()  # RLlib's and Tune's notices of the algorithm built from here
     obs, act = spaces(layout, settings.squashed)
     spec = module_spec(layout, settings)
     return (

@@ -856,13 +856,20 @@ def _mean(values) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+#: Tune's own console output for a study (``raydp study --verbose``: 1, ``-vv``: 2); unset or 0, raydp's line per
+#: finished trial instead (:class:`raydp.study.progress.TrialLines`)
+TUNE_VERBOSE_ENV = "RAYDP_TUNE_VERBOSE"
+
+
 def tune_verbosity(progress: bool) -> int:
-    """Tune's console verbosity. Ray 2.60's default output engine (``ray.tune.experimental.output``,
-    unless ``RAY_AIR_NEW_OUTPUT=0``) prints at 1 a status table at most every 30 s and a block when a
-    trial starts or ends; 2 would add a block per result and per checkpoint. That engine ignores a
-    ``progress_reporter`` (with a warning), so none is passed. The remaining line per checkpoint comes
-    from the trial's process (:data:`CHECKPOINT_LOGGER`), quieted by :func:`run_trial` off a terminal."""
-    return 1 if progress else 0
+    """Tune's console verbosity: 0 (silent) unless :data:`TUNE_VERBOSE_ENV` asks for Tune's reporter, and then only
+    with ``progress``. Ray 2.60's default output engine (``ray.tune.experimental.output``, unless
+    ``RAY_AIR_NEW_OUTPUT=0``) prints at 1 a status table at most every 30 s (with the best trial's whole config)
+    and a block when a trial starts or ends; 2 adds a block per result and per checkpoint. That engine ignores a
+    ``progress_reporter`` (with a warning), so none is passed. The line per checkpoint from the trial's process
+    (:data:`CHECKPOINT_LOGGER`) is quieted by :func:`run_trial` off a terminal."""
+    level = os.environ.get(TUNE_VERBOSE_ENV, "").strip()
+    return int(level) if progress and level in ("1", "2") else 0
 
 
 #: checkpoints a trial keeps (a retry resumes from the latest; a PBT exploit copies the donor's latest)
@@ -909,13 +916,19 @@ def study_filesystem(uri: str):
 
 def _run_config(name: str, storage: TuneStorage, study: StudyConfig, progress: bool, keep: int | None = CHECKPOINTS_KEPT):
     """Every Tuner's RunConfig: its experiment under ``storage``, retries, a bounded number of checkpoints
-    (``keep``; PBT keeps all: an exploit copies a donor's checkpoint, which a bound could delete first)."""
+    (``keep``; PBT keeps all: an exploit copies a donor's checkpoint, which a bound could delete first), and its
+    console: Tune's reporter at :func:`tune_verbosity`, else with ``progress`` a line per finished trial."""
     from ray import tune  # lazy: `raydp study --check` loads no Ray
 
+    from raydp.runner.progress import quiet_library_notices
+    from raydp.study.progress import TrialLines  # lazy: imports Ray, as above
+
+    quiet_library_notices()  # e.g. Tune's Tuner.restore hint when a study is stopped: raydp prints its --resume one
+    verbose = tune_verbosity(progress)
     return tune.RunConfig(name=name, storage_path=storage.path, storage_filesystem=storage.filesystem,
                           failure_config=tune.FailureConfig(max_failures=study.max_failures),
                           checkpoint_config=tune.CheckpointConfig(num_to_keep=keep),
-                          verbose=tune_verbosity(progress))
+                          verbose=verbose, callbacks=[TrialLines()] if progress and not verbose else None)
 
 
 def _node_id() -> str | None:
