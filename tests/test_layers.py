@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "raydp"
 #: lowest first; a package imports only from lower layers (and within itself)
 LAYERS = [
     ["errors", "(init)"],                # one-line errors, the version
-    ["settings", "files"],               # strict pydantic models; owner-only durable writes and locks
+    ["settings", "files", "notices"],    # pydantic models; owner-only durable writes; third-party notices
     ["data"],                            # records, splits, canaries, identities
     ["model"],                           # the embedded model, tokenizers, LoRA, loss
     ["privacy"],                         # the DP step, ledger, accountants, randomness

@@ -25,7 +25,7 @@ import numpy as np
 
 from raydp.control.features import ObservationLayout
 from raydp.control.modules import MODULES
-from raydp.runner.progress import quiet_library_notices
+from raydp.notices import quiet_library_notices
 
 
 @dataclass(frozen=True)
