@@ -228,6 +228,7 @@ def test_one_seed_prints_no_nan_and_no_test_instead_of_a_p_value(tmp_path):
     assert "gate: N/A (1 seed: no test): m: non-private vs static-pairwise" in out
     assert "m eps 2: RLDP 1 seed: no test (rldp [" in out  # the verdict names arms by their short names
     assert "m eps 2: 1 seed: no test: clip-schedule vs static-pairwise [" in out
+    assert "m: NOT JUDGED: one seed in every cell" in out and "NOT MET" not in out
     assert max(len(line) for line in out.splitlines()) <= MAX_WIDTH  # the long RLDP label is a wrapped footnote
     assert "[2] rldp [lr=0.009049911227773816" in out
     assert "Table 2 analogue" in out  # the study has an RLDP trial

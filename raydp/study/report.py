@@ -15,7 +15,14 @@ own figure, the RDP composition of its cells' end-to-end curves (:func:`_combine
 Verdicts (:func:`verdicts`, issue 12): per model x epsilon, RLDP's best arm against the best baseline arm,
 both chosen after the fact by mean final perplexity, and Welch's t-test over their seeds (two-sided, 5%):
 RLDP *wins* or *loses* when the difference is significant, and *ties* otherwise. Choosing the best
-baseline after seeing the results favours the baselines; choosing RLDP's best cell favours RLDP.
+baseline after seeing the results favours the baselines; choosing RLDP's best cell favours RLDP. Where an arm has
+one seed there is no test: verdicts, challenges and the sd-based gates say so (:data:`NO_TEST`).
+
+Every table starts with the study's compact table per (model, epsilon) (:mod:`raydp.study.outcome`); the Table 2 and
+3 analogues and the verdicts print only where the study has RLDP trials, a learned controller's challenge only where
+it ran. ``raydp study`` prints :func:`format_study` (the compact table, attacks, gates, research tables and the
+tuning-aware epsilon, at most 160 characters a line) and records its figures with :func:`record_outcome`;
+``raydp report`` prints :func:`format_report` (every table).
 """
 
 from __future__ import annotations
@@ -235,6 +242,8 @@ def challenge_success(table: pd.DataFrame) -> str:
     """Issue 29's criterion over a model's cells: better in at least 2 of 3 and worse in none."""
     n_better, n_worse = int((table["decision"] == "better").sum()), int((table["decision"] == "worse").sum())
     untested = int((table["decision"] == NO_TEST).sum())
+    if untested == len(table):
+        return f"NOT JUDGED: one seed in every cell ({NO_TEST}); the criterion needs a test per cell"
     ok = n_better >= 2 and n_worse == 0
     return (f"{'SUCCESS' if ok else 'NOT MET'}: better in {n_better} of {len(table)} cells, worse in {n_worse}"
             + (f", {untested} with 1 seed (no test)" if untested else "")
