@@ -445,14 +445,15 @@ def cmd_study(args) -> int:
         if len(trials) > 20:
             print(f"  ... and {len(trials) - 20} more")
         return 0
-    from raydp.runner.progress import plain_output, quiet_library_notices  # lazy: `raydp --help` loads no tqdm
+    from raydp.notices import quiet_library_notices
+    from raydp.runner.progress import plain_output  # lazy: `raydp --help` loads no tqdm
     from raydp.study.report import format_study, record_outcome  # lazy: `raydp --help` loads no pandas
     from raydp.study.runner import run_study  # lazy: `raydp --help` loads no pandas
 
     from raydp.report import write_report  # lazy: `raydp --help` loads no pandas
 
     study = load_study(args.path)  # fail fast on a bad file
-    quiet_library_notices()  # Ray's and Tune's notices that are not the user's to act on (raydp.runner.progress)
+    quiet_library_notices()  # Ray's and Tune's notices that are not the user's to act on (raydp.notices)
     with plain_output(), _tune_verbosity(0 if args.quiet else args.verbose):
         study_dir = run_study(args.path, args.results_dir, progress=not args.quiet, resume=args.resume)
     if study.selection == "private-dp":  # one released trial per cell: no results table, no page of every trial

@@ -14,7 +14,9 @@ import logging
 #: RLlib's deprecation of RLModule(config=...), which RLlib's own module constructor triggers; RLlib's note that SAC
 #: runs on its new API stack (raydp's policies are built for it); Tune's hint to install gputil (a policy service
 #: monitors no GPU); Tune's Tuner.restore hint for an interrupted experiment (raydp prints its own: ``raydp study FILE
-#: --resume``). raydp's own messages and every other library message pass.
+#: --resume``), and its list of the trials with no result to read when a stopped study returns (trials that never
+#: reported: raydp's header counts them unfinished and its results table marks them). raydp's own messages and every
+#: other library message pass.
 LIBRARY_NOTICES = {
     "ray._private.authentication.authentication_token_setup": ("Token authentication is enabled for this Ray cluster",),
     "ray._common.deprecation": ("DeprecationWarning: `RLModule(config=", "DeprecationWarning: `MultiRLModule(config="),
@@ -22,6 +24,7 @@ LIBRARY_NOTICES = {
     "ray.rllib.algorithms.sac.sac": ("You are running SAC on the new API stack",),
     "ray.tune.utils.util": ("Install gputil for GPU system monitoring",),
     "ray.tune.tune": ("Experiment has been interrupted, but the most recent state was saved",),
+    "ray.tune.analysis.experiment_analysis": ("Failed to fetch metrics for ",),
 }
 
 

@@ -322,28 +322,29 @@ class _Collect(logging.Handler):
 
 
 def test_third_party_notices_are_filtered_at_their_loggers_and_raydps_are_not():
-    from raydp.runner.progress import quiet_library_notices
+    from raydp.notices import quiet_library_notices
     from raydp.study.runner import TUNE_VERBOSE_ENV, tune_verbosity
 
     quiet_library_notices()
     quiet_library_notices()  # idempotent: one filter per logger
     assert len(logging.getLogger("ray.tune.tune").filters) == 1
-    auth, deprecation, tune, ours = (logging.getLogger(n) for n in (
+    auth, deprecation, tune, analysis, ours = (logging.getLogger(n) for n in (
         "ray._private.authentication.authentication_token_setup", "ray._common.deprecation", "ray.tune.tune",
-        "raydp.study.runner"))
+        "ray.tune.analysis.experiment_analysis", "raydp.study.runner"))
     collect = _Collect()  # on each logger itself: Ray's loggers may not propagate to the root
-    for logger in (auth, deprecation, tune, ours):
+    for logger in (auth, deprecation, tune, analysis, ours):
         logger.addHandler(collect)
     try:
         auth.warning("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
         deprecation.warning("DeprecationWarning: `RLModule(config=[RLModuleConfig object])` has been deprecated.")
         tune.warning("Experiment has been interrupted, but the most recent state was saved.\nResume experiment with: "
                      "Tuner.restore(path=...)")
+        analysis.warning("Failed to fetch metrics for 2 trial(s):\n- run_trial_1: FileNotFoundError('...')")
         deprecation.warning("DeprecationWarning: `other_api` has been deprecated.")
         auth.warning("Token authentication is disabled for this Ray cluster.")
         ours.warning("trial x: wandb start failed")
     finally:
-        for logger in (auth, deprecation, tune, ours):
+        for logger in (auth, deprecation, tune, analysis, ours):
             logger.removeHandler(collect)
     assert collect.messages == ["DeprecationWarning: `other_api` has been deprecated.",
                                 "Token authentication is disabled for this Ray cluster.", "trial x: wandb start failed"]

@@ -14,14 +14,11 @@ otherwise). ``True`` means ``"auto"`` and ``False`` ``"off"``; the environment v
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import sys
 import time
 
 from tqdm.auto import tqdm
-
-from raydp.notices import LIBRARY_NOTICES, LibraryNoticeFilter, quiet_library_notices  # noqa: F401 (re-exported)
 
 MODES = ("bar", "lines", "off")
 #: at most one heartbeat line this often (seconds) when no evaluation line was printed meanwhile

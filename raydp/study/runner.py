@@ -920,7 +920,7 @@ def _run_config(name: str, storage: TuneStorage, study: StudyConfig, progress: b
     console: Tune's reporter at :func:`tune_verbosity`, else with ``progress`` a line per finished trial."""
     from ray import tune  # lazy: `raydp study --check` loads no Ray
 
-    from raydp.runner.progress import quiet_library_notices
+    from raydp.notices import quiet_library_notices
     from raydp.study.progress import TrialLines  # lazy: imports Ray, as above
 
     quiet_library_notices()  # e.g. Tune's Tuner.restore hint when a study is stopped: raydp prints its --resume one
