@@ -295,8 +295,10 @@ def test_a_stopped_study_says_it_is_partial(tmp_path):
     assert record["partial"] is True and record["finished_trials"] == 3 and record["planned_trials"] == 4
 
 
-def test_trial_lines():
-    from raydp.study.progress import trial_label, trial_line
+def test_trial_lines(capsys):
+    from types import SimpleNamespace
+
+    from raydp.study.progress import TrialLines, trial_label, trial_line
     from raydp.study.trial import Trial
 
     spec = Trial(model="embedded", strategy="static-pairwise", epsilon=2.0, seed=0)
@@ -310,6 +312,13 @@ def test_trial_lines():
     tuned = Trial(model="m", strategy="clip-schedule", epsilon=2.0, seed=0, tuned={"clip": 0.014422366502531475,
                                                                                  "lr": 0.009049911227773816})
     assert len(trial_label(tuned, "x")) < 60
+    # Tune's callback: the trial's place among the experiment's, its spec from its config; nothing with --quiet
+    done = SimpleNamespace(status="TERMINATED", config={}, last_result={})
+    trial = SimpleNamespace(status="RUNNING", config={"trial": spec.to_dict()}, last_result=result)
+    TrialLines().on_trial_complete(0, [done, trial, SimpleNamespace(status="PENDING")], trial)
+    TrialLines(lines=False).on_trial_complete(0, [done, trial], trial)
+    TrialLines().experiment_started("x", "/tmp/x", "s", "f", 3)
+    assert capsys.readouterr().err == "[2/3] static-pairwise embedded eps2 seed0: value NLL 65.31 (public), 41 s\n"
 
 
 class _Collect(logging.Handler):

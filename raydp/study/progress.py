@@ -71,14 +71,15 @@ def _spec(trial) -> Trial | None:
 
 
 class TrialLines(TuneProgressReporter):
-    """Prints :func:`trial_line` when a trial of the experiment finishes or fails for good, and nothing else: not
-    Tune's announcement of the experiment, nor its status tables."""
+    """Prints :func:`trial_line` when a trial of the experiment finishes or fails for good (not with ``lines=False``:
+    ``raydp study --quiet``), and nothing else: not Tune's announcement of the experiment, nor its status tables."""
 
     _heartbeat_threshold = _start_end_verbosity = AirVerbosity.DEFAULT  # what Tune's own reporters print at: never
     _intermediate_result_verbosity = AirVerbosity.VERBOSE
 
-    def __init__(self):
+    def __init__(self, lines: bool = True):
         super().__init__(AirVerbosity.SILENT)
+        self.lines = lines
 
     def experiment_started(self, *args, **kwargs) -> None:
         pass
@@ -87,6 +88,8 @@ class TrialLines(TuneProgressReporter):
         pass
 
     def _print(self, trials, trial, failed: bool) -> None:
+        if not self.lines:
+            return
         ended = sum(1 for t in trials if t is not trial and t.status in ("TERMINATED", "ERROR")) + 1
         line = trial_line(ended, len(trials), trial_label(_spec(trial), str(trial)), trial.last_result, failed)
         print(line, file=sys.stderr, flush=True)
@@ -98,5 +101,6 @@ class TrialLines(TuneProgressReporter):
         self._print(trials, trial, failed=True)
 
     def on_trial_recover(self, iteration: int, trials: list, trial, **info) -> None:
-        print(f"{trial_label(_spec(trial), str(trial))}: failed; Tune retries it from its latest checkpoint",
-              file=sys.stderr, flush=True)
+        if self.lines:
+            print(f"{trial_label(_spec(trial), str(trial))}: failed; Tune retries it from its latest checkpoint",
+                  file=sys.stderr, flush=True)

@@ -917,7 +917,8 @@ def study_filesystem(uri: str):
 def _run_config(name: str, storage: TuneStorage, study: StudyConfig, progress: bool, keep: int | None = CHECKPOINTS_KEPT):
     """Every Tuner's RunConfig: its experiment under ``storage``, retries, a bounded number of checkpoints
     (``keep``; PBT keeps all: an exploit copies a donor's checkpoint, which a bound could delete first), and its
-    console: Tune's reporter at :func:`tune_verbosity`, else with ``progress`` a line per finished trial."""
+    console: Tune's reporter at :func:`tune_verbosity`, else :class:`raydp.study.progress.TrialLines` (with
+    ``progress`` a line per finished trial; without, nothing: not even Tune's announcement of the experiment)."""
     from ray import tune  # lazy: `raydp study --check` loads no Ray
 
     from raydp.notices import quiet_library_notices
@@ -928,7 +929,7 @@ def _run_config(name: str, storage: TuneStorage, study: StudyConfig, progress: b
     return tune.RunConfig(name=name, storage_path=storage.path, storage_filesystem=storage.filesystem,
                           failure_config=tune.FailureConfig(max_failures=study.max_failures),
                           checkpoint_config=tune.CheckpointConfig(num_to_keep=keep),
-                          verbose=verbose, callbacks=[TrialLines()] if progress and not verbose else None)
+                          verbose=verbose, callbacks=None if verbose else [TrialLines(lines=progress)])
 
 
 def _node_id() -> str | None:
