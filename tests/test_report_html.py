@@ -663,3 +663,15 @@ def test_the_audit_says_how_many_canaries_could_show_anything(study_page):
     assert power.strongest == pytest.approx(bound(200, eps, strongest), abs=1e-5)
     for n, rate in ((power.canaries_perfect, 1.0), (power.canaries_strongest, strongest)):
         assert bound(n, eps, rate) >= eps / 2 > bound(n - 1, eps, rate), (n, rate)
+
+
+def test_a_stopped_studys_page_says_it_is_partial(study, tmp_path):
+    """A stopped study's page showed its finished trials without saying the study was partial."""
+    from raydp.report import write_report
+
+    stopped = tmp_path / "stopped"
+    shutil.copytree(study, stopped)
+    summary = json.loads((stopped / "study_summary.json").read_text())
+    (stopped / "study_summary.json").write_text(json.dumps({**summary, "unfinished_trials": 2}))
+    assert "PARTIAL: the study was stopped" in write_report(stopped).read_text()
+    assert "PARTIAL" not in write_report(study, tmp_path / "whole.html").read_text()

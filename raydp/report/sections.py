@@ -57,6 +57,12 @@ def overview(r: Report) -> str:
             _arms_table(r)]
     if not r.public:
         body.append(para(PRIVATE_SPLIT_WARNING, "warn"))
+    unfinished = int(res["status"].isin(("INTERRUPTED", "NOT_RUN")).sum()) if "status" in res else 0
+    unfinished = max(unfinished, int(r.summary.get("unfinished_trials") or 0))
+    if r.kind == "study" and (unfinished or r.summary.get("partial")):
+        body.append(para(f"PARTIAL: the study was stopped before all its trials ran ({unfinished or 'some'} not "
+                         "finished); this page shows the finished trials only. raydp study FILE --resume finishes "
+                         "it.", "warn"))
     labels = _labels(res)
     for label in labels:
         body.append(para(f"LABEL: {label}", "warn"))
