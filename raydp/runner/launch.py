@@ -91,7 +91,7 @@ def start_local_ray(num_cpus: int | None = None, **init_kwargs) -> Path:
     Ray makes its temporary folders world-writable on purpose (``try_make_directory_shared``: mode 0777 for the
     temporary root, the session, its logs and sockets), and Tune stages each experiment there
     (``session_*/artifacts/*/<experiment>/driver_artifacts``: every trial's results and settings, so how many trials
-    ran). Here the root is ``/tmp/raydp-ray-XXXXXXXX/ray`` inside a fresh ``mkdtemp`` folder (0700, so nothing
+    ran). Here the root is ``/tmp/raydp-ray-<random>/ray`` inside a fresh ``mkdtemp`` folder (0700, so nothing
     below it can be reached by another local user; short, since Ray's Unix socket paths must stay under 107
     bytes); Ray's processes start under an owner-only umask, so what they write is 0600/0700, and the folders Ray
     opened are closed again once it runs (:func:`close_ray_temp_dir`). The whole folder is removed when this
