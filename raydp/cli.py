@@ -457,7 +457,7 @@ def cmd_study(args) -> int:
     with plain_output(), _tune_verbosity(0 if args.quiet else args.verbose):
         study_dir = run_study(args.path, args.results_dir, progress=not args.quiet, resume=args.resume)
     if study.selection == "private-dp":  # one released trial per cell: no results table, no page of every trial
-        from raydp.study.private_selection import format_selection  # lazy: `raydp --help` loads no torch
+        from raydp.study.selection_release import format_selection  # lazy: `raydp --help` loads no pandas
 
         print(format_selection(study_dir))
         print(f"\nstudy written to {study_dir}; release only what {study_dir / 'PRIVACY.txt'} lists")
@@ -502,7 +502,7 @@ def cmd_report(args) -> int:
         print(format_report(args.study_dir, *args.more_studies))
         return 0
     if (Path(args.study_dir) / "released").is_dir() and not (Path(args.study_dir) / "results.parquet").exists():
-        from raydp.study.private_selection import format_selection  # lazy: `raydp --help` loads no torch
+        from raydp.study.selection_release import format_selection  # lazy: `raydp --help` loads no pandas
 
         print(format_selection(args.study_dir))  # a private-dp study: its released trials only
         return 0

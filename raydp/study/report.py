@@ -498,14 +498,14 @@ def _read_summary(study_dir: str | Path) -> dict:
 
 
 def _format_selection(study_dir: str | Path) -> str:
-    from raydp.study.private_selection import format_selection  # lazy: imports torch
+    from raydp.study.selection_release import format_selection
 
     return format_selection(Path(study_dir))
 
 
 def _format_selection_privacy(summary: dict) -> list[str]:
     """A private-dp study's own privacy lines: what releasing all of its cells costs."""
-    from raydp.study.private_selection import all_cells_line  # lazy: imports torch
+    from raydp.study.selection_release import all_cells_line
 
     total = summary.get("all_cells")
     if not total:
