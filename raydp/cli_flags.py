@@ -1,4 +1,4 @@
-"""Command-line flags generated from the pydantic config models (issue 30): a config field is declared once.
+"""Command-line flags generated from the pydantic config models: a config field is declared once.
 
 Each leaf field of :class:`~raydp.config.TrainConfig` (its nested ``data``, ``task`` and ``lora`` models included)
 and of every strategy settings model the registry can load without its strategy (``StrategySpec.settings``, e.g.

@@ -18,7 +18,7 @@ from raydp.strategies.registry import (NONPRIVATE, SPECS, STRATEGY_CHOICES, get_
                                        strategy_settings, with_capability)
 
 
-#: records of the embedded default's synthetic dataset (the benchmark, issue 27): with the default split fractions,
+#: records of the embedded default's synthetic dataset (docs/benchmark.md): with the default split fractions,
 #: ~2,000 eval records (enough that the seed spread, not the evaluation sample, dominates) and ~5,500 in train
 SYNTHETIC_DEFAULT_RECORDS = 10_000
 
@@ -112,7 +112,7 @@ class TaskConfig(StrictModel):
 def upgrade_train_values(values):
     """An old run config's values in today's form (every TrainConfig is read through this, so old YAML files, a
     stored run's ``config.json`` and a study's base all load; ``raydp migrate`` rewrites stored ones). A strategy's
-    legacy settings block (RLDP's ``rldp:``, before issue 30: its spec's ``legacy_block``) moves under ``settings``
+    legacy settings block (RLDP's ``rldp:`` of older configs: its spec's ``legacy_block``) moves under ``settings``
     when the config runs that strategy, and is dropped otherwise: every old run's config.json carried it, defaults
     included, whatever its strategy, and no other strategy read it."""
     if not isinstance(values, dict):
@@ -187,7 +187,7 @@ class TrainConfig(StrictModel):
         "size follows the clip instead of freezing or jumping for hundreds of steps)"))
     eval_every: int | None = Field(None, gt=0, description=(
         "steps between evaluations (beside step 0, each epoch end and the last, which are always evaluated); default: "
-        "those only (evaluating 2,000 + 2,000 records is a third of a default run; issue 28)"))
+        "those only (evaluating 2,000 + 2,000 records is a third of a default run)"))
     eval_max_records: int | None = Field(2000, gt=0, description="evaluate on at most this many eval records")
     dp_width: int | None = Field(None, gt=1, description=(
         "DP runs: the tokens every training batch is padded to (a longer training record is cut to it), a public "

@@ -10,7 +10,7 @@ The action is ``a_t = (a_1..a_n, a_{n+1})`` in R^{n+1}, drawn from the actor's u
 * Eq. 14: ``log sigma_{t+1} = beta log sigma_t + (1 - beta) log sigma_prop``, beta = 0.8;
 * Eq. 15: ``sigma_{t+1} = exp(log sigma_{t+1})``.
 
-``relative`` decoding (raydp's, issue 12; ``settings.action_decoding: relative``) replaces Eq. 10 only:
+``relative`` decoding (raydp's; ``settings.action_decoding: relative``) replaces Eq. 10 only:
 ``C_i = r_i * exp(clamp(a_i, log RELATIVE_BOUNDS))``, where r_i is pair i's public reference scale (the
 median per-sample norm of pair i on PUBLIC records under the initial model, measured by the public
 probe). A zero action then means "clip at the public reference" rather than Eq. 10's "C_i = 1", and
@@ -18,14 +18,14 @@ the same action means the same thing on a model whose gradients are ten times sm
 is bounded to [1e-3, 10] (a Gaussian action far in its tail must not clip to nothing or not at all).
 Eq. 11-15 (sigma) are unchanged.
 
-``relative-capped`` (raydp's, issue 12) is relative decoding with the multiplier bounded to [1e-3, 1]: a clip
+``relative-capped`` (raydp's) is relative decoding with the multiplier bounded to [1e-3, 1]: a clip
 never exceeds the pair's public reference norm. Why: with proportional noise the noise on pair i grows with
 C_i (std sigma sqrt(n) C_i, ERRATA E1) while its signal stops growing once C_i passes the per-sample norms,
 so a clip far above them only adds noise. The frontier measured what the wider bound allows: a policy
 that sat on its bounds put a clip above 1 (10 r_i) on 31-63 of a run's 93 controlled steps, and the best
 hand-set clips (0.01) lie below every public reference (0.016-0.16).
 
-``residual`` (raydp's, issue 29) decodes the clips as a correction of a learned clip schedule
+``residual`` (raydp's) decodes the clips as a correction of a learned clip schedule
 (:mod:`raydp.strategies.clipschedule`): ``C_i(t) = S_i(t) * exp(rho * a_i)`` with ``a_i`` in [-1, 1] from a
 tanh-squashed actor (:class:`raydp.control.modules.MaskedSquashedGaussian`) and ``rho`` = ``residual_range``. The
 zero action is the schedule, which the actor starts on; the bound holds by construction, so exploration cannot put

@@ -58,7 +58,7 @@ class ControllerModes:
     clip_bounds: tuple[float, float] | None
     #: the policy controls exactly the model's number of adapter pairs (Eq. 22-27), not a padded shared set
     fixed_pairs: bool
-    #: residual decoding (issue 29): squashed actions in [-1, 1] correct a learned clip schedule
+    #: residual decoding: squashed actions in [-1, 1] correct a learned clip schedule
     residual: bool = False
 
     @property

@@ -19,7 +19,7 @@ Eq. 27; Polyak targets, Eq. 26) are RLlib's.
 Actions follow Eq. 24 (an unsquashed Gaussian, :class:`MaskedGaussian`): the decoding of Eq. 10-15
 (:mod:`raydp.control.decoding`) applies exp/min and tanh itself. log std is clamped to [-5, 2].
 
-``residual`` decoding (issue 29) needs a bounded action: ``model_config["squashed"]`` makes the actor a
+``residual`` decoding needs a bounded action: ``model_config["squashed"]`` makes the actor a
 tanh-squashed Gaussian (:class:`MaskedSquashedGaussian`, RLlib's ``TorchSquashedGaussian`` with the mask: SAC's
 log-probability with the tanh change of variables, Haarnoja et al. 2018, arXiv:1801.01290, App. C, Eq. 21), so the
 entropy bonus cannot push the action past its bound. Its mean layer starts at zero (every action 0: the residual

@@ -6,7 +6,7 @@ spent, bounded below::
 
     r_t = max(-R_max, log(1 + max(du / (deps + 1e-6), -0.999)))      (Eq. 18-20)
 
-Its signal is weak (issue 29): u is the noisy DP loss-sum release and deps is small, a signal-to-noise ratio
+Its signal is weak: u is the noisy DP loss-sum release and deps is small, a signal-to-noise ratio
 near 0.01 per decision. ``reward: public-validation`` (raydp's) is the change of a potential instead,
 ``r_t = Phi_t - Phi_{t-1}`` with Phi = minus the value-token NLL per record on PUBLIC validation records under the
 current model: potential-based shaping (Ng, Harada & Russell 1999) whose episode sum telescopes to the run's

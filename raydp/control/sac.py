@@ -42,7 +42,7 @@ class SACSettings:
     replay_capacity: int = 10_000
     hidden: int = 128
     seed: int = 0
-    #: a tanh-squashed actor on [-1, 1] that starts at the zero action (residual decoding, issue 29;
+    #: a tanh-squashed actor on [-1, 1] that starts at the zero action (residual decoding;
     #: :mod:`raydp.control.modules`); a policy saved before this field had an unsquashed one
     squashed: bool = False
     initial_log_std: float = -1.5

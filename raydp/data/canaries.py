@@ -6,7 +6,8 @@ of a synthetic record of its own patient (the ``'canary'`` population: the priva
 every split), and those records join train (:mod:`raydp.data.splits`). The secrets depend only on
 ``canary_seed`` and ``n_canary``. (The paper appends them to real training records; choosing which records
 carry them from the training set's rows made one patient's presence move the canaries of others, so a
-neighbouring table gave training sets that differ in up to 2 n_canary + 1 patients: issue 26.)
+neighbouring table gave training sets that differ in up to 2 n_canary + 1 patients,
+more than the one patient the guarantee is for.)
 
 Audit canaries (the one-run audit of Steinke, Nasr and Jagielski 2023, Sec. 3): ``n_audit`` further
 records, each its own patient, each carrying its own secret in the same format and each included in

@@ -234,7 +234,7 @@ def fuse_activations(model: torch.nn.Module) -> int:
 
     The same function (Hendrycks & Gimpel 2016, the tanh approximation), other rounding: outputs differ by at most a
     few float32 ulps (a test bounds it). On one CPU thread it makes the embedded model's forward and backward about
-    10-20% cheaper (issue 28, ``docs/throughput.md``)."""
+    10-20% cheaper (``docs/throughput.md``)."""
     from transformers.activations import GELUTanh, NewGELUActivation
 
     replaced = 0

@@ -19,7 +19,7 @@ def token_nll(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: tor
     prediction of token ``t + 1`` and counts only when that token is not padding.
     """
     # cross-entropy as its two parts, the log-softmax over the whole (contiguous) logits and a gather of the shifted
-    # targets: F.cross_entropy of the shifted slice copies it first (issue 28). The same kernels on the same rows:
+    # targets: F.cross_entropy of the shifted slice copies it first (slower). The same kernels on the same rows:
     # the NLL and its gradient have cross_entropy's values (tests/test_throughput.py; a masked position's zero
     # gradient may now be +0.0 where it was -0.0). The last position's row, which predicts nothing, gets a zero
     # gradient (NaN if its logits hold an infinity, as a padded position's always did; it stays in that record)

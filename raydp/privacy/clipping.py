@@ -12,7 +12,7 @@ Layout: the per-sample gradients of all pairs are ONE ``[batch, D]`` matrix, pai
 B_1, ...: :func:`raydp.privacy.mechanism.flatten_pairs`'s order), and every stage after the hooks (zeroing
 non-finite units, summing a unit's records, pair norms, clip factors, the clipped sum, noise) is a few
 whole-matrix operations whatever the number of pairs: on a GPU the step is not bound by kernel launches
-per pair (issue 28), and nothing in it waits for the device.
+per pair, and nothing in it waits for the device.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class PairLayout:
         The squares are summed in float64: the result, rounded once to ``flat``'s dtype, is within float32 rounding
         of the exact norm, which the noise margin covers. The sums are plain reductions over views, ``period`` of
         them (one for equal pairs): an ``index_add_`` into n_pairs outputs made every column an atomic add on one of
-        a few addresses, milliseconds per step on a GPU at GPT-2 small's shape (issue 28)."""
+        a few addresses, milliseconds per step on a GPU at GPT-2 small's shape."""
         squares = flat.detach().double().pow(2)
         lead = squares.shape[:-1]
         if self.n_pairs == 0:
@@ -393,7 +393,7 @@ class PerSampleGradientComputer:
     Opacus's ``GradSampleModule`` for linear layers (Yousefpour et al. 2021, Opacus; Goodfellow 2015), computed
     here as one batched matrix product per matrix from a tensor hook on the layer's output. Opacus's generic
     module and full-backward hooks cost the step about 15 ms of host time at GPT-2 small's shape (12 pairs) on an
-    H200, where the whole non-private step's host time is about 40 ms: the step was bound by them (issue 28). Tests
+    H200, where the whole non-private step's host time is about 40 ms: the step was bound by them. Tests
     check these gradients against Opacus's and against a per-example loop. The hooks act only inside
     :meth:`compute`; other forward passes of the model (evaluation, a public probe of another source) pass
     through untouched.

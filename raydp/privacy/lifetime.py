@@ -1,6 +1,6 @@
 """A dataset's lifetime privacy budget: the data owner sets it once; every DP run and study on the dataset is
 charged its planned RDP curve, and one that would take the composed spend past the budget is refused before it
-starts (issue 32).
+starts.
 
 Composition: the RDP curves of all runs on the dataset add up, order by order, also when each run was chosen
 after seeing the earlier ones' outputs (Mironov 2017, "Renyi Differential Privacy", Prop. 1, adaptive

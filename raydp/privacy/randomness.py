@@ -25,8 +25,8 @@ replay a run exactly. Such a run's outputs carry :data:`VOID_LABEL`: its epsilon
 ``common_random_numbers`` derives them from the seed too, but only on PUBLIC data (``data.source: public``, or a
 dataset directory that regenerates as the public population), where no record is protected; such a run carries
 :data:`PUBLIC_COMMON_LABEL` instead of the void label: candidates of a search on public episodes then
-share batches and noise, so their difference is not drowned by sampling noise (common random numbers,
-issue 29). The run's epsilon is that of a simulation on public data either way; its source is
+share batches and noise, so their difference is not drowned by sampling noise (common random
+numbers). The run's epsilon is that of a simulation on public data either way; its source is
 :data:`PUBLIC_COMMON`.
 
 What this does not cover: the generators are fast PRNGs seeded secretly, not cryptographically secure,

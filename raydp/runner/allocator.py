@@ -1,4 +1,4 @@
-"""The C allocator of a training process: keep freed memory for the next step instead of returning it (issue 28).
+"""The C allocator of a training process: keep freed memory for the next step instead of returning it.
 
 A CPU training step allocates and frees the same large tensors every step (the logits, their log-softmax and
 gradient: about 8 MiB each on the benchmark default). glibc's dynamic mmap threshold soon serves them from the heap,

@@ -45,7 +45,7 @@ class OptimizerSettings:
     total_steps: int | None = None
     #: when a clip group's radius changes by k between steps, scale its AdamW moments by k (first) and k^2
     #: (second), so the step size follows the new clip instead of collapsing or exploding for ~1/(1-beta2)
-    #: steps (issue 29); the clips are the strategy's (public) choices
+    #: steps; the clips are the strategy's (public) choices
     rescale_moments: bool = False
 
 
@@ -88,7 +88,7 @@ def evaluation_steps(total_steps: int, steps_per_epoch: float, eval_every: int) 
 
     Epoch ``e`` ends at the first step by which ``e`` epochs' worth of batches have been drawn, ``ceil(e x
     steps_per_epoch)``. (Rounding to the nearest step put a DP run's last epoch end at step 702 of 703 and evaluated
-    both, about 6% of the benchmark default's run for one figure; issue 28.)"""
+    both, about 6% of the benchmark default's run for one figure.)"""
     steps = set(range(eval_every, total_steps + 1, eval_every)) if eval_every > 0 else set()
     n_epochs = math.ceil(total_steps / steps_per_epoch - 1e-9)
     steps |= {min(total_steps, math.ceil(e * steps_per_epoch - 1e-9)) for e in range(1, n_epochs + 1)}

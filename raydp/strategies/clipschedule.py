@@ -1,4 +1,4 @@
-"""An open-loop clip schedule: per-pair clips fixed before training, learned on public data (issue 29).
+"""An open-loop clip schedule: per-pair clips fixed before training, learned on public data.
 
 The clip of LoRA pair i at step t (of T planned steps) is
 

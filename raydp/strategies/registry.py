@@ -3,8 +3,8 @@
 The CLI's ``--strategy`` choices, :class:`~raydp.config.TrainConfig`'s ``strategy`` and ``settings`` and the
 study file's ``strategies`` all derive from this table. Classes are imported when first asked for, so
 reading the names costs nothing. A strategy's settings come from ``TrainConfig.settings`` (validated by
-its ``settings_model``; the top-level ``clip`` fills a ``clip`` setting left unset), RLDP's included (before
-issue 30 they were a separate ``rldp:`` block, its spec's ``legacy_block``, which old configs still use: they are
+its ``settings_model``; the top-level ``clip`` fills a ``clip`` setting left unset), RLDP's included (they were
+once a separate ``rldp:`` block, its spec's ``legacy_block``, which old configs still use: they are
 migrated when read, :func:`raydp.config.upgrade_train_values`).
 
 Capabilities are declared here, in each strategy's :class:`StrategySpec` (like Opacus's ``get_optimizer_class``

@@ -4,7 +4,7 @@ The strategy (:mod:`raydp.strategies.rldp`) imports numpy, pyarrow and the contr
 imports pydantic only, so the registry can hand the model to the CLI (which builds a flag per setting) and to
 :class:`~raydp.config.TrainConfig` without loading them.
 
-Before issue 30 these settings were a separate ``rldp:`` block of the run config (``RLDPConfig``); a config or
+These settings were once a separate ``rldp:`` block of the run config (``RLDPConfig``); a config or
 study that still has one is migrated when it is read (:func:`raydp.config.upgrade_train_values`,
 :func:`raydp.study.config.upgrade_study_values`).
 """
