@@ -22,7 +22,7 @@ Issue 28's comparison, this code against 034c558 (before the issue's changes) an
 preset to the old package's copy.)
 
 ``--study FILE`` instead runs a study (``raydp study FILE``, into a temporary directory) with every trial's trainable
-under cProfile (``RAYDP_PROFILE_DIR``, :data:`raydp.study.runner.PROFILE_ENV`) and prints a trial's cost by phase:
+under cProfile (``RAYDP_PROFILE_DIR``, :data:`raydp.study.trainable.PROFILE_ENV`) and prints a trial's cost by phase:
 the run's phases, the controller's start and decisions, checkpoints, the attacks and audit, and what Ray and Tune add
 outside the trainables. cProfile slows Python-heavy phases (the controller, reporting) more than the arithmetic.
 
@@ -61,13 +61,13 @@ PHASES = {
 
 #: a study trial's phases (its trainable profiled, ``--study``): the run's, and what a trial adds around it
 TRIAL_PHASES = {
-    "the trainable, whole": ("raydp/study/runner.py", "_run_trial"),
+    "the trainable, whole": ("raydp/study/trainable.py", "_run_trial"),
     "train: steps (forward, backward, DP stages, update)": ("raydp/runner/loop.py", "train_step"),
     **{k: v for k, v in PHASES.items() if k != "data: build and verbalise"},  # a study builds its dataset once
     "data: public corpus": ("raydp/data/public.py", "public_corpus"),
     "controller: policy start": ("raydp/runner/launch.py", "start_policy"),
     "controller: decisions": ("raydp/strategies/rldp.py", "between_steps"),
-    "checkpoints (state, policy snapshot, Tune report)": ("raydp/study/runner.py", "checkpoint"),
+    "checkpoints (state, policy snapshot, Tune report)": ("raydp/study/trainable.py", "checkpoint"),
     "attacks and audit": ("raydp/evaluation/evaluate.py", "evaluate_run"),
 }
 
@@ -118,7 +118,7 @@ def phase_seconds(stats: dict, phases: dict) -> dict:
 
 def profile_study(study_file: str, root: Path) -> dict:
     """Run the study in ``study_file`` (``raydp study``, in a subprocess, into ``root``) with every trial's trainable
-    under cProfile (:data:`raydp.study.runner.PROFILE_ENV`); return its wall time, each trial's phases and what
+    under cProfile (:data:`raydp.study.trainable.PROFILE_ENV`); return its wall time, each trial's phases and what
     Tune measured (the study summary's start latency and per-trial overhead). A grid study on this machine's local
     Ray; a retried trial's attempts count as trials of their own."""
     from raydp.study.config import load_study

@@ -331,7 +331,7 @@ class _Population:
         from ray.train import Checkpoint
         from ray.tune.experiment import Trial as TuneTrial
 
-        from raydp.study.runner import _pbt_scheduler
+        from raydp.study.pbt import SyncPBTScheduler as _pbt_scheduler
 
         random.seed(0)  # PBT's exploit/explore draws
         self.checkpoint = Checkpoint.from_directory(str(tmp_path))

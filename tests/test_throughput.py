@@ -183,7 +183,7 @@ def test_a_profiled_trial_leaves_its_statistics_even_when_it_fails(tmp_path, mon
 
     from pydantic import ValidationError
 
-    from raydp.study import runner
+    from raydp.study import trainable as runner
 
     monkeypatch.setenv(runner.PROFILE_ENV, str(tmp_path / "profiles"))
     with pytest.raises(ValidationError):
@@ -198,7 +198,7 @@ def test_a_profiled_trial_leaves_its_statistics_even_when_it_fails(tmp_path, mon
 def test_a_profiled_trial_that_cannot_write_its_statistics_still_succeeds(tmp_path, monkeypatch, caplog):
     """Profiling never changes a trial's outcome: the body's return comes back, and an unwritable directory is a
     warning; unset, the body runs unprofiled."""
-    from raydp.study import runner
+    from raydp.study import trainable as runner
 
     calls = []
     monkeypatch.setattr(runner, "_run_trial", lambda params: calls.append(params) or "done")

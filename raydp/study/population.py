@@ -1,6 +1,6 @@
 """The population of a PBT study: one Ray actor holding the population's Renyi filter, reached by name.
 
-Population Based Training (``search: pbt``, :func:`raydp.study.runner._fit_pbt`) runs M members side by
+Population Based Training (``search: pbt``, :func:`raydp.study.pbt._fit_pbt`) runs M members side by
 side; an exploit throws away a member's own steps and copies a better member's checkpoint. Every step any
 member ran touched the private data, kept or not. The study driver therefore creates, before
 ``Tuner.fit``, one actor holding a :class:`~raydp.privacy.filter.PopulationFilter` with budget curve

@@ -1,0 +1,171 @@
+"""A study's preparation on the driver, before Ray starts anything: every trial validated, every distinct privacy
+plan calibrated, the study's DP trials charged to their dataset's lifetime budget, and the study directory locked.
+
+:func:`prepare_study` builds the dataset once for all trials and returns the trials to run; an impossible budget
+fails here with the trial named. The lifetime charge is made under a random tag of the study run
+(:func:`study_lifetime_nonce`, kept in the study's private ``work/``), so a resumed study is not charged twice and a
+study run again is. A resumed study must be the study that ran (:func:`check_resumed_study`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+from raydp.control.policies import check_policy_privacy
+from raydp.data import load_manifest, load_texts, manifest_id, resolve_dataset
+from raydp.data.build import is_public_dataset
+from raydp.data.tasks import classification_spec
+from raydp.errors import ConfigError
+from raydp.files import atomic_write, locked
+from raydp.model.embedded import ensure_embedded_model, is_embedded_name
+from raydp.privacy.lifetime import read_budget
+from raydp.runner.local_setup import is_local, plan_local_run
+from raydp.runner.privacy_setup import LifetimeCharge, build_strategy, plan_key, plan_private_run, training_units
+from raydp.runner.privacy_setup import charge_lifetime as charge_lifetime_budget  # prepare_study's flag has the name
+from raydp.study.config import StudyConfig, search_cells, search_trial, trial_config, trial_grid, upgrade_study_values
+from raydp.study.trial import Trial
+
+
+def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
+                  build_models: bool = False, charge_lifetime: bool = False,
+                  lifetime_nonce: str | None = None) -> tuple[str, list[Trial]]:
+    """Build the dataset, validate every trial and calibrate every plan; returns (dataset_dir, trials).
+    ``build_models``: also build the embedded models the study uses, once, here (not in every trial). Where
+    the dataset has a lifetime budget (:mod:`raydp.privacy.lifetime`), every DP trial's plan is checked against
+    it, and with ``charge_lifetime`` charged under ``lifetime_nonce`` (a random tag of this study run, kept in its
+    private ``work/``: a resumed study is not charged twice, a study run again is charged again) and each trial's
+    name."""
+    lifetime_nonce = lifetime_nonce or uuid.uuid4().hex
+    names = [t.name for t in trial_grid(study)]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate:  # two trials in one run directory (e.g. a settings_grid value listed twice)
+        raise ConfigError(f"two trials would both be named {duplicate}: remove the repeated value")
+    # a search_space's corners (every dimension at its low, then its high end) are validated and calibrated too
+    corners = [search_trial(cell, {k: d.corners()[i if i < len(d.corners()) else -1]
+                                   for k, d in study.search_space[cell.strategy].items()}, f"corner{i}")
+               for cell in search_cells(study) for i in (0, 1)]
+    probe = trial_config(study, (trial_grid(study) + corners)[0])  # validates base + the first trial before building
+    dataset = str(resolve_dataset(probe.data, study_dir / "dataset", progress=progress))
+    needs_public = not study.private_data or study.save_policy is not None or \
+        (study.policy == "shared" and study.controller_strategy is not None)
+    if needs_public:  # what the study file declares public must BE the public population, not a leftover or a relabel
+        if not is_public_dataset(dataset):
+            raise ConfigError(f"the study declares its data public (private_data: false, a shared policy or "
+                              f"save_policy), but {dataset} is not raydp's public population")
+    n_train = len(load_texts(dataset, "train"))
+    trials, plans, trial_plans, unit_names = [], {}, {}, {}
+    for trial in trial_grid(study) + corners:
+        config = trial_config(study, trial, dataset)
+        if config.is_controlled and config.strategy_settings().policy and not trial.frozen_from:
+            try:  # a paper-mode policy may not drive a strict trial (ERRATA E14): fail before Ray starts
+                # resolved here, where the user's relative paths mean what they wrote; the trial gets it absolute
+                trial = replace(trial, policy_path=str(check_policy_privacy(config)))
+            except ConfigError as exc:
+                raise ConfigError(f"trial {trial.name}: {exc}") from None
+        if config.is_private:
+            strategy = build_strategy(config)
+            key = plan_key(config, strategy)
+            if key not in plans:
+                try:
+                    units = training_units(config, dataset, n_train)  # patients by default (E11)
+                    unit_names[key] = units.name  # the key holds the privacy unit: one per plan
+                    if is_local(strategy):  # forward-pass local DP: its own plan (ERRATA E8)
+                        plans[key] = plan_local_run(config, strategy, units,
+                                                    classification_spec(config.task.label).n_classes)
+                    else:
+                        plans[key] = plan_private_run(config, units.public_count, strategy)
+                except ConfigError as exc:
+                    raise ConfigError(f"trial {trial.name}: {exc}") from None
+        if not trial.search:  # a corner is only checked: Optuna's trials are named when they run
+            trials.append(trial)
+            if config.is_private:
+                trial_plans[f"study:{lifetime_nonce}/{trial.name}"] = LifetimeCharge.of(
+                    plans[key], config, strategy, unit_names[key])
+    _charge_lifetime(study, dataset, trial_plans, commit=charge_lifetime)
+    if build_models:
+        build_study_models(trials, progress)
+    return dataset, trials
+
+
+def _charge_lifetime(study: StudyConfig, dataset: str, trial_plans: dict, commit: bool) -> None:
+    """The study's DP trials against its dataset's lifetime budget, if the owner set one: all of them in one
+    charge, on this machine, before any starts. Optuna's and PBT's trials are not planned before they run:
+    refused there. Without a budget the grid's trials are recorded (:func:`raydp.privacy.lifetime.record_spend`);
+    searched trials are planned only when they run, and are not."""
+    manifest = load_manifest(dataset)
+    dataset_id = manifest_id(manifest)
+    if read_budget(dataset_id, manifest.get("source_sha256")) is None and not manifest.get("lifetime_budget"):
+        charge_lifetime_budget(manifest, trial_plans, commit=commit)  # no budget: records what the trials spend
+        return
+    if study.search != "grid" or search_cells(study):
+        raise ConfigError(f"dataset {dataset_id} has a lifetime budget: a study on it must be a grid "
+                          f"(search: {study.search} trials are not planned before they run, so they cannot be "
+                          f"charged first)")
+    charge_lifetime_budget(manifest, trial_plans, commit=commit)
+
+
+#: where a study run keeps the tag its trials were charged to a lifetime budget under (private: work/)
+LIFETIME_NONCE = Path("work") / "lifetime-nonce"
+
+
+def study_lifetime_nonce(study_dir: Path, resume: bool) -> str:
+    """A resumed study's tag, or a fresh study's new one. The tag is kept with the directory it was drawn for: a
+    resume reads it back only in that same directory, so a copy of a study directory (or a tag pasted into
+    another) resumed elsewhere runs its trials again and is charged again; so is a moved one, or one whose tag
+    file is missing (conservative: charged twice rather than not at all)."""
+    path = Path(study_dir) / LIFETIME_NONCE
+    if resume and path.is_file():
+        lines = path.read_text().splitlines()
+        if len(lines) == 2 and lines[1] == str(Path(study_dir).resolve()):
+            return lines[0].strip()
+    return uuid.uuid4().hex
+
+
+def write_lifetime_nonce(study_dir: Path, nonce: str) -> None:
+    """Keep the study run's tag, and the directory it belongs to, in the study's private ``work/``."""
+    path = Path(study_dir) / LIFETIME_NONCE
+    text = f"{nonce}\n{Path(study_dir).resolve()}\n"
+    if not path.is_file() or path.read_text() != text:  # a resume leaves it as it was
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, text)
+
+
+def lock_study_dir(study_dir: Path) -> contextlib.ExitStack:
+    """An exclusive lock on the study directory for this driver's lifetime (:func:`raydp.files.locked` on
+    ``work/driver.lock``, held until the returned stack is closed, or the process ends). Two drivers in one directory
+    would both run its unfinished trials, with fresh noise, under one lifetime charge; the second is refused."""
+    held = contextlib.ExitStack()
+    try:
+        held.enter_context(locked(Path(study_dir) / "work" / "driver.lock", blocking=False))
+    except BlockingIOError:
+        raise ConfigError(f"another raydp study is running in {study_dir}: wait for it, or stop it first") from None
+    return held
+
+
+#: study-file fields a resume may change: none of them changes what a trial runs or spends
+RESUMABLE_CHANGES = ("description", "resources", "wandb", "max_failures")
+
+
+def check_resumed_study(study: StudyConfig, study_dir: Path) -> None:
+    """A resumed study must be the study that ran: its trials were charged (and Tune restores them) under their
+    names, so a plan changed under the same names would run trials that no charge covers."""
+    saved_path = Path(study_dir) / "study.json"
+    if not saved_path.is_file():
+        raise ConfigError(f"{study_dir} has no study.json: it cannot be resumed (nothing says which study ran there)")
+    saved = upgrade_study_values(json.loads(saved_path.read_text()))  # a study.json from before issue 30: base.rldp
+    now = json.loads(json.dumps(study.model_dump(mode="json")))
+    changed = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
+    if changed:
+        raise ConfigError(f"the study file changed since {study_dir} ran ({', '.join(changed)}): resume it with the "
+                          "file it ran with, or run the changed study into another --results-dir")
+
+
+def build_study_models(trials: list[Trial], progress: bool) -> None:
+    """Build the embedded models the study's trials use, once, here (not in every trial)."""
+    for model in dict.fromkeys(t.model for t in trials):
+        if is_embedded_name(model):
+            ensure_embedded_model(model, progress=progress)
