@@ -447,7 +447,7 @@ def cmd_study(args) -> int:
         return 0
     from raydp.notices import quiet_library_notices
     from raydp.runner.progress import plain_output  # lazy: `raydp --help` loads no tqdm
-    from raydp.study.report import format_study, record_outcome  # lazy: `raydp --help` loads no pandas
+    from raydp.study.tables import format_study, record_outcome  # lazy: `raydp --help` loads no pandas
     from raydp.study.runner import run_study  # lazy: `raydp --help` loads no pandas
 
     from raydp.report import write_report  # lazy: `raydp --help` loads no pandas
@@ -494,7 +494,7 @@ def _tune_verbosity(level: int):
 
 def cmd_report(args) -> int:
     from raydp.report import write_report  # lazy: `raydp --help` loads no pandas
-    from raydp.study.report import format_report  # lazy: `raydp --help` loads no pandas
+    from raydp.study.tables import format_report  # lazy: `raydp --help` loads no pandas
 
     if args.more_studies:
         if args.html:

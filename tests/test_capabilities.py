@@ -102,7 +102,7 @@ def test_one_arm_label_for_tables_reports_and_pages():
 
     from raydp.report.page import _with_arms
     from raydp.study.arms import arm_label
-    from raydp.study.report import arm_keys, cell_arm_keys
+    from raydp.study.statistics import arm_keys, cell_arm_keys
 
     rows = pd.DataFrame({"strategy": ["rldp", "rldp", "static-pairwise", "nonprivate"],
                          "variant": [None, "action_decoding=paper", "clip=0.03", None],

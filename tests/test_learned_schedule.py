@@ -331,7 +331,7 @@ def _challenge_rows(tmp_path):
 def test_challenge_verdicts_follow_welch_holm_and_the_gap_criterion(tmp_path):
     from scipy import stats
 
-    from raydp.study.report import challenge, challenge_success
+    from raydp.study.statistics import challenge, challenge_success
 
     table = _challenge_rows(tmp_path)
     v = challenge(table, "final_public_value_nll", "clip-schedule").set_index("epsilon")

@@ -534,7 +534,7 @@ def test_pbt_study_exploits_and_stays_within_every_budget(pbt_study):
 
 @pytest.mark.slow
 def test_report_prints_the_population_epsilon(pbt_study, capsys):
-    from raydp.study.report import format_report
+    from raydp.study.tables import format_report
 
     report = format_report(pbt_study)
     assert "PBT population: 2 members" in report and "population epsilon" in report

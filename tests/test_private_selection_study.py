@@ -375,7 +375,7 @@ def test_report_composes_a_private_selection_with_other_studies_on_its_dataset(t
     one the RDP composition of its six cells: 14.16 at delta 1e-5). It refused the private-dp study ('has no
     results.parquet'). Another dataset's private-dp study is refused, as a grid study's is."""
     from raydp.cli import main
-    from raydp.study.report import format_report
+    from raydp.study.tables import format_report
 
     study, plans = six_cells
     dataset_id = "rdi1:" + "a" * 32

@@ -7,7 +7,7 @@ import math
 
 import pandas as pd
 
-from raydp.study.report import gates
+from raydp.study.statistics import gates
 
 
 def _table(seeds):

@@ -657,7 +657,7 @@ def test_a_failed_evaluation_is_a_column_not_a_failed_trial(tmp_path):
 def test_verdicts_compare_rldp_with_the_best_baseline_by_welch_t_test():
     from scipy import stats
 
-    from raydp.study.report import verdicts
+    from raydp.study.statistics import verdicts
 
     rows = []
     cells = {  # epsilon: (rldp, static, static-pairwise [clip=0.01], quantile)
@@ -716,7 +716,8 @@ def test_report_over_two_studies_replaces_a_rerun_arm_and_composes_their_spend(t
     """An arm rerun in a later study (after a fix) replaces the same arm of the earlier study in the tables
     and verdicts; both studies' spend on the dataset adds up (basic composition)."""
     from raydp.cli import main
-    from raydp.study.report import combine_studies, format_report
+    from raydp.study.statistics import combine_studies
+    from raydp.study.tables import format_report
 
     first = _fake_study(tmp_path, "frontier", {("static", 2.0): [1.40, 1.41, 1.42],
                                                ("static-pairwise", 2.0): [1.35, 1.36, 1.37],
@@ -739,7 +740,7 @@ def test_report_over_two_studies_replaces_a_rerun_arm_and_composes_their_spend(t
 def test_report_over_studies_never_hides_spend_or_its_caveats(tmp_path):
     """A study's unknown spend, warnings and other privacy units stay visible, and a study without a figure
     makes the total unknown rather than smaller."""
-    from raydp.study.report import format_report
+    from raydp.study.tables import format_report
 
     arms = {("static", 2.0): [1.4, 1.5], ("rldp", 2.0): [1.3, 1.4]}
     first = _fake_study(tmp_path, "a", arms, epsilon=1.5, figure_extra={
@@ -756,7 +757,7 @@ def test_report_over_studies_never_hides_spend_or_its_caveats(tmp_path):
 
 
 def test_report_over_studies_refuses_other_datasets_or_splits(tmp_path):
-    from raydp.study.report import format_report
+    from raydp.study.tables import format_report
 
     first = _fake_study(tmp_path, "a", {("static", 2.0): [1.4, 1.5], ("rldp", 2.0): [1.3, 1.4]})
     other_data = _fake_study(tmp_path, "b", {("rldp", 2.0): [1.3, 1.4]}, sha="rdi1:" + "b" * 32)

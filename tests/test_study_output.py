@@ -219,7 +219,7 @@ def _hand_study(root: Path, results: pd.DataFrame, **summary) -> Path:
 
 
 def test_one_seed_prints_no_nan_and_no_test_instead_of_a_p_value(tmp_path):
-    from raydp.study.report import format_report, format_study
+    from raydp.study.tables import format_report, format_study
 
     study = _hand_study(tmp_path / "one", _hand_results([0]))
     out = format_study(study)
@@ -237,7 +237,7 @@ def test_one_seed_prints_no_nan_and_no_test_instead_of_a_p_value(tmp_path):
 
 
 def test_three_seeds_print_mean_and_sd_and_release_the_best_arms_best_seed(tmp_path):
-    from raydp.study.report import format_study, record_outcome
+    from raydp.study.tables import format_study, record_outcome
 
     study = _hand_study(tmp_path / "three", _hand_results([0, 1, 2]))
     out = format_study(study)
@@ -256,7 +256,7 @@ def test_three_seeds_print_mean_and_sd_and_release_the_best_arms_best_seed(tmp_p
 
 
 def test_no_research_tables_without_rldp(tmp_path):
-    from raydp.study.report import format_report, format_study
+    from raydp.study.tables import format_report, format_study
 
     study = _hand_study(tmp_path / "plain", _hand_results([0, 1, 2], rldp=False))
     for out in (format_study(study), format_report(study)):
@@ -284,7 +284,7 @@ def test_would_release_takes_the_best_dp_arm_by_its_mean_then_its_best_seed():
 
 
 def test_a_stopped_study_says_it_is_partial(tmp_path):
-    from raydp.study.report import format_study, record_outcome
+    from raydp.study.tables import format_study, record_outcome
 
     results = _hand_results([0], rldp=False)
     results.loc[results["strategy"] == "clip-schedule", "status"] = "INTERRUPTED"

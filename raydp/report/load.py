@@ -17,7 +17,7 @@ from raydp.errors import ConfigError
 from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
 from raydp.report.markup import _missing
 from raydp.study.arms import Arm, arms
-from raydp.study.report import _final_column, column_split, load_results, metric_label
+from raydp.study.statistics import _final_column, column_split, load_results, metric_label
 from raydp.study.results import CONTROLLERS, METRIC_COLUMNS
 from raydp.study.trial import Trial
 
@@ -252,7 +252,7 @@ def _controller_cells(rows: pd.DataFrame) -> pd.Series:
 
 def _best_rldp_cell(group: pd.DataFrame, column: str) -> tuple[str | None, int]:
     """The RLDP arm (SAC cell, not frozen) with the lowest mean final selection perplexity, and the
-    number of RLDP cells (the same choice as Table 2: :func:`raydp.study.report.table2`)."""
+    number of RLDP cells (the same choice as Table 2: :func:`raydp.study.statistics.table2`)."""
     rldp = group[_controller_cells(group)]
     if rldp.empty:
         return None, 0

@@ -12,7 +12,7 @@ inline SVG drawn by matplotlib (:mod:`raydp.report.figures`). Sections (ids in b
    per adapter pair and sigma_eff from the privacy ledger, and the privacy spent over steps as the run's enforcing
    accountant counts it (at most :data:`raydp.report.curves.MAX_DIALS` figures).
 4. tables [``table-seeds``, ``table2``, ``table3``]: final perplexity mean +- std over seeds, and the
-   paper's Table 2 / Table 3 analogues (:func:`raydp.study.report.table2` / ``table3``).
+   paper's Table 2 / Table 3 analogues (:func:`raydp.study.statistics.table2` / ``table3``).
 5. privacy [``table-privacy``, ``table-tuning``, ``fig-tuning-N``]: every accountant's epsilon per trial,
    the tuning-aware epsilon per dataset (ERRATA E7/E14), the PBT population's figure.
 6. attacks [``table-membership``, ``table-extraction``, ``fig-attacks``]: Tables 4-9 analogues from each

@@ -19,7 +19,7 @@ from raydp.report.load import Report, _dig, _evaluated, _groups, _missing_evalua
 from raydp.report.markup import (Cell, _e, _eps, _missing, _section, figure, how, mean_std, num, para, pm_cell, table,
                                  trial_cell)
 from raydp.study.arms import Arm
-from raydp.study.report import VERDICT_ALPHA, gates, headroom, table2, table3, verdicts
+from raydp.study.statistics import VERDICT_ALPHA, gates, headroom, table2, table3, verdicts
 from raydp.study.results import CONTROLLERS
 
 PRIVATE_SPLIT_WARNING = "private eval split: unprotected (ERRATA E15): these perplexities are not a DP release"

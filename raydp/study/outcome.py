@@ -2,7 +2,7 @@
 
 Per cell, one row per DP arm: its final selection metric (mean over seeds with its sd, or "1 seed"), the owner's
 private eval figure (no accountant covers it: not a DP release, E15), its share of the non-private arm's gain over
-the untrained model on the selection split (:func:`raydp.study.report.headroom`'s ``recovered``; docs/benchmark.md),
+the untrained model on the selection split (:func:`raydp.study.statistics.headroom`'s ``recovered``; docs/benchmark.md),
 the largest epsilon its trials spent, and a mark on the trial the study would release
 (:func:`raydp.study.results.would_release`); below them the non-private arm and the untrained model as references.
 An arm is named by its strategy, with a footnote number where it has settings (a settings_grid or tuned_from
