@@ -1,4 +1,5 @@
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,22 +34,88 @@ def _torch_threads():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def local_ray(raydp_cache):
-    """A local Ray (2 CPUs) for the module, started unless one runs; its workers see the model cache and stay
-    offline. Started as :func:`raydp.runner.launch.ensure_ray` starts a local cluster (an owner-only temporary
-    folder, metrics collection off). Shut down at the module's end."""
-    import ray
+class _SessionRay:
+    """The test session's one local Ray: started once, the first time a test asks for it (:func:`local_ray`), as
+    :func:`raydp.runner.launch.ensure_ray` starts a local cluster (:func:`~raydp.runner.launch.start_local_ray`: an
+    owner-only temporary folder, metrics collection off), with 2 CPUs; its workers see the model cache and stay
+    offline. Shut down at the session's end. Nothing else in the session starts or stops a Ray in this process
+    (:func:`_one_ray` fails a test that does), except a test that must test a Ray's startup itself
+    (:func:`separate_ray`)."""
 
-    from raydp.runner.launch import start_local_ray
+    def __init__(self):
+        self.started = False
 
-    if not ray.is_initialized():
+    def start(self) -> None:
+        import ray
+
+        from raydp.runner.launch import start_local_ray
+
+        if ray.is_initialized():
+            raise RuntimeError("a Ray already runs in this process, not the test session's: a test started it "
+                               "itself; request the local_ray fixture instead")
         start_local_ray(num_cpus=2, log_to_driver=False,
                         runtime_env={"env_vars": {k: os.environ[k] for k in ("RAYDP_CACHE", "RAYDP_OWNER_KEY",
                                                                             "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
                                                   if k in os.environ}})
+        self.started = True
+
+    def stop(self) -> None:
+        import ray
+
+        ray.shutdown()
+        self.started = False
+
+
+_SESSION_RAY = _SessionRay()
+
+
+@pytest.fixture(scope="session")
+def local_ray(raydp_cache):
+    """The test session's one local Ray (:class:`_SessionRay`), started on first use and shared by every test
+    after: a test that runs anything on Ray (a study, an RLDP run, a policy service) asks for this fixture, whether
+    it starts Ray itself or a library function does (:func:`raydp.runner.launch.ensure_ray` joins the running one)."""
+    if not _SESSION_RAY.started:
+        _SESSION_RAY.start()
     yield
-    ray.shutdown()
+    if _SESSION_RAY.started:
+        _SESSION_RAY.stop()
+
+
+@pytest.fixture
+def separate_ray(raydp_cache):
+    """For a test that must start a Ray of its own in this process (a Ray's startup, a two-node cluster): the
+    session's Ray is shut down for the test and started again after it, the same way, if it ran; the test's own
+    Ray is shut down after it. Its cost (a Ray's startup) is paid only where a test needs it."""
+    import ray
+
+    was_running = _SESSION_RAY.started
+    if was_running:
+        _SESSION_RAY.stop()
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+    if was_running:
+        _SESSION_RAY.start()
+
+
+@pytest.fixture(autouse=True)
+def _one_ray(request):
+    """Fails a test that leaves Ray's lifecycle other than it found it: one that started a Ray in this process
+    without :func:`local_ray` (e.g. a study whose :func:`~raydp.runner.launch.ensure_ray` started one: Ray's
+    settings would then depend on which test ran first), or one that shut the session's Ray down. The stray Ray is
+    shut down (the session's is started again) so that later tests see what they would have seen."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is None or "separate_ray" in request.fixturenames:
+        return
+    running = ray.is_initialized()
+    if running and not _SESSION_RAY.started:
+        ray.shutdown()
+        pytest.fail("this test started a Ray of its own in the test process: request the local_ray fixture (the "
+                    "session's one Ray), or separate_ray where it must test a Ray's startup", pytrace=False)
+    if _SESSION_RAY.started and not running:
+        _SESSION_RAY.start()
+        pytest.fail("this test shut the session's Ray down: request separate_ray where it must", pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -173,7 +173,7 @@ def test_invalid_bandit_studies_fail_with_one_line(tmp_path, changes, message, c
 
 
 @pytest.mark.slow  # the fast tier covers its feature elsewhere; CI's 20-minute budget (2026-11-28)
-def test_a_bandit_study_learns_across_epsilons_and_its_decisions_drive_a_later_study(tmp_path):
+def test_a_bandit_study_learns_across_epsilons_and_its_decisions_drive_a_later_study(local_ray, tmp_path):
     import pandas as pd
 
     from raydp.study.config import load_study, trial_config, trial_grid

@@ -46,13 +46,12 @@ def object_store(monkeypatch):
 
 
 @pytest.fixture()
-def two_nodes(object_store, raydp_cache):
+def two_nodes(object_store, separate_ray):
     import ray
     from ray.cluster_utils import Cluster
 
-    if ray.is_initialized():
-        ray.shutdown()
-    # the nodes' temporary folder inside an owner-only one, as a data owner's cluster must have it (docs/privacy.md:
+    # the session's Ray is shut down for this test's two nodes (separate_ray), and started again after it.
+    # The nodes' temporary folder inside an owner-only one, as a data owner's cluster must have it (docs/privacy.md:
     # a study on private data refuses a Ray whose folder other local users can enter)
     root = Path(tempfile.mkdtemp(prefix="raydp-nodes-", dir="/tmp"))
     cluster = Cluster(initialize_head=True, connect=True,

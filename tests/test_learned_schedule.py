@@ -246,7 +246,7 @@ def test_invalid_search_studies_fail_with_one_line(tmp_path, changes, message, c
 
 
 @pytest.mark.slow  # the fast tier covers its feature elsewhere; CI's 20-minute budget (2026-11-28)
-def test_an_optuna_search_over_a_strategy_runs_and_records_its_best(tmp_path):
+def test_an_optuna_search_over_a_strategy_runs_and_records_its_best(local_ray, tmp_path):
     import optuna
     import pandas as pd
 

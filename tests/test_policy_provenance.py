@@ -201,33 +201,22 @@ def test_policy_show_and_list_print_provenance(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_policy_service_inherits_and_appends_provenance(tmp_path, raydp_cache):
+def test_policy_service_inherits_and_appends_provenance(local_ray, tmp_path):
     """The live service: a policy continued from a saved one records the earlier runs and its own."""
-    import ray
-
     from raydp.control.sac import SACSettings
     from raydp.control.service import PolicySession
-    from raydp.runner.launch import start_local_ray
 
-    started = not ray.is_initialized()
-    if started:
-        start_local_ray(num_cpus=2, log_to_driver=False,
-                        runtime_env={"env_vars": {"RAYDP_CACHE": os.environ["RAYDP_CACHE"]}})
-    try:
-        settings = SACSettings(b_sac=3, k=1, hidden=16)
-        with PolicySession(ObservationLayout("shared", 4), settings) as first:
-            m1 = first.save(tmp_path / "one", trained_on={"model": "x"}, results={}, provenance=entry(eps=0.5))
-            snapshot = first.client("r").save_policy(tmp_path / "snap", trained_on={"model": "x"}, results={})
-        assert [e["epsilon"] for e in m1["provenance"]] == [0.5]
-        assert snapshot["provenance"] == m1["provenance"]  # a snapshot adds no run
-        with PolicySession(None, settings, restore=tmp_path / "one") as second:
-            m2 = second.save(tmp_path / "two", trained_on={"model": "x"}, results={}, provenance=entry(eps=1.0))
-        assert [e["epsilon"] for e in m2["provenance"]] == [0.5, 1.0]
-        assert m2["provenance"][0]["entry_id"] == m1["provenance"][0]["entry_id"]
-        assert load_manifest(tmp_path / "two")["provenance"] == m2["provenance"]
-    finally:
-        if started:
-            ray.shutdown()
+    settings = SACSettings(b_sac=3, k=1, hidden=16)
+    with PolicySession(ObservationLayout("shared", 4), settings) as first:
+        m1 = first.save(tmp_path / "one", trained_on={"model": "x"}, results={}, provenance=entry(eps=0.5))
+        snapshot = first.client("r").save_policy(tmp_path / "snap", trained_on={"model": "x"}, results={})
+    assert [e["epsilon"] for e in m1["provenance"]] == [0.5]
+    assert snapshot["provenance"] == m1["provenance"]  # a snapshot adds no run
+    with PolicySession(None, settings, restore=tmp_path / "one") as second:
+        m2 = second.save(tmp_path / "two", trained_on={"model": "x"}, results={}, provenance=entry(eps=1.0))
+    assert [e["epsilon"] for e in m2["provenance"]] == [0.5, 1.0]
+    assert m2["provenance"][0]["entry_id"] == m1["provenance"][0]["entry_id"]
+    assert load_manifest(tmp_path / "two")["provenance"] == m2["provenance"]
 
 
 def test_an_entry_must_be_json_and_a_failed_save_leaves_nothing_behind(tmp_path):

@@ -189,7 +189,7 @@ def _readable_mentions(roots: list[Path], needles: tuple[str, ...], since: float
 
 
 def test_a_grid_study_and_a_private_selection_on_private_data_leave_nothing_other_users_can_read(
-        tmp_path, monkeypatch):
+        local_ray, tmp_path, monkeypatch):
     import raydp.study.private_selection as ps
     import ray
 

@@ -474,7 +474,7 @@ def _released_shape(study_dir: Path) -> dict:
     return out
 
 
-def test_a_study_releases_one_trial_whatever_k(tmp_path, monkeypatch, capfd):
+def test_a_study_releases_one_trial_whatever_k(local_ray, tmp_path, monkeypatch, capfd):
     # two cells (seeds 0 and 1), the second with K = 0 (it runs nothing: no trial's cost), which still counts in
     # what releasing both costs
     one = _run(tmp_path, monkeypatch, [1, 0], "ps-one", seeds=[0, 1])
@@ -577,7 +577,7 @@ def _check_all_cells_stated(study_dir: Path, entry: dict, capfd) -> None:
 
 
 @pytest.mark.slow
-def test_resume_reads_k_back_and_reruns_only_unfinished_trials(tmp_path, monkeypatch):
+def test_resume_reads_k_back_and_reruns_only_unfinished_trials(local_ray, tmp_path, monkeypatch):
     from raydp.study.runner import run_study
 
     study_dir = _run(tmp_path, monkeypatch, 2, "ps-resume")
