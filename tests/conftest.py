@@ -13,6 +13,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The dataset owner's key (raydp.data.identity) of this test session: never the user's own key file.
 os.environ.setdefault("RAYDP_OWNER_KEY", str(Path(tempfile.mkdtemp(prefix="raydp-owner-")) / "owner.key"))
+SESSION_OWNER_KEY = os.environ["RAYDP_OWNER_KEY"]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -116,6 +117,27 @@ def _one_ray(request):
     if _SESSION_RAY.started and not running:
         _SESSION_RAY.start()
         pytest.fail("this test shut the session's Ray down: request separate_ray where it must", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def small_dataset(tmp_path_factory) -> Path:
+    """A small synthetic dataset (tests._support.SMALL_DATASET_RECORDS records), built once for the session under
+    the session's owner key, whichever test asks first (a module that sets an owner key of its own does not change
+    its id). Read it only: a test that changes a dataset copies it (tests._support.copy_dataset); the session fails
+    at its end if a test changed it."""
+    from raydp.data.splits import build_dataset
+    from tests._support import SMALL_DATASET_RECORDS, tree_digest
+
+    path = tmp_path_factory.mktemp("small-dataset") / "data"
+    key = os.environ.get("RAYDP_OWNER_KEY")
+    os.environ["RAYDP_OWNER_KEY"] = SESSION_OWNER_KEY
+    try:
+        build_dataset(path, n_records=SMALL_DATASET_RECORDS, progress=False)
+    finally:
+        os.environ["RAYDP_OWNER_KEY"] = key
+    digest = tree_digest(path)
+    yield path
+    assert tree_digest(path) == digest, f"a test changed the session's shared dataset {path}: copy it first"
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,9 @@ from raydp.data import load_manifest, load_texts, manifest_id
 from raydp.errors import ConfigError
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS
 from raydp.privacy.lifetime import charge, read_budget, register_path, set_budget, spent_epsilon
+from raydp.data.splits import build_dataset
 from raydp.runner.privacy_setup import plan_private_run, training_units
+from tests._support import copy_dataset
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -34,10 +36,10 @@ def own_owner_key(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory, own_owner_key):
-    out = tmp_path_factory.mktemp("budgeted") / "data"
-    assert main(["data", "build", "--output", str(out), "--n-records", "400"]) == 0
-    return out
+def dataset(tmp_path_factory, own_owner_key, small_dataset):
+    """The session's small dataset, copied: this module writes a lifetime budget into it (its register under this
+    module's owner key)."""
+    return copy_dataset(small_dataset, tmp_path_factory.mktemp("budgeted") / "data")
 
 
 def tiny(dataset, **overrides) -> TrainConfig:
@@ -62,6 +64,7 @@ def test_a_run_past_the_lifetime_budget_is_refused_before_it_starts(dataset, tmp
     dataset_id = manifest_id(load_manifest(dataset))
     assert main(["data", "budget", str(dataset)]) == 0 and "no lifetime budget" in capsys.readouterr().out
     assert main(["data", "budget", str(dataset), "--epsilon", "2.5", "--delta", "1e-5"]) == 0
+    assert load_manifest(dataset)["lifetime_budget"] == {"epsilon": 2.5, "delta": 1e-5, "privacy_unit": "patient"}
     from raydp.data.identity import owner_key_path
 
     assert register_path(dataset_id).is_file() and register_path(dataset_id).parents[1] == owner_key_path().parent
@@ -134,10 +137,11 @@ def test_a_study_is_charged_once_per_study_run_and_refused_past_the_budget(tmp_p
     from tests.test_study import write_study
 
     data = tmp_path / "data"
-    assert main(["data", "build", "--output", str(data), "--n-records", "401"]) == 0
-    assert main(["data", "budget", str(data), "--epsilon", "4", "--delta", "1e-5"]) == 0
-    dataset_id = manifest_id(load_manifest(data))
-    assert load_manifest(data)["lifetime_budget"] == {"epsilon": 4.0, "delta": 1e-5, "privacy_unit": "patient"}
+    manifest = build_dataset(data, n_records=401, progress=False)
+    dataset_id = manifest_id(manifest)
+    register = set_budget(dataset_id, 4.0, 1e-5, source_sha256=manifest.get("source_sha256"))
+    assert {k: register[k] for k in ("epsilon", "delta", "privacy_unit")} == {
+        "epsilon": 4.0, "delta": 1e-5, "privacy_unit": "patient"}
     base = {"data": {"source": str(data)}, "max_steps": 6}
     one = load_study(write_study(tmp_path, name="one", strategies=["static"], base=base, wandb={"mode": "disabled"}))
     prepare_study(one, tmp_path / "out" / "one", progress=False, charge_lifetime=True, lifetime_nonce="first")
@@ -196,7 +200,7 @@ def test_a_budgeted_dataset_refuses_what_a_charge_cannot_cover(dataset, tmp_path
     with pytest.raises(ConfigError, match="has a lifetime budget, but its register is not at"):
         charge_lifetime(manifest, {"x": LifetimeCharge(plan, 1e-5, "patient")}, commit=False)
     other = tmp_path / "other"
-    assert main(["data", "build", "--output", str(other), "--n-records", "402"]) == 0
+    build_dataset(other, n_records=402, progress=False)
     capsys.readouterr()
     assert main(["data", "budget", str(other), "--epsilon", "1", "--delta", "0.01"]) == 2  # delta >= 1/N units
     assert "1/N units" in capsys.readouterr().err and "lifetime_budget" not in load_manifest(other)
@@ -210,8 +214,8 @@ def test_a_trainer_given_the_dataset_directory_fails_closed(tmp_path, monkeypatc
     from raydp.model import load_model
 
     data = tmp_path / "data"
-    assert main(["data", "build", "--output", str(data), "--n-records", "403"]) == 0
-    assert main(["data", "budget", str(data), "--epsilon", "6", "--delta", "1e-5"]) == 0
+    build_dataset(data, n_records=403, progress=False)
+    assert main(["data", "budget", str(data), "--epsilon", "6", "--delta", "1e-5"]) == 0  # the manifest says so too
     dataset_id = manifest_id(load_manifest(data))
     from raydp.data import load_units
 
@@ -230,7 +234,7 @@ def test_a_trainer_given_the_dataset_directory_fails_closed(tmp_path, monkeypatc
     # with or without an owner key here, and whatever this key built (review 3: a key's own builds proved nothing)
     with pytest.raises(ConfigError, match="may have a lifetime budget that this machine cannot see from its id alone"):
         DPTraining(loaded.model, texts, loaded.tokenizer, **settings, dataset_id=dataset_id)
-    assert main(["data", "build", "--output", str(tmp_path / "here"), "--n-records", "403"]) == 0  # same records
+    build_dataset(tmp_path / "here", n_records=403, progress=False)  # the same records
     with pytest.raises(ConfigError, match="cannot see from its id alone"):
         DPTraining(loaded.model, texts, loaded.tokenizer, **settings,
                    dataset_id=manifest_id(load_manifest(tmp_path / "here")))
@@ -401,7 +405,7 @@ def test_a_rebuild_with_another_split_seed_fraction_or_cap_is_charged_to_the_bud
     assert "another split seed, split fractions or sample fraction) is charged to it" in docs
 
 
-def test_a_plain_caller_cannot_skip_the_charge_on_a_budgeted_dataset(tmp_path, monkeypatch):
+def test_a_plain_caller_cannot_skip_the_charge_on_a_budgeted_dataset(small_dataset, tmp_path, monkeypatch):
     """run_training(charge_lifetime=False) ran a DP run uncharged on a budgeted dataset. Now only a caller that holds
     the run's charge skips it, by passing its receipt (_charged_by): a plain False, something that is not a receipt,
     another dataset's receipt or one naming a charge the register does not hold is refused, nothing written; a
@@ -412,8 +416,7 @@ def test_a_plain_caller_cannot_skip_the_charge_on_a_budgeted_dataset(tmp_path, m
     from raydp.runner.run import run_training
 
     monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "owner.key"))
-    data = tmp_path / "data"
-    assert main(["data", "build", "--output", str(data), "--n-records", "400"]) == 0
+    data = copy_dataset(small_dataset, tmp_path / "data")  # its manifest gets a budget below
     config = tiny(data, max_steps=2)
     run_training(config, tmp_path / "unbudgeted", progress=False, charge_lifetime=False)  # nothing to charge
     assert main(["data", "budget", str(data), "--epsilon", "8", "--delta", "1e-5"]) == 0
@@ -432,7 +435,8 @@ def test_a_plain_caller_cannot_skip_the_charge_on_a_budgeted_dataset(tmp_path, m
     assert list(read_budget(dataset_id)["charges"]) == ["study:x/t"]  # charged once, by the caller
 
 
-def test_spend_on_a_dataset_without_a_budget_is_recorded_and_printed_when_a_run_starts(tmp_path, monkeypatch, capsys):
+def test_spend_on_a_dataset_without_a_budget_is_recorded_and_printed_when_a_run_starts(small_dataset, tmp_path,
+                                                                                         monkeypatch, capsys):
     """Without a budget nothing used to record what DP runs spent: a second run now says what the first one spent
     (checked against dp_accounting), in an owner-only record beside the owner key, and why a DP run takes fewer
     steps than a non-private one at the same epochs."""
@@ -441,9 +445,8 @@ def test_spend_on_a_dataset_without_a_budget_is_recorded_and_printed_when_a_run_
     from raydp.privacy.lifetime import spend_record_path
     from raydp.runner.launch import train
 
-    monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "key" / "owner.key"))
-    data = tmp_path / "data"
-    assert main(["data", "build", "--output", str(data), "--n-records", "400"]) == 0
+    monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "key" / "owner.key"))  # its spend record: this test's
+    data = small_dataset  # only read: the record of what DP runs spent lies beside the owner key
     dataset_id = manifest_id(load_manifest(data))
     config = tiny(data)
     plan = plan_private_run(config, training_units(config, str(data), len(load_texts(data, "train"))).public_count)
