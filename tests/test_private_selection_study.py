@@ -616,14 +616,14 @@ def test_check_and_report_commands(tmp_path, tiny_dataset, capsys):
 def test_lifetime_budget_is_charged_the_end_to_end_curve(tmp_path, monkeypatch):
     """The cell's end-to-end curve (which does not depend on K) is charged before any trial; past the budget the
     study is refused with nothing left behind; a resume is not charged twice."""
-    from raydp.cli import main
     from raydp.data import load_manifest, manifest_id
+    from raydp.data.splits import build_dataset
     from raydp.privacy.lifetime import read_budget, set_budget, spent_epsilon
     from raydp.study.runner import run_study
 
     monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "owner.key"))
     data = tmp_path / "data"
-    assert main(["data", "build", "--output", str(data), "--n-records", "600"]) == 0
+    build_dataset(data, n_records=600, progress=False)
     manifest = load_manifest(data)
     dataset_id = manifest_id(manifest)
     set_budget(dataset_id, 10.0, 1e-5, source_sha256=manifest.get("source_sha256"))
