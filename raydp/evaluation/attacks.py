@@ -14,10 +14,12 @@
   (n_valid); character n-gram Jaccard with every canary, mean and standard deviation over all V x m pairs
   (Eq. 34-35; Eq. 36 prints the square root around the normaliser only, a typo: Eq. 35 is the standard
   deviation).
-* Exposure (Carlini et al. 2019, "The Secret Sharer", Sec. 4.1-4.2): with the canary's own record as
-  context, the rank of the canary's log-likelihood among K uniform random secrets of the same format;
-  exposure = -log2 of the estimated fraction of the format's 36^10 strings at least as likely, i.e.
-  -log2((1 + #{candidates >= canary}) / (K + 1)), at most log2(K + 1) bits measurable.
+* Exposure (Carlini et al. 2019, "The Secret Sharer", Sec. 4.1-4.3): with the canary's own record as
+  context, the canary's log-likelihood against K uniform random secrets of the same format; exposure = -log2
+  of the fraction of the format's 36^10 strings at least as likely, estimated by extrapolation (a skew-normal
+  fitted to the candidates' negative log-likelihoods, read at the canary's, with a bootstrap interval) or by
+  rank, -log2((1 + #{candidates >= canary}) / (K + 1)), at most log2(K + 1) bits measurable
+  (:mod:`raydp.evaluation.exposure_fit`).
 * Audit scores: each audit canary's secret log-likelihood given its record, target minus reference, for
   :mod:`raydp.evaluation.audit`.
 """
@@ -47,6 +49,7 @@ EXTRACTION_INSTRUCTION = ("You are a data-extraction assistant. You will be give
                           "line, and nothing else.")
 EXTRACTION_PROMPTS = ("paper", "narrative")
 FPR_LEVELS = (0.001, 0.01)
+EXPOSURE_CONFIDENCE = 0.95  # of the extrapolated exposure's bootstrap intervals
 VALIDITY_RULE = ("a sample's leading [A-Z0-9] run (the secret field, which '.' ends) is kept if it has 1-10 "
                  "characters; RLDP Sec. 3.3 keeps only samples that are entirely 1-10 such characters")
 SECRET_FIELD = re.compile(r"[A-Z0-9]*")
@@ -190,22 +193,56 @@ def canary_extraction(model, tokenizer, canaries: list[str], profiles: list[str]
 
 
 def exposure(model, tokenizer, contexts: list[str], secrets: list[str], device, *, candidates: int = 10_000,
-             seed: int = 0, batch_size: int = 256) -> dict:
+             seed: int = 0, batch_size: int = 256, method: str = "rank", resamples: int = 200) -> dict:
     """Carlini et al. 2019's exposure of each secret after its context (``...secret_id=``), estimated from
-    ``candidates`` uniform random secrets of the same format (the same draws for every canary)."""
+    ``candidates`` uniform random secrets of the same format (the same draws for every canary), by ``method``:
+    ``rank`` or ``extrapolate`` (with a 95% interval from ``resamples`` bootstrap resamples of the candidates)."""
+    if method not in ("rank", "extrapolate"):
+        raise ValueError(f"unknown exposure method {method!r}")
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0x45585053]))  # "EXPS"
     pool = random_secrets(rng, candidates, exclude=set(secrets))
-    per_canary = []
+    per_canary, scored = [], []
     for context, secret in zip(contexts, secrets):
         scores = candidate_logprobs(model, tokenizer, context, [secret + "."] + [c + "." for c in pool], device,
                                     batch_size)
-        at_least = int(np.sum(scores[1:] >= scores[0]))
-        per_canary.append(-math.log2((1 + at_least) / (candidates + 1)))
+        if method == "rank":
+            at_least = int(np.sum(scores[1:] >= scores[0]))
+            per_canary.append(-math.log2((1 + at_least) / (candidates + 1)))
+        else:
+            scored.append(scores)
+    space_bits = LENGTH * math.log2(len(ALPHABET))
+    if method == "extrapolate":
+        return _extrapolated(np.asarray(scored).reshape(len(secrets), candidates + 1), candidates, space_bits,
+                             seed=seed, resamples=resamples)
     values = np.asarray(per_canary)
-    return {"candidates": candidates, "space_bits": LENGTH * math.log2(len(ALPHABET)),
+    return {"method": "rank", "candidates": candidates, "space_bits": space_bits,
             "max_measurable_bits": math.log2(candidates + 1), "per_canary": [float(v) for v in values],
             "mean": float(values.mean()) if len(values) else float("nan"),
             "max": float(values.max()) if len(values) else float("nan")}
+
+
+def _extrapolated(scores: np.ndarray, candidates: int, space_bits: float, *, seed: int, resamples: int) -> dict:
+    """The extrapolated exposure's entry from each canary's row of log-probabilities (its own first)."""
+    from raydp.evaluation import exposure_fit
+
+    entry = {"method": "extrapolate", "candidates": candidates, "space_bits": space_bits,
+             "max_measurable_bits": space_bits, "fit": "skew-normal (MLE) of the candidates' negative log-likelihoods",
+             "bootstrap": f"nonparametric: {resamples} resamples of the candidates, refitted; percentile interval",
+             "resamples": resamples, "confidence": EXPOSURE_CONFIDENCE}
+    if not len(scores):
+        return {**entry, "per_canary": [], "interval": [], "mean": float("nan"), "max": float("nan"),
+                "mean_interval": None, "max_interval": None}
+    boot = np.random.default_rng(np.random.SeedSequence([seed, 0x45585053, 1]))  # public, as the candidates are
+    fit = exposure_fit.extrapolated_exposure(-scores[:, 0], -scores[:, 1:], rng=boot, resamples=resamples,
+                                             confidence=EXPOSURE_CONFIDENCE, cap=space_bits)
+    intervals = [None if np.isnan(lo) else [float(lo), float(hi)] for lo, hi in zip(fit.low, fit.high)]
+    boxed = {}
+    for name, statistic in (("mean", np.mean), ("max", np.max)):
+        boxed[name] = float(statistic(fit.estimate))
+        boxed[f"{name}_interval"] = (list(exposure_fit.interval(statistic(fit.replicates, axis=1),
+                                                                EXPOSURE_CONFIDENCE)) if resamples else None)
+    return {**entry, "per_canary": [float(v) for v in fit.estimate], "interval": intervals,
+            "skewnorm": [[float(p) for p in row] for row in fit.params], **boxed}
 
 
 def secret_offsets(texts: list[str], secrets: list[str]) -> list[int]:

@@ -20,8 +20,14 @@ class EvalConfig(StrictModel):
     extraction_prompt: Literal["paper", "narrative"] = Field(
         "paper", description="paper: Appendix A.1's instruction + profile; narrative: profile + ' secret_id='")
     extraction_profiles: int = Field(8, gt=0, description="public patient profiles the generations are spread over")
-    exposure_candidates: int = Field(10_000, ge=0, description="random secrets per canary for exposure; 0 skips",
+    exposure_candidates: int = Field(1_000, ge=0, description="random secrets per canary for exposure; 0 skips",
                                      json_schema_extra={"flag": "--candidates", "metavar": "K"})
+    exposure_method: Literal["extrapolate", "rank"] = Field(
+        "extrapolate", description="extrapolate: a skew-normal fitted to the candidates' log-perplexities, read at the "
+        "canary's (Carlini et al. 2019, Sec. 4.3), with a bootstrap interval; rank: the canary's rank among them "
+        "(Sec. 4.2, at most log2(K + 1) bits)")
+    exposure_resamples: int = Field(200, ge=0, description="bootstrap resamples of the candidates for the "
+                                    "extrapolated exposure's 95% interval; 0: no interval")
     audit: bool = Field(True, description="score the audit canaries and bound epsilon from below (it needs audit "
                        "canaries: `raydp data build --n-audit`)")
     confidence: float = Field(0.95, gt=0, lt=1, description="confidence of the audit's lower bounds")
