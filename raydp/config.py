@@ -14,7 +14,8 @@ from pydantic import Field, field_validator, model_validator
 
 from raydp.settings import StrictModel, load_yaml_mapping, validate_config  # noqa: F401  (re-exported)
 from raydp.control.transports import transport_for
-from raydp.strategies.registry import (NONPRIVATE, SPECS, STRATEGY_CHOICES, get_spec, strategy_class,
+from raydp.recipe import RECIPE_FIELDS, resolve
+from raydp.strategies.registry import (NONPRIVATE, SPECS, STRATEGY_CHOICES, get_spec, settings_model, strategy_class,
                                        strategy_settings, with_capability)
 
 
@@ -172,6 +173,14 @@ class TrainConfig(StrictModel):
     public_validation: str | None = Field(None, description=(
         "a CSV of PUBLIC records in the diabetic_data.csv schema to validate and select on, instead of the synthetic "
         "public population (which says nothing about a real dataset's task)"))
+    recipe: Literal["auto", "none"] = Field("auto", description=(
+        "auto: every recipe setting left unset (batch_size, epochs, lr, lr_decay, lr_end, warmup_steps, clip) takes "
+        "the package's recipe for this model, strategy and epsilon, searched on PUBLIC data (raydp.recipe; no "
+        "budget), where the table has one; none: today's defaults"))
+    #: what the recipe filled: written by validation, kept in config.json (the summary names it too)
+    recipe_applied: dict | None = Field(None, description=(
+        "the recipe entry this config took and the fields it filled (None: none); written by validation"),
+        json_schema_extra={"flag": False})
     epochs: float = Field(3.0, gt=0, description="passes over the train split (may be fractional)")
     max_steps: int | None = Field(None, gt=0, description="cap on the number of steps")
     batch_size: int = Field(16, gt=0, description="records per step (a DP strategy's expected batch: Poisson "
@@ -207,6 +216,28 @@ class TrainConfig(StrictModel):
     @classmethod
     def _upgrade(cls, values):
         return upgrade_train_values(values)
+
+    @model_validator(mode="after")
+    def _recipe(self):
+        """Each recipe field the config leaves unset (not in ``model_fields_set``: no flag, YAML key or study value
+        gave it) takes the recipe's value; ``recipe_applied`` records the entry and the fields. A validated config
+        dumped and read again (config.json) sets every field, so it fills nothing and keeps its record."""
+        if self.recipe == "none" or self.strategy not in STRATEGY_CHOICES:
+            return self  # an unknown strategy: _consistent names it
+        resolved = resolve(self.model, self.strategy, self.epsilon)  # public config values only: no data is read
+        if resolved is None:
+            return self
+        unset = [k for k in RECIPE_FIELDS if k not in self.model_fields_set and k in resolved.settings]
+        if "clip" in unset and ("clip" in self.settings or "clip" not in
+                                getattr(settings_model(self.strategy), "model_fields", {})):
+            unset.remove("clip")  # the strategy's own settings.clip wins over the run's clip (as for --clip)
+        if not unset:
+            return self
+        filled = {k: resolved.settings[k] for k in unset}
+        for key, value in filled.items():  # validated by the table's model (TrainConfig's constraints)
+            self.__dict__[key] = value  # frozen model: set as validation does; the field stays out of fields_set
+        self.__dict__["recipe_applied"] = resolved.record(filled)
+        return self
 
     @field_validator("controller")
     @classmethod

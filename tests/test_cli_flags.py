@@ -36,9 +36,9 @@ HAND_WRITTEN = {"-h", "--help", "--output", "-o", "--config", "--overwrite", "--
                 "--help-all", "--help-strategy"}
 #: config fields with no generated flag (settings: `--set KEY=VALUE`, and the settings models' own flags)
 #: set in a config file or with --set only: the strategy settings' mapping; RLDP's residual schedule (its fields would
-#: collide with --clip)
+#: collide with --clip); what the recipe filled (recipe_applied: written by validation, read from config.json)
 UNFLAGGED = {("settings",), ("settings", "schedule", "clip"), ("settings", "schedule", "clip_end"),
-             ("settings", "schedule", "depth_tilt"), ("settings", "schedule", "relative")}
+             ("settings", "schedule", "depth_tilt"), ("settings", "schedule", "relative"), ("recipe_applied",)}
 RLDP = ["--strategy", "rldp", "--epsilon", "2"]
 
 
@@ -111,6 +111,7 @@ def _value(config, path):
     (["--max-steps", "7"], ("max_steps",), 7),
     (["--accountant", "rdp"], ("accountant",), "rdp"),
     (["--lr-decay", "cosine"], ("lr_decay",), "cosine"),
+    (["--recipe", "none"], ("recipe",), "none"),
     (["--rescale-moments"], ("rescale_moments",), True),
     (["--model", "embedded-deep"], ("model",), "embedded-deep"),
     (["--n-records", "123"], ("data", "n_records"), 123),

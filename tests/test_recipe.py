@@ -1,0 +1,350 @@
+"""The recipe table (raydp.recipe) and how a run takes it: the shipped table loads and is the public search's numbers,
+interpolation in log epsilon is monotone between points and clamped outside them, every flag, YAML key and study
+value overrides its field, ``recipe: none`` is today's defaults exactly, config.json records the entry and reads
+back unchanged, the lookup opens no file but the package's table, and every shipped study file pins the recipe."""
+
+from __future__ import annotations
+
+import builtins
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+import raydp.recipe.table as recipe_table
+from raydp.cli import build_parser, train_config_from_args
+from raydp.config import TrainConfig, validate_config
+from raydp.recipe import RECIPE_FIELDS, RECIPES_FILE, RecipeTable, load_table, resolve, shipped_table
+from raydp.run_directory import RunDirectory
+
+REPO = Path(__file__).resolve().parents[1]
+SEARCH = REPO / "trials" / "recipe" / "search-structured.yaml"
+STUDY_FILES = sorted({*REPO.glob("trials/**/*.yaml"), *REPO.glob("experiments/**/*.yaml")})
+PAIRWISE = {"strategy": "static-pairwise", "epsilon": 2.0}  # the embedded model: the table has an entry
+#: a flag value for every recipe field, none of them the recipe's or today's default
+FLAGS = {"batch_size": ("--batch-size", "32", 32), "epochs": ("--epochs", "2", 2.0), "lr": ("--lr", "0.002", 0.002),
+         "lr_decay": ("--lr-decay", "linear", "linear"), "lr_end": ("--lr-end", "0.1", 0.1),
+         "warmup_steps": ("--warmup-steps", "5", 5), "clip": ("--clip", "0.2", 0.2)}
+
+
+def _defaults() -> dict:
+    return {k: TrainConfig.model_fields[k].default for k in RECIPE_FIELDS}
+
+
+def _table(points: list[dict], model: str = "m", strategy: str = "static-pairwise") -> RecipeTable:
+    """A table of one entry for ``model`` and ``strategy`` with ``points`` (epsilon, settings)."""
+    shipped = json.loads(RECIPES_FILE.read_text())
+    entry = {**shipped["entries"][0], "model": model, "strategy": strategy,
+             "points": [{"epsilon": eps, "settings": settings} for eps, settings in points]}
+    return RecipeTable.model_validate({**shipped, "entries": [entry]})
+
+
+def _write_table(path: Path, table: RecipeTable) -> Path:
+    path.write_text(json.dumps(table.model_dump(mode="json")))
+    return path
+
+
+@pytest.fixture
+def own_table(tmp_path, monkeypatch):
+    """Make the package read a table written by the test (the lookup's cache cleared before and after)."""
+    def use(table: RecipeTable) -> None:
+        monkeypatch.setattr(recipe_table, "RECIPES_FILE", _write_table(tmp_path / "recipes.json", table))
+        load_table.cache_clear()
+
+    yield use
+    load_table.cache_clear()
+
+
+# -- the table ---------------------------------------------------------------------------------------------------------
+
+def test_the_shipped_table_loads_and_every_point_is_a_valid_run():
+    table = shipped_table()
+    assert table.format == "raydp-recipes" and table.format_version == 1 and table.version == "v0"
+    assert [e.key for e in table.entries] == ["embedded/static-pairwise/default"]  # no non-private entry yet
+    for entry in table.entries:
+        assert all(i.startswith("public:") for i in entry.provenance.dataset_ids)
+        assert (REPO / entry.provenance.study_file).is_file() and (REPO / entry.provenance.tuning_record).is_file()
+        for point in entry.points:
+            settings = point.settings.model_dump(exclude_none=True)
+            assert set(settings) == set(RECIPE_FIELDS)
+            config = validate_config(TrainConfig, {"model": entry.model, "strategy": entry.strategy,
+                                                   "epsilon": point.epsilon, "recipe": "none", **settings})
+            assert {k: getattr(config, k) for k in settings} == settings
+
+
+def test_v0_is_the_public_searchs_choice_and_todays_defaults_elsewhere():
+    """No number is invented: the searched settings are the tuning record's search_best, the others today's
+    defaults (the values the search ran with), and the provenance says which is which."""
+    entry = shipped_table().entries[0]
+    record = json.loads((REPO / entry.provenance.tuning_record).read_text())
+    best = {float(b["epsilon"]): b for b in record["search_best"] if b["strategy"] == "static-pairwise"}
+    assert [p.epsilon for p in entry.points] == sorted(best) == [0.5, 2.0, 8.0]
+    assert sorted(entry.provenance.searched) == sorted(next(iter(best.values()))["best"]) == ["clip", "lr", "lr_decay"]
+    assert entry.provenance.dataset_ids == record["dataset_ids"]
+    for point in entry.points:
+        settings = point.settings.model_dump(exclude_none=True)
+        assert {k: settings[k] for k in entry.provenance.searched} == best[point.epsilon]["best"]
+        assert point.public_value_nll == best[point.epsilon]["final_public_value_nll"]
+        assert {k: settings[k] for k in entry.provenance.not_searched} == \
+            {k: v for k, v in _defaults().items() if k in entry.provenance.not_searched}
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda t: {**t, "format_version": 2}, "format_version 2"),
+    (lambda t: {**t, "entries": [{**t["entries"][0], "provenance": {**t["entries"][0]["provenance"],
+                                                                   "dataset_ids": ["synthetic:abc"]}}]}, "public"),
+    (lambda t: {**t, "entries": [{**t["entries"][0], "points": t["entries"][0]["points"][::-1]}]}, "increasing"),
+    (lambda t: {**t, "entries": t["entries"] * 2}, "two entries"),
+])
+def test_a_bad_table_is_refused_naming_why(tmp_path, change, words):
+    bad = tmp_path / "recipes.json"
+    bad.write_text(json.dumps(change(json.loads(RECIPES_FILE.read_text()))))
+    with pytest.raises(Exception, match=words):
+        load_table(bad)
+
+
+# -- the lookup --------------------------------------------------------------------------------------------------------
+
+def test_interpolation_is_monotone_between_the_shipped_points():
+    for entry in shipped_table().entries:
+        for low, high in zip(entry.points, entry.points[1:]):
+            grid = [low.epsilon * (high.epsilon / low.epsilon) ** (i / 20) for i in range(21)]
+            for key in ("lr", "clip"):
+                values = [resolve(entry.model, entry.strategy, eps).settings[key] for eps in grid]
+                a, b = getattr(low.settings, key), getattr(high.settings, key)
+                assert values[0] == pytest.approx(a) and values[-1] == pytest.approx(b)
+                steps = [y - x for x, y in zip(values, values[1:])]
+                assert all(s >= -1e-15 for s in steps) or all(s <= 1e-15 for s in steps), key
+
+
+def test_lr_and_clip_are_log_linear_the_rest_nearest_and_the_ends_clamped():
+    table = _table([(0.5, {"batch_size": 16, "epochs": 3.0, "lr": 1e-3, "lr_decay": "constant", "lr_end": 0.0,
+                           "warmup_steps": 20, "clip": 0.1}),
+                    (8.0, {"batch_size": 64, "epochs": 6.0, "lr": 1e-2, "lr_decay": "cosine", "lr_end": 0.2,
+                           "warmup_steps": 40, "clip": 0.01})])
+    grid = [0.5 * 16 ** (i / 10) for i in range(11)]
+    lrs = [resolve("m", "static-pairwise", eps, table).settings["lr"] for eps in grid]
+    clips = [resolve("m", "static-pairwise", eps, table).settings["clip"] for eps in grid]
+    assert all(a < b for a, b in zip(lrs, lrs[1:])) and all(a > b for a, b in zip(clips, clips[1:]))
+    middle = resolve("m", "static-pairwise", 2.0, table)  # the geometric middle of 0.5 and 8
+    assert middle.settings["lr"] == pytest.approx(math.sqrt(1e-3 * 1e-2))
+    assert middle.settings["clip"] == pytest.approx(math.sqrt(0.1 * 0.01))
+    assert middle.settings["lr_end"] == pytest.approx(0.1)
+    assert "between epsilon 0.5 and 8" in middle.how and not middle.clamped
+    near_low, near_high = resolve("m", "static-pairwise", 1.0, table), resolve("m", "static-pairwise", 4.0, table)
+    nearest = ("batch_size", "epochs", "lr_decay", "warmup_steps")
+    assert [near_low.settings[k] for k in nearest] == [16, 3.0, "constant", 20]
+    assert [near_high.settings[k] for k in nearest] == [64, 6.0, "cosine", 40]
+    below, above = resolve("m", "static-pairwise", 0.1, table), resolve("m", "static-pairwise", 50.0, table)
+    assert below.clamped and "below the searched range [0.5, 8]" in below.how and below.settings["lr"] == 1e-3
+    assert above.clamped and "above" in above.how and above.settings["lr"] == 1e-2
+
+
+def test_a_clamped_epsilon_says_so_in_the_run_record():
+    config = TrainConfig(strategy="static-pairwise", epsilon=0.1)
+    assert config.recipe_applied["clamped"] and "below the searched range [0.5, 8]" in config.recipe_applied["how"]
+    assert config.lr == shipped_table().entries[0].points[0].settings.lr
+
+
+def test_only_the_exact_model_and_strategy_have_a_recipe():
+    assert resolve("embedded", "static-pairwise", 2.0) is not None
+    for model, strategy in (("embedded-tiny", "static-pairwise"), ("embedded", "static"), ("embedded", "nonprivate"),
+                            ("gpt2", "static-pairwise")):
+        assert resolve(model, strategy, 2.0) is None
+        config = TrainConfig(model=model, strategy=strategy, epsilon=None if strategy == "nonprivate" else 2.0)
+        assert config.recipe_applied is None and {k: getattr(config, k) for k in RECIPE_FIELDS} == _defaults()
+
+
+# -- a run takes it ----------------------------------------------------------------------------------------------------
+
+def test_auto_fills_every_unset_field_and_records_the_entry():
+    config = TrainConfig(**PAIRWISE)
+    point = shipped_table().entries[0].points[1]
+    assert point.epsilon == 2.0
+    assert {k: getattr(config, k) for k in RECIPE_FIELDS} == point.settings.model_dump()
+    assert config.strategy_settings().clip == point.settings.clip  # where --clip lands: the strategy's clip
+    applied = config.recipe_applied
+    assert applied["entry"] == "embedded/static-pairwise/default" and applied["table"] == "raydp-recipes v0"
+    assert applied["how"] == "at epsilon 2" and not applied["clamped"] and applied["compute_tier"] == "default"
+    assert list(applied["filled"]) == list(RECIPE_FIELDS)
+    assert sorted(applied["searched"]) == ["clip", "lr", "lr_decay"]
+    assert sorted(applied["not_searched"]) == ["batch_size", "epochs", "lr_end", "warmup_steps"]
+    assert "trials/schedule-search.yaml" in applied["source"]
+
+
+def test_recipe_none_gives_todays_defaults_exactly():
+    config = TrainConfig(**PAIRWISE, recipe="none")
+    assert {k: getattr(config, k) for k in RECIPE_FIELDS} == _defaults() and config.recipe_applied is None
+    assert config.strategy_settings().clip is None  # the strategy's own default clip (0.1 per pair)
+    untabled = TrainConfig(**{**PAIRWISE, "model": "embedded-tiny"})  # no entry: the same as none
+    assert {k: v for k, v in config.model_dump().items() if k not in ("recipe", "model")} == \
+        {k: v for k, v in untabled.model_dump().items() if k not in ("recipe", "model")}
+
+
+@pytest.mark.parametrize("field", RECIPE_FIELDS)
+def test_each_recipe_field_is_overridden_by_its_flag(field):
+    option, raw, value = FLAGS[field]
+    args = build_parser().parse_args(["train", "-o", "run", "--strategy", "static-pairwise", "--epsilon", "2",
+                                      option, raw])
+    config = train_config_from_args(args)
+    assert getattr(config, field) == value
+    assert field not in config.recipe_applied["filled"]
+    assert set(config.recipe_applied["filled"]) == set(RECIPE_FIELDS) - {field}  # the others still come from it
+    if field == "clip":
+        assert config.strategy_settings().clip == value
+
+
+@pytest.mark.parametrize("field", RECIPE_FIELDS)
+def test_each_recipe_field_is_overridden_by_the_yaml_config(tmp_path, field):
+    _, _, value = FLAGS[field]
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({**PAIRWISE, field: value}))
+    config = train_config_from_args(build_parser().parse_args(["train", "-o", "run", "--config", str(path)]))
+    assert getattr(config, field) == value and field not in config.recipe_applied["filled"]
+
+
+def test_a_strategy_setting_clip_wins_and_the_recipe_leaves_the_runs_clip_alone():
+    args = build_parser().parse_args(["train", "-o", "run", "--strategy", "static-pairwise", "--epsilon", "2",
+                                      "--set", "clip=0.3"])
+    config = train_config_from_args(args)
+    assert config.strategy_settings().clip == 0.3 and config.clip is None
+    assert "clip" not in config.recipe_applied["filled"]
+
+
+def test_recipe_flag_none_and_a_value_given_with_it():
+    args = build_parser().parse_args(["train", "-o", "run", "--strategy", "static-pairwise", "--epsilon", "2",
+                                      "--recipe", "none", "--lr", "0.003"])
+    config = train_config_from_args(args)
+    assert config.recipe == "none" and config.recipe_applied is None
+    assert {k: getattr(config, k) for k in RECIPE_FIELDS} == {**_defaults(), "lr": 0.003}
+
+
+def test_config_json_records_the_entry_and_reads_back_unchanged():
+    config = TrainConfig(**{**PAIRWISE, "lr": 0.004})
+    stored = json.loads(json.dumps(config.model_dump(mode="json")))  # as config.json holds it
+    assert stored["recipe"] == "auto" and stored["recipe_applied"] == config.recipe_applied
+    again = validate_config(TrainConfig, stored)
+    assert again.recipe_applied == config.recipe_applied  # not re-applied, not dropped
+    assert again.model_dump(mode="json") == stored
+    assert validate_config(TrainConfig, json.loads(json.dumps(again.model_dump(mode="json")))) == again
+    assert {k: getattr(again, k) for k in RECIPE_FIELDS} == {k: getattr(config, k) for k in RECIPE_FIELDS}
+
+
+def test_a_config_stored_before_recipes_reads_back_without_one():
+    stored = TrainConfig(**PAIRWISE, recipe="none").model_dump(mode="json")
+    for key in ("recipe", "recipe_applied"):
+        stored.pop(key)  # an older run's config.json: every other field written out
+    config = validate_config(TrainConfig, stored)
+    assert config.recipe == "auto" and config.recipe_applied is None
+    assert {k: getattr(config, k) for k in RECIPE_FIELDS} == _defaults()
+
+
+def test_a_studys_values_count_as_set(tmp_path):
+    from raydp.study.config import Trial, load_study, trial_config
+
+    study_file = tmp_path / "study.yaml"
+    study_file.write_text(yaml.safe_dump({
+        "name": "s", "models": ["embedded"], "epsilons": [2.0], "seeds": [0], "strategies": ["static-pairwise"],
+        "settings_grid": {"static-pairwise": {"clip": [0.05], "lr": [0.001]}}, "base": {"warmup_steps": 7}}))
+    study = load_study(study_file)
+    trial = Trial(model="embedded", epsilon=2.0, seed=0, strategy="static-pairwise", grid={"clip": 0.05, "lr": 0.001})
+    config = trial_config(study, trial)
+    assert (config.lr, config.warmup_steps, config.strategy_settings().clip) == (0.001, 7, 0.05)
+    assert set(config.recipe_applied["filled"]) == {"batch_size", "epochs", "lr_decay", "lr_end"}
+    searched = trial_config(study, Trial(model="embedded", epsilon=2.0, seed=0, strategy="static-pairwise",
+                                         search={"lr": 0.02, "lr_decay": "linear"}))
+    assert (searched.lr, searched.lr_decay) == (0.02, "linear") and "lr" not in searched.recipe_applied["filled"]
+
+
+def test_tuned_from_values_count_as_set(tmp_path):
+    from raydp.study.config import load_study, trial_config, trial_grid
+
+    values = yaml.safe_load((REPO / "trials" / "quickstart.yaml").read_text())
+    values["base"] = {k: v for k, v in values["base"].items() if k != "recipe"}  # unpinned, as a user's copy
+    values["tuned_from"] = str(REPO / "trials" / "tuned" / "schedule-search.json")
+    path = tmp_path / "quickstart.yaml"
+    path.write_text(yaml.safe_dump(values))
+    study = load_study(path)
+    trial = next(t for t in trial_grid(study) if t.strategy == "static-pairwise")
+    config = trial_config(study, trial)
+    assert set(config.recipe_applied["filled"]) == {"batch_size", "lr_end", "warmup_steps"}  # epochs: base sets 3
+    assert config.strategy_settings().clip == trial.tuned["clip"] and config.lr == trial.tuned["lr"]
+
+
+# -- it reads no data --------------------------------------------------------------------------------------------------
+
+def test_the_lookup_opens_no_file_but_the_packages_table(tmp_path, monkeypatch):
+    dataset = tmp_path / "dataset"
+    dataset.mkdir()
+    for name in ("manifest.json", "train.parquet", "eval.parquet", "validation.parquet"):
+        (dataset / name).write_text("{}")
+    opened: list[Path] = []
+
+    def recording(original, path_of):
+        def wrapper(*args, **kwargs):
+            opened.append(Path(path_of(*args)).resolve())
+            return original(*args, **kwargs)
+        return wrapper
+
+    for owner, name, path_of in ((builtins, "open", lambda f, *a: f), (io, "open", lambda f, *a: f),
+                                 (Path, "open", lambda self, *a: self), (Path, "read_text", lambda self, *a: self),
+                                 (Path, "read_bytes", lambda self, *a: self)):
+        monkeypatch.setattr(owner, name, recording(getattr(owner, name), path_of))
+    load_table.cache_clear()  # read the table now, under the recorder
+    try:
+        config = TrainConfig(**PAIRWISE, data={"source": str(dataset)})
+    finally:
+        monkeypatch.undo()
+        load_table.cache_clear()
+    assert config.recipe_applied is not None
+    assert opened and set(opened) == {RECIPES_FILE}, opened
+    assert not any(dataset in p.parents for p in opened)
+
+
+# -- a run records it --------------------------------------------------------------------------------------------------
+
+def test_a_run_writes_the_recipe_it_took_into_config_json(tmp_path, own_table):
+    from raydp.runner.run import run_training
+
+    own_table(_table([(0.5, {"batch_size": 8, "epochs": 3.0, "lr": 1e-3, "lr_decay": "cosine", "lr_end": 0.0,
+                             "warmup_steps": 2, "clip": 0.05}),
+                      (8.0, {"batch_size": 8, "epochs": 3.0, "lr": 4e-3, "lr_decay": "cosine", "lr_end": 0.0,
+                             "warmup_steps": 2, "clip": 0.05})], model="embedded-tiny"))
+    config = TrainConfig(model="embedded-tiny", strategy="static-pairwise", epsilon=2.0, max_steps=3, seed=3,
+                         unsafe_fixed_randomness=True, data={"n_records": 300}, eval_max_records=16,
+                         public_eval_records=16)
+    assert config.lr == pytest.approx(2e-3) and config.batch_size == 8  # log-linear at 2, the geometric middle
+    run_training(config, tmp_path / "run", progress=False)
+    stored = json.loads(RunDirectory(tmp_path / "run").config.read_text())
+    assert stored["recipe_applied"] == config.recipe_applied
+    assert stored["recipe_applied"]["entry"] == "embedded-tiny/static-pairwise/default"
+    assert stored["lr"] == pytest.approx(2e-3) and stored["batch_size"] == 8
+
+
+# -- studies pin it ----------------------------------------------------------------------------------------------------
+
+def test_every_shipped_and_campaign_study_file_pins_the_recipe():
+    """A benchmark's or a campaign's study states its recipe (none: today's defaults), so a new table version moves
+    none of them; a study that means to run the recipe says recipe: auto."""
+    studies = [p for p in STUDY_FILES if "strategies" in (yaml.safe_load(p.read_text()) or {})]
+    assert len(studies) >= 40 and SEARCH in studies
+    unpinned = [str(p.relative_to(REPO)) for p in studies
+                if (yaml.safe_load(p.read_text()).get("base") or {}).get("recipe") not in ("none", "auto")]
+    assert not unpinned, f"state base.recipe in {unpinned}"
+
+
+def test_the_preregistered_search_validates_on_public_data_from_todays_defaults():
+    from raydp.study.config import load_study, search_cells, trial_config, trial_grid
+
+    study = load_study(SEARCH)
+    assert not study.private_data and study.base["data"]["source"] == "public" and study.base["recipe"] == "none"
+    assert study.epsilons == [0.5, 2.0, 8.0] and set(study.strategies) == {"nonprivate", "static-pairwise"}
+    cells = search_cells(study)
+    assert [c.epsilon for c in cells] == [0.5, 2.0, 8.0]
+    for trial in [*trial_grid(study), *cells]:
+        config = trial_config(study, trial)
+        assert config.recipe_applied is None and config.common_random_numbers
+        assert (config.batch_size, config.epochs) == (16, 3.0)
