@@ -19,7 +19,8 @@ import pandas as pd
 from ray.tune.search import Searcher
 
 from raydp.study.schedule_bandit import Dimension, ScheduleBandit
-from raydp.study.config import StudyConfig, search_cells
+from raydp.study.config import StudyConfig
+from raydp.study.grid import search_cells
 from raydp.study.results import METRIC_COLUMNS
 
 #: where a bandit study keeps its fitted bandit

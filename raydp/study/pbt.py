@@ -23,7 +23,8 @@ from ray.tune.experiment import Trial as TuneTrial
 from ray.tune.schedulers import PopulationBasedTraining
 
 from raydp.runner.launch import RAY_NAMESPACE
-from raydp.study.config import StudyConfig, draw_in_range, trial_config
+from raydp.study.config import StudyConfig
+from raydp.study.grid import draw_in_range, trial_config
 from raydp.study.population import join_population, population_filter, start_population, write_population
 from raydp.study.searches import TuneStorage, _run_config
 from raydp.study.trainable import CHECKPOINT_STATE, run_trial

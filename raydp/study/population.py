@@ -32,7 +32,7 @@ from raydp.data import load_texts
 from raydp.errors import ConfigError
 from raydp.privacy.filter import PopulationFilter, RenyiFilter
 from raydp.runner.privacy_setup import plan_private_run, training_units
-from raydp.study.config import trial_config
+from raydp.study.grid import trial_config
 
 POPULATION_FILE = "pbt_population.json"
 ACTOR_PREFIX = "raydp-pbt-population"

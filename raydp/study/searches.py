@@ -16,7 +16,8 @@ import pyarrow.fs
 
 from raydp.errors import ConfigError
 from raydp.run_directory import RunDirectory
-from raydp.study.config import StudyConfig, search_cells
+from raydp.study.config import StudyConfig
+from raydp.study.grid import search_cells
 from raydp.study.trial import Trial, tune_trial
 
 
