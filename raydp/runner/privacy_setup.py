@@ -226,6 +226,59 @@ def planned_rdp_curve(plan: PrivacyPlan, delta: float, orders=DEFAULT_ORDERS) ->
     return total
 
 
+#: two plans' numbers that differ by less than this, relatively, are the same number (one calibration run on two
+#: machines); anything more is a different plan
+PLAN_TOLERANCE = 1e-9
+
+
+def plan_record(plan, config: TrainConfig) -> dict | None:
+    """What a run's privacy plan fixes before its first step, as plain JSON (None for a non-private run): for DP-SGD
+    the target (epsilon, delta), the accountant, the sampling rate q, the planned steps, the calibrated sigma_0, the
+    sigma schedule and the releases' precisions; for forward-pass local DP its epochs, q, records per unit and
+    per-epoch sigmas. A study's driver charges a trial this plan, and the trial's run must run it
+    (:func:`check_expected_plan`)."""
+    if plan is None:
+        return None
+    target = {"epsilon": float(config.epsilon), "delta": float(config.delta)}
+    if isinstance(plan, PrivacyPlan):
+        return {"mechanism": "central", **target, "accountant": plan.accountant, "q": float(plan.q),
+                "planned_steps": int(plan.planned_steps), "sigma_0": float(plan.sigma_0), "adaptive": bool(plan.adaptive),
+                "schedule": [float(m) for m in plan.schedule.per_epoch],
+                "release_precisions": [plan.sigma_map.extra_precision, plan.sigma_map.relative_precision]}
+    return {"mechanism": "local", **target, "q": float(plan.paper_q), "planned_steps": int(plan.planned_steps),
+            "epochs": int(plan.epochs), "records_per_unit": int(plan.records_per_unit),
+            "sigmas": [float(s) for s in plan.plan.sigmas],
+            "epsilon_label": None if plan.epsilon_label is None else float(plan.epsilon_label)}
+
+
+def plan_differences(expected: dict, actual: dict | None) -> list[str]:
+    """The fields in which two :func:`plan_record` plans differ (numbers within :data:`PLAN_TOLERANCE` agree)."""
+    actual = actual if actual is not None else {"mechanism": "none"}
+    return [key for key in sorted(set(expected) | set(actual), key=lambda k: (k != "mechanism", k))
+            if not _same(expected.get(key), actual.get(key))]
+
+
+def check_expected_plan(expected: dict, plan, config: TrainConfig) -> None:
+    """Refuse (one line, before any step) a run whose plan is not ``expected``, the plan its caller (a study's
+    driver) calibrated and charged for it: the plan that was charged must be the plan that runs."""
+    actual = plan_record(plan, config)
+    differing = plan_differences(expected, actual)
+    if differing:
+        actual = actual or {"mechanism": "none"}
+        detail = ", ".join(f"{key} {expected.get(key)!r} charged, {actual.get(key)!r} here" for key in differing)
+        raise ConfigError(f"this run's privacy plan is not the one its study charged ({detail}): nothing was started")
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isclose(a, b, rel_tol=PLAN_TOLERANCE, abs_tol=0.0)
+    return a == b
+
+
 @dataclass(frozen=True)
 class LifetimeCharge:
     """One run's claim on its dataset's lifetime budget: its plan, delta, privacy unit and the caveats on its

@@ -43,6 +43,7 @@ from raydp.errors import ConfigError, DataError
 from raydp.model import LoraSettings, disable_dropout, load_model
 from raydp.model.batches import TokenizedSplit
 from raydp.model.loading import check_model_name
+from raydp.run_directory import RunDirectory
 from raydp.runner.allocator import keep_freed_memory
 from raydp.runner.gradients import NonPrivateGradient
 from raydp.runner.loop import OptimizerSettings, Trainer
@@ -51,6 +52,7 @@ from raydp.runner.privacy_setup import (
     build_strategy,
     LifetimeCharge,
     charge_lifetime as charge_lifetime_budget,
+    check_expected_plan,
     has_lifetime_budget,
     plan_private_run,
     privacy_summary,
@@ -70,7 +72,6 @@ from raydp.data.tasks import classification_spec
 from raydp.runner.task import Task
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve
 from raydp.privacy.clipping import isolates_records
-from raydp.privacy.ledger import LEDGER_FILENAME
 from raydp.privacy.lifetime import LifetimeReceipt, check_receipt, spend_line
 
 SYNTHETIC_NOTE = "synthetic records: they describe no real patient"
@@ -225,7 +226,7 @@ def dp_steps_note(config: TrainConfig, plan, units) -> str:
 def run_training(config: TrainConfig, output: str | Path, overwrite: bool = False, progress: bool = True,
                  client=None, on_evaluation=None, on_checkpoint=None, checkpoint_every: int | None = None,
                  resume: dict | None = None, population_admit=None, charge_lifetime: bool = True,
-                 _charged_by: LifetimeReceipt | None = None) -> dict:
+                 _charged_by: LifetimeReceipt | None = None, expected_plan: dict | None = None) -> dict:
     """Run one fine-tuning and write everything it produces under ``output``; returns the summary.
 
     ``client``: the policy connection of an RLDP run (:class:`raydp.control.service.PolicyClient`, or over
@@ -241,13 +242,19 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
     its dataset. Only a caller that charged the run itself, before it starts (a study its trials, a private
     selection its cells), skips that, by passing ``_charged_by``, the :class:`~raydp.privacy.lifetime.LifetimeReceipt`
     of its charge (checked: :func:`~raydp.privacy.lifetime.check_receipt`). ``charge_lifetime=False`` without one
-    is kept for callers without a budget (where there is nothing to charge) and refused on a dataset with one."""
+    is kept for callers without a budget (where there is nothing to charge) and refused on a dataset with one.
+
+    ``expected_plan``: the privacy plan (:func:`~raydp.runner.privacy_setup.plan_record`) a caller calibrated and
+    charged for this run (a study's driver, for each trial it planned): the run calibrates its own and refuses, with
+    a ConfigError naming the differing fields, before any charge or step, when the two differ. None: not compared
+    (a plain run; a study's searched trial, which the driver did not plan)."""
     started = time.perf_counter()
     check_model_name(config.model)  # fail on a bad model before building anything
     keep_freed_memory()  # every step reuses the last step's pages (raydp.runner.allocator; nothing computed changes)
     if config.is_controlled and client is None:
         raise ConfigError(f"a {config.strategy} run needs a policy client; start it with raydp.runner.launch.train")
     with staged_output(output, overwrite=overwrite) as staging:
+        files = RunDirectory(staging)  # the run's files, named (staged, then renamed into place whole)
         dataset_dir = prepare_dataset(config, staging, progress=progress)
         manifest = load_manifest(dataset_dir)
         check_public_validation(config.public_validation, dataset_dir, manifest)  # before any charge
@@ -260,6 +267,8 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             plan = plan_local_run(config, strategy, units, classification_spec(config.task.label).n_classes)
         else:
             plan = plan_private_run(config, units.public_count, strategy) if config.is_private else None
+        if expected_plan is not None:  # the plan that was charged is the plan that runs (before any charge or step)
+            check_expected_plan(expected_plan, plan, config)
         if plan is not None and resume is None and progress and not local:  # what earlier runs spent, never silent
             spent = spend_line(manifest_id(manifest), config.delta, manifest.get("source_sha256"))
             if spent:
@@ -360,26 +369,26 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
         privacy = privacy_summary(private, config) if private else {"mechanism": "none", "epsilon": None}
         if local_run is not None:
             privacy = local_privacy_summary(local_run, config)
-            local_run.ledger.save(staging / LEDGER_FILENAME)
+            local_run.ledger.save(files.ledger)
         if width is not None:
             privacy["batch_width"] = width  # public (dp_batch_width)
         if private is not None:
             privacy["records_alone"] = isolates_records(loaded.device)  # public: off the CPU (ERRATA E17)
             if privacy["records_alone"]:  # rows per pass the run used ([8]: slotted; [1]: one record per pass; public)
                 privacy["record_slots"] = sorted(getattr(private.step.per_sample, "rows_used", ()))
-            private.ledger.save(staging / LEDGER_FILENAME)
+            private.ledger.save(files.ledger)
             controller = private.strategy.finish(staging) or None
             if client is not None and client.service is not None:
-                client.save_policy(staging / "policy", trained_on=trained_on(
+                client.save_policy(files.policy, trained_on=trained_on(
                     config, n_adapter_pairs=len(loaded.pairs), epsilon=config.epsilon, steps=trainer.step_count,
                     privacy_mode=private.strategy.privacy_mode,
                     decisions=controller.get("decisions") if controller else None),
                     results={"final_public_perplexity": public[-1], "best_public_perplexity": min(public),
                              "epsilon": privacy["epsilon"], "labels": privacy["labels"]},
                     provenance=policy_provenance(private, config, manifest, privacy))
-        loaded.model.save_pretrained(staging / "adapter")
+        loaded.model.save_pretrained(files.adapter)
         model_source = Path(loaded.source).name if Path(loaded.source).is_dir() else loaded.source
-        _without_local_paths(staging / "adapter", str(loaded.source), model_source)
+        _without_local_paths(files.adapter, str(loaded.source), model_source)
         summary = {
             "raydp_version": __version__,
             "model": config.model,
@@ -391,6 +400,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             "n_adapter_pairs": len(loaded.pairs),
             "adapter_pairs": [pair.describe() for pair in loaded.pairs],
             "strategy": config.strategy,
+            "recipe": config.recipe_applied,  # the recipe entry and the fields it filled (None: none)
             "privacy": privacy,
             "dropout": "off (DP run: ERRATA E12)" if config.is_private else "as configured",
             "controller": controller,
@@ -432,9 +442,9 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             "train_loop_seconds": round(trainer.train_seconds, 2),
             "wall_seconds": round(time.perf_counter() - started, 2),
         }
-        (staging / "config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
-        (staging / "PRIVACY.txt").write_text(RUN_PRIVACY_NOTE)
-        (staging / "summary.json").write_text(json.dumps(summary, indent=2))
+        files.config.write_text(json.dumps(config.model_dump(mode="json"), indent=2))
+        files.privacy_note.write_text(RUN_PRIVACY_NOTE)
+        files.summary.write_text(json.dumps(summary, indent=2))
     return summary
 
 

@@ -24,16 +24,20 @@ from raydp.files import atomic_write, locked
 from raydp.model.embedded import ensure_embedded_model, is_embedded_name
 from raydp.privacy.lifetime import read_budget
 from raydp.runner.local_setup import is_local, plan_local_run
-from raydp.runner.privacy_setup import LifetimeCharge, build_strategy, plan_key, plan_private_run, training_units
+from raydp.runner.privacy_setup import (LifetimeCharge, build_strategy, plan_key, plan_private_run, plan_record,
+                                        training_units)
 from raydp.runner.privacy_setup import charge_lifetime as charge_lifetime_budget  # prepare_study's flag has the name
-from raydp.study.config import StudyConfig, search_cells, search_trial, trial_config, trial_grid, upgrade_study_values
+from raydp.study.config import StudyConfig, upgrade_study_values
+from raydp.study.grid import search_cells, search_trial, trial_config, trial_grid
 from raydp.study.trial import Trial
 
 
 def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
                   build_models: bool = False, charge_lifetime: bool = False,
                   lifetime_nonce: str | None = None) -> tuple[str, list[Trial]]:
-    """Build the dataset, validate every trial and calibrate every plan; returns (dataset_dir, trials).
+    """Build the dataset, validate every trial and calibrate every plan; returns (dataset_dir, trials), each DP
+    trial with the plan calibrated for it (:attr:`Trial.privacy_plan <raydp.study.trial.Trial.privacy_plan>`), which its run must
+    match.
     ``build_models``: also build the embedded models the study uses, once, here (not in every trial). Where
     the dataset has a lifetime budget (:mod:`raydp.privacy.lifetime`), every DP trial's plan is checked against
     it, and with ``charge_lifetime`` charged under ``lifetime_nonce`` (a random tag of this study run, kept in its
@@ -81,7 +85,8 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
                 except ConfigError as exc:
                     raise ConfigError(f"trial {trial.name}: {exc}") from None
         if not trial.search:  # a corner is only checked: Optuna's trials are named when they run
-            trials.append(trial)
+            # a DP trial carries the plan charged for it: its run refuses any other (raydp.runner.run.run_training)
+            trials.append(replace(trial, privacy_plan=plan_record(plans[key], config)) if config.is_private else trial)
             if config.is_private:
                 trial_plans[f"study:{lifetime_nonce}/{trial.name}"] = LifetimeCharge.of(
                     plans[key], config, strategy, unit_names[key])

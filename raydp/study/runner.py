@@ -37,7 +37,9 @@ from raydp.control.store import load_manifest as load_policy_manifest
 from raydp.data import load_manifest, manifest_id
 from raydp.errors import ConfigError
 from raydp.files import atomic_write, owner_only, private_dir
-from raydp.study.config import TUNING_FORMAT, TUNING_RECORD, StudyConfig, load_study, search_cells, trial_config, trial_grid
+from raydp.study.config import StudyConfig, load_study
+from raydp.study.grid import TUNING_FORMAT, TUNING_RECORD, search_cells, trial_config, trial_grid
+from raydp.study.params import TrialParams
 from raydp.study.population import population_summary
 from raydp.study.prepare import (LIFETIME_NONCE, RESUMABLE_CHANGES, build_study_models, check_resumed_study,
                                  lock_study_dir, prepare_study, study_lifetime_nonce, write_lifetime_nonce)
@@ -156,22 +158,22 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     atomic_write(study_dir / "study.json", json.dumps(study.model_dump(mode="json"), indent=2))
     write_lifetime_nonce(study_dir, nonce)  # a resume here is not charged twice (private: work/)
     session = None
-    common = {"study": study.model_dump(mode="json"), "dataset": dataset, "study_dir": str(study_dir),
-              "wandb": wandb_target(study, study_dir),
-              "connection": None, "log_checkpoints": sys.stderr.isatty(),
-              "n_trials": len(trials),  # audits in the family: each trial's audit is Bonferroni-corrected
-              "lifetime_nonce": nonce}  # the tag of the trials' lifetime charge (their receipt's label)
+    shared = TrialParams(study=study, dataset=dataset, study_dir=str(study_dir), wandb=wandb_target(study, study_dir),
+                         log_checkpoints=sys.stderr.isatty(),
+                         n_trials=len(trials),  # audits in the family: each trial's audit is Bonferroni-corrected
+                         lifetime_nonce=nonce)  # the tag of the trials' lifetime charge (their receipt's label)
     if study.policy == "shared" and study.controller_strategy is not None:
         from raydp.control.service import start_policy_session  # lazy: imports Ray (`raydp study --check` does not)
 
         # the controller settings' `policy` is where the shared policy starts (continued, its provenance inherited)
         first = next(t for t in trials if t.strategy == study.controller_strategy)
         session = start_policy_session(trial_config(study, first, dataset, first.policy_path), RAY_NAMESPACE)
-        common["connection"] = session.connection()
+        shared = replace(shared, connection=session.connection())
     bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
     trainable = tune.with_resources(run_trial, tune.PlacementGroupFactory([bundle]))
     if study.storage is not None:  # every node reads the dataset from the study's storage (study_storage_dataset)
-        common.update(storage=study.storage, dataset_remote=upload_dataset(study, dataset))
+        shared = replace(shared, storage=study.storage, dataset_remote=upload_dataset(study, dataset))
+    common = shared.to_tune()  # what every trial's Tune config holds; each route adds its trials' own keys
     started, fit_started = time.perf_counter(), time.time()
     # a frozen transfer trial starts from its stage-1 trial's policy
     sources = {t.source_key: str(study_dir / "trials" / t.name / "policy") for t in trials if t.stage == "source"}

@@ -39,11 +39,13 @@ from raydp.privacy.accounting.rdp import epsilon_over_steps
 from raydp.privacy.lifetime import LifetimeReceipt
 from raydp.run_directory import RunDirectory
 from raydp.runner.run import run_training
-from raydp.study.config import StudyConfig, optuna_trial, search_trial, trial_config
+from raydp.study.config import StudyConfig
+from raydp.study.params import TrialParams
+from raydp.study.grid import optuna_trial, search_trial, trial_config
 from raydp.study.population import PopulationAdmit
 from raydp.study.results import selection_value, trial_labels
 from raydp.study.searches import study_filesystem
-from raydp.study.trial import Trial, tune_trial
+from raydp.study.trial import Trial
 
 
 #: eval-row fields logged to wandb (numbers only) and their names there, against ``eval/step``: ``eval/*`` is the
@@ -115,7 +117,7 @@ class _Reporter:
     def _start(self, study, trial, config, study_dir, target) -> None:
         import wandb  # lazy: only a trial that logs to wandb loads it
 
-        safe = {k: v for k, v in trial.to_dict().items() if k not in ("policy_path",)}  # settings only, no data
+        safe = {k: v for k, v in trial.to_dict().items() if k not in ("policy_path", "privacy_plan")}  # settings only, no data
         os.environ.setdefault("WANDB_SILENT", "true")  # no "syncing is offline" lines per trial in a study's log
         run_id = hashlib.sha256(f"{target['id_base']}|{trial.name}".encode()).hexdigest()[:24]
         self.run = wandb.init(
@@ -317,14 +319,15 @@ def run_trial(params: dict) -> None:
                                                 exc.strerror or exc)
 
 
-def _run_trial(params: dict) -> None:
+def _run_trial(config: dict) -> None:
     """The Tune trainable's body: one fine-tuning run in this trial's actor.
 
     Checkpoints (adapters, optimizer, RNG, sampler, ledger, strategy state, and a per-trial policy's
     snapshot) go to Tune at every evaluation and before every controller decision; a retried trial
     resumes from the latest one with exactly its ledger. Each checkpoint's report carries the step and
     the latest evaluation's perplexities (:func:`evaluation_metrics`): an evaluation reaches Tune only
-    with (or after) the checkpoint of its step."""
+    with (or after) the checkpoint of its step. ``config`` is Tune's (:meth:`TrialParams.from_tune`); a grid trial's
+    run is refused if its privacy plan is not the one the driver charged (:attr:`TrialParams.expected_plan`)."""
     from ray import tune  # lazy: `raydp study --check` loads no Ray
     from ray.tune import Checkpoint  # lazy: as above
 
@@ -332,23 +335,23 @@ def _run_trial(params: dict) -> None:
     from raydp.runner.launch import start_policy  # lazy: imports Ray, which `raydp study --check` does not load
 
     tighten_umask()  # this trial's process writes private files (a joined cluster's worker may have a looser mask)
-    study = StudyConfig(**params["study"])
-    if not params.get("log_checkpoints", True):  # the driver writes to a log, not a terminal (run_study)
+    params = TrialParams.from_tune(config)
+    study = params.study
+    if not params.log_checkpoints:  # the driver writes to a log, not a terminal (run_study)
         logging.getLogger(CHECKPOINT_LOGGER).setLevel(logging.WARNING)
     # a grid trial: its own spec only (the config's size does not grow with the study); in a study started before
     # that (resumed), every spec in every config
-    trial = tune_trial(params)
-    if trial is None and "search_cell" in params:  # an Optuna-sampled search_space trial
-        trial = search_trial(Trial.from_dict(params["search_cell"]), params["search"],
-                             tune.get_context().get_trial_id())
+    trial = params.trial
+    if trial is None and params.search_cell is not None:  # an Optuna-sampled search_space trial
+        trial = search_trial(params.search_cell, params.search, tune.get_context().get_trial_id())
     elif trial is None:  # an Optuna-sampled SAC cell
-        trial = optuna_trial(study, params["t_rl"], params["b_sac"], params["k"], tune.get_context().get_trial_id())
+        trial = optuna_trial(study, params.t_rl, params.b_sac, params.k, tune.get_context().get_trial_id())
     dataset = node_local_dataset(params)
-    config = trial_config(study, trial, dataset, trial.policy_path)
-    torch.set_num_threads(config.cpus or 1)
+    run_config = trial_config(study, trial, dataset, trial.policy_path)
+    torch.set_num_threads(run_config.cpus or 1)
     # with the study's storage, the trial writes on its own node and its run directory travels back to the study
     # as its final checkpoint (fetch_trial_outputs); without it, into the study directory (one machine, or NFS)
-    root = user_scratch("trials", study.name) if params.get("storage") else Path(params["study_dir"])
+    root = user_scratch("trials", study.name) if params.storage else Path(params.study_dir)
     out = root / "trials" / trial.name
     workdir = root / "work" / trial.name
     workdir.mkdir(parents=True, exist_ok=True)
@@ -360,28 +363,29 @@ def _run_trial(params: dict) -> None:
     def checkpoint(state: dict) -> None:
         with tempfile.TemporaryDirectory(dir=workdir) as d:
             torch.save(state, Path(d) / CHECKPOINT_STATE)
-            if session is not None and not config.strategy_settings().frozen:
-                client.save_policy(Path(d) / "policy", trained_on=trained_on(config), results={})  # a snapshot: no new provenance entry (the run adds it at its end)
+            if session is not None and not run_config.strategy_settings().frozen:
+                client.save_policy(Path(d) / "policy", trained_on=trained_on(run_config), results={})  # a snapshot: no new provenance entry (the run adds it at its end)
             rows = state["trainer"].get("eval_rows") or [{}]
             tune.report({"step": state["trainer"]["step_count"], "checkpoint": True, "eval_step": rows[-1].get("step"),
-                         **evaluation_metrics(rows[-1], study.selection, config.is_private)},
+                         **evaluation_metrics(rows[-1], study.selection, run_config.is_private)},
                         checkpoint=Checkpoint.from_directory(d))
 
     entered_at = time.time()
-    reporter = _Reporter(study, trial, config, root, params.get("wandb"))
+    reporter = _Reporter(study, trial, run_config, root, params.wandb)
     try:
-        if config.is_controlled:
-            if params.get("connection"):
+        if run_config.is_controlled:
+            if params.connection:
                 # exploration seeded from the trial's name (public), not the process id
-                client = client_from_connection({**params["connection"], "seed": run_seed(trial.name)},
+                client = client_from_connection({**params.connection, "seed": run_seed(trial.name)},
                                                 f"{trial.name}-{os.getpid()}")
             else:
-                session = start_policy(config, restore=policy_snapshot)
+                session = start_policy(run_config, restore=policy_snapshot)
                 client = session.client(trial.name)
-        summary = run_training(config, out, overwrite=True, progress=False, client=client,
+        summary = run_training(run_config, out, overwrite=True, progress=False, client=client,
                                # the study charged every trial before any started, under this label
                                _charged_by=LifetimeReceipt(manifest_id(load_manifest(dataset)),
-                                                           f"study:{params.get('lifetime_nonce')}/{trial.name}"),
+                                                           f"study:{params.lifetime_nonce}/{trial.name}"),
+                               expected_plan=params.expected_plan,  # the plan the study charged, or None (searched)
                                on_evaluation=reporter.evaluation, on_checkpoint=checkpoint, resume=resume,
                                population_admit=_population_hook(params, trial))  # PBT: the population filter
         reporter.finish(summary, out)
@@ -396,8 +400,8 @@ def _run_trial(params: dict) -> None:
         if study.evaluate is not None:  # attacks and audit: for the data owner, never Tune's metric (E15)
             started_eval = time.perf_counter()
             try:  # a failed evaluation must not fail (and retrain) a trained trial: it is recorded instead
-                attacks = flat_metrics(evaluate_run(out, study.evaluate.model_copy(update={"device": config.device}),
-                                                    progress=False, audits_in_family=params.get("n_trials", 1)))
+                attacks = flat_metrics(evaluate_run(out, study.evaluate.model_copy(update={"device": run_config.device}),
+                                                    progress=False, audits_in_family=params.n_trials))
             except Exception as exc:  # noqa: BLE001 - reported in the trial's results, not raised
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 attacks = {"evaluation_error": f"{type(exc).__name__}: {first}"}
@@ -410,7 +414,7 @@ def _run_trial(params: dict) -> None:
                                 # the value-token NLL where the run reports it: the metric its evaluations had
                                 "value_nll": summary.get("final_eval_value_nll"),
                                 "public_value_nll": summary.get("final_public_value_nll")}, study.selection,
-                               config.is_private)
+                               run_config.is_private)
     tune.report({"step": summary["steps"], **final,
                  "final_eval_perplexity": summary["final_eval_perplexity"],
                  "best_eval_perplexity": summary["best_eval_perplexity"],
@@ -423,16 +427,16 @@ def _run_trial(params: dict) -> None:
                  "entered_at": entered_at, "run_wall_seconds": summary["wall_seconds"],
                  "trial_spec": json.dumps(trial.to_dict()), **attacks, "done": True,
                  "node_id": _node_id()},  # which Ray node ran it (a cluster's placement, public)
-                **({"checkpoint": Checkpoint.from_directory(out)} if params.get("storage") else {}))
+                **({"checkpoint": Checkpoint.from_directory(out)} if params.storage else {}))
 
 
 
 
-def _population_hook(params: dict, trial: Trial):
+def _population_hook(params: TrialParams, trial: Trial):
     """A PBT member's ``population_admit`` (its population filter, by the actor's name), else None."""
-    if not params.get("population"):
+    if not params.population:
         return None
-    return PopulationAdmit(params["population"], params["population_namespace"], trial.name)
+    return PopulationAdmit(params.population, params.population_namespace, trial.name)
 
 
 
@@ -443,18 +447,18 @@ def _node_id() -> str | None:
 
 
 
-def node_local_dataset(params: dict) -> str:
+def node_local_dataset(params: TrialParams) -> str:
     """A trial's dataset directory on its own node: downloaded once per node from the study's storage (into the
     node's temporary directory, keyed by the study's storage path), or the driver's when there is no storage."""
-    if not params.get("storage"):
-        return params["dataset"]
-    filesystem, _ = study_filesystem(params["storage"])
-    key = hashlib.sha256(params["dataset_remote"].encode()).hexdigest()[:16]
+    if not params.storage:
+        return params.dataset
+    filesystem, _ = study_filesystem(params.storage)
+    key = hashlib.sha256(params.dataset_remote.encode()).hexdigest()[:16]
     local = user_scratch("datasets") / key
     if not (local / "manifest.json").exists():
         staging = local.with_name(f"{key}.partial-{os.getpid()}")
         staging.mkdir(parents=True, exist_ok=True)
-        pyarrow.fs.copy_files(params["dataset_remote"], str(staging), source_filesystem=filesystem,
+        pyarrow.fs.copy_files(params.dataset_remote, str(staging), source_filesystem=filesystem,
                               destination_filesystem=pyarrow.fs.LocalFileSystem())
         try:
             staging.rename(local)

@@ -1,6 +1,6 @@
 """One planned trial of a study, typed: :class:`Trial`.
 
-A study's trials are planned from its study file in :mod:`raydp.study.config` (the grid, transfer stages, PBT
+A study's trials are planned from its study file in :mod:`raydp.study.grid` (the grid, transfer stages, PBT
 members, Optuna's SAC cells and search cells), each made by :meth:`Trial.plan` from the study config; the rest of
 the study (runner, results, report) reads them as attributes. A trial travels in three forms:
 
@@ -13,7 +13,7 @@ the study (runner, results, report) reads them as attributes. A trial travels in
 * :meth:`Trial.row` / :meth:`Trial.from_row`: the identity columns of a ``results.parquet`` row (``trial``,
   ``model``, ``strategy``, ``epsilon_target``, ``seed``, ``t_rl``, ``b_sac``, ``k``, ``frozen_policy``,
   ``variant``, ``search``, ``tuned``, ``grid``). A row only holds what identifies the trial and its arm (not its
-  PBT settings, stage, Optuna id, source key or saved-policy path). Rows written before the ``grid`` column get the
+  PBT settings, stage, Optuna id, source key, saved-policy path or privacy plan). Rows written before the ``grid`` column get the
   settings_grid values back from ``variant`` (less the search and tuned values), as the label printed them.
 
 Its arm (:class:`raydp.study.arms.Arm`) is :attr:`Trial.arm`.
@@ -67,6 +67,10 @@ class Trial:
     optuna_id: str | None = None
     #: the saved policy a controller trial starts from, absolute (resolved by the driver)
     policy_path: str | None = None
+    #: the privacy plan the driver calibrated and charged for this trial, plain JSON
+    #: (:func:`raydp.runner.privacy_setup.plan_record`); its run refuses to run another plan. Set on the trials the
+    #: driver planned (:func:`raydp.study.prepare.prepare_study`); None for a searched one, planned when it runs
+    privacy_plan: dict | None = None
     #: the trial's name, its run directory's (default: built from the fields above, :meth:`default_name`)
     name: str = ""
 
@@ -203,7 +207,7 @@ _REQUIRED = ("model", "seed", "strategy")
 _ALWAYS = ("model", "epsilon", "seed", "strategy", "name")
 _KINDS = {"model": str, "strategy": str, "stage": str, "frozen_from": str, "optuna_id": str, "policy_path": str,
           "name": str, "epsilon": float, "seed": int, "t_rl": int, "b_sac": int, "k": int, "member": int,
-          "grid": dict, "tuned": dict, "search": dict, "settings": dict, "frozen": bool}
+          "grid": dict, "tuned": dict, "search": dict, "settings": dict, "frozen": bool, "privacy_plan": dict}
 _KIND_WORDS = {str: "a string", float: "a number", int: "an integer", dict: "a mapping", bool: "true or false"}
 _STAGES = ("source", "pbt")
 
