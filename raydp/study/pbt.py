@@ -26,6 +26,7 @@ from raydp.runner.launch import RAY_NAMESPACE
 from raydp.study.config import StudyConfig
 from raydp.study.grid import draw_in_range, trial_config
 from raydp.study.population import join_population, population_filter, start_population, write_population
+from raydp.study.routes import FitContext, FitOutcome
 from raydp.study.searches import TuneStorage, _run_config
 from raydp.study.trainable import CHECKPOINT_STATE, run_trial
 from raydp.study.trial import Trial
@@ -211,3 +212,9 @@ def _fit_pbt(study: StudyConfig, members: list[Trial], common: dict, storage: Tu
             owner = members[int((result.config or {})["pbt"]["member"])].name
         results.append(_MemberResult(result, owner, specs))
     return results
+
+
+def fit(context: FitContext) -> FitOutcome:
+    """The ``pbt`` route (:mod:`raydp.study.routes`): the population of the study's PBT members (:func:`_fit_pbt`)."""
+    members = [t for t in context.trials if t.stage == "pbt"]
+    return FitOutcome([_fit_pbt(context.study, members, context.common, context.storage, context.progress)])

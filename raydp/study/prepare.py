@@ -29,6 +29,7 @@ from raydp.runner.privacy_setup import (LifetimeCharge, build_strategy, plan_key
 from raydp.runner.privacy_setup import charge_lifetime as charge_lifetime_budget  # prepare_study's flag has the name
 from raydp.study.config import StudyConfig, upgrade_study_values
 from raydp.study.grid import search_cells, search_trial, trial_config, trial_grid
+from raydp.study.routes import study_routes
 from raydp.study.trial import Trial
 
 
@@ -106,7 +107,7 @@ def _charge_lifetime(study: StudyConfig, dataset: str, trial_plans: dict, commit
     if read_budget(dataset_id, manifest.get("source_sha256")) is None and not manifest.get("lifetime_budget"):
         charge_lifetime_budget(manifest, trial_plans, commit=commit)  # no budget: records what the trials spend
         return
-    if study.search != "grid" or search_cells(study):
+    if not all(route.planned_before_run for route in study_routes(study)):
         raise ConfigError(f"dataset {dataset_id} has a lifetime budget: a study on it must be a grid "
                           f"(search: {study.search} trials are not planned before they run, so they cannot be "
                           f"charged first)")

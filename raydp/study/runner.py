@@ -38,16 +38,15 @@ from raydp.data import load_manifest, manifest_id
 from raydp.errors import ConfigError
 from raydp.files import atomic_write, owner_only, private_dir
 from raydp.study.config import StudyConfig, load_study
-from raydp.study.grid import TUNING_FORMAT, TUNING_RECORD, search_cells, trial_config, trial_grid
+from raydp.study.grid import TUNING_FORMAT, TUNING_RECORD, trial_config, trial_grid
 from raydp.study.params import TrialParams
-from raydp.study.population import population_summary
 from raydp.study.prepare import (LIFETIME_NONCE, RESUMABLE_CHANGES, build_study_models, check_resumed_study,
                                  lock_study_dir, prepare_study, study_lifetime_nonce, write_lifetime_nonce)
 from raydp.study.private_selection import SECRET_STATE, run_private_selection
 from raydp.study.results import collect_results
-from raydp.study.searches import (CHECKPOINTS_KEPT, TUNE_VERBOSE_ENV, TuneStorage, _fit, _fit_bandit, _fit_optuna,
-                                  _fit_search, _param_space, fetch_trial_outputs, search_run_name, study_filesystem,
-                                  tune_verbosity, unfinished_in, upload_dataset)
+from raydp.study.routes import FitContext, experiment_names, study_routes
+from raydp.study.searches import (CHECKPOINTS_KEPT, TUNE_VERBOSE_ENV, TuneStorage, _param_space, fetch_trial_outputs,
+                                  search_run_name, study_filesystem, tune_verbosity, unfinished_in, upload_dataset)
 from raydp.study.trainable import (CHECKPOINT_LOGGER, CHECKPOINT_STATE, PROFILE_ENV, _Reporter, evaluation_metrics,
                                    node_local_dataset, privacy_label_of, run_trial, wandb_target)
 
@@ -110,12 +109,14 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     # Tune warns at every forced experiment snapshot that CheckpointConfig(num_to_keep) triggers (each of our
     # evaluations checkpoints): noise in a study's log, not a problem at this scale
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
-    if resume and study.search == "pbt":  # the population filter's spent curve lives in the study's actor only
-        raise ConfigError("a PBT study cannot be resumed (its population filter's state lived in the stopped run): run "
-                          "it again into another --results-dir; what the stopped run spent still counts (E7/E14)")
+    routes = study_routes(study)  # raydp.study.routes: the grid, then the route the study's search names
+    refused = next((route.refuses_resume for route in routes if route.refuses_resume), None)
+    if resume and refused:  # e.g. PBT: the population filter's spent curve lives in the study's actor only
+        raise ConfigError(refused)
     study_dir = (Path(results_dir) / study.name).resolve()
-    if study.selection == "private-dp":
-        return _run_private_selection(study, study_dir, progress, resume, held)
+    whole = next((route for route in routes if route.runs_study), None)
+    if whole is not None:  # a route that runs the whole study itself (private selection)
+        return whole.run_study(study, study_dir, progress, resume, held)
     trials_dir = study_dir / "trials"
     storage = TuneStorage.for_study(study, study_dir)
     if resume and not any(storage.can_restore(name) for name in experiment_names(study)):
@@ -178,31 +179,15 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     # a frozen transfer trial starts from its stage-1 trial's policy
     sources = {t.source_key: str(study_dir / "trials" / t.name / "policy") for t in trials if t.stage == "source"}
     trials = [replace(t, policy_path=sources[t.frozen_from]) if t.frozen_from else t for t in trials]
-    stages = [[t for t in trials if t.stage == "source"],
-              [t for t in trials if t.stage not in ("source", "pbt")]]  # PBT members: _fit_pbt
+    context = FitContext(trainable, study, trials, common, storage, progress, resume)
     grids, stopped = [], 0
     try:
-        for i, stage in enumerate(s for s in stages if s):
-            name = study.name if i == len([s for s in stages if s]) - 1 else f"{study.name}-source"
-            grids.append(_fit(trainable, _param_space(study, stage, common), storage, name, study, progress, resume))
-            stopped = unfinished_in(grids[-1])
-            if stopped:  # Ctrl-C: Tune saved this stage and returned; the next stages wait for --resume
+        for route in routes:
+            outcome = route.fit(context)
+            grids.extend(outcome.grids)
+            stopped = outcome.stopped
+            if stopped:  # Ctrl-C: Tune saved this route's state and returned; the next routes wait for --resume
                 break
-        if not stopped and study.search == "bandit":
-            grids.append(_fit_bandit(trainable, study, common, storage, progress, resume))
-            stopped = unfinished_in(grids[-1], planned=study.bandit.num_samples * len(search_cells(study)))
-        elif not stopped and study.search_space:
-            for cell in search_cells(study):  # one Tuner per cell: a Ctrl-C in one must not go on to the next
-                grids.append(_fit_search(trainable, study, cell, common, storage, progress, resume))
-                stopped = unfinished_in(grids[-1], planned=study.optuna.num_samples)
-                if stopped:
-                    break
-        elif not stopped and study.search == "optuna":
-            grids.append(_fit_optuna(trainable, study, common, storage, progress, resume))
-        if not stopped and study.search == "pbt":
-            from raydp.study.pbt import _fit_pbt  # lazy: imports Ray, which `raydp study --check` does not load
-
-            grids.append(_fit_pbt(study, [t for t in trials if t.stage == "pbt"], common, storage, progress))
         shared_counters = session.counters() if session is not None else None
         if saved_policy is not None:
             _save_study_policy(session, saved_policy, study, dataset, [r for g in grids for r in g],
@@ -220,12 +205,11 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     summary = {"study": study.name, "trials": len(trials), "wall_seconds": round(wall, 1),
                "results": str(study_dir / "results.parquet"), **_overheads(results, fit_started)}
     summary.update(table.attrs if hasattr(table, "attrs") else {})
-    if study.search == "bandit":  # each cell's values are the bandit's decision, not its best episode
-        from raydp.study.bandit import bandit_best  # lazy: imports Ray, which `raydp study --check` does not load
-
-        selection = summary["selection"]
-        summary["search_best"] = bandit_best(study, table, selection["split"], selection["metric"], study_dir)
-    summary.update(population_summary(study_dir))  # PBT: the population's epsilon (empty otherwise)
+    for route in routes:
+        if route.search_best:  # e.g. the bandit: each cell's values are its decision, not its best episode
+            selection = summary["selection"]
+            summary["search_best"] = route.best(study, table, selection["split"], selection["metric"], study_dir)
+        summary.update(route.summary_for(study_dir))  # e.g. PBT: the population's epsilon
     if shared_counters is not None:
         summary["shared_policy"] = shared_counters
     unfinished = int(table["status"].isin(("INTERRUPTED", "NOT_RUN")).sum()) if "status" in table else 0
@@ -257,13 +241,6 @@ def _run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, 
         if created and not (study_dir / SECRET_STATE).exists():
             shutil.rmtree(study_dir, ignore_errors=True)
         raise
-
-
-def experiment_names(study: StudyConfig) -> list[str]:
-    """Every Tune experiment a study may run (each under its Tune storage, and staged by Tune in Ray's temporary
-    folder): the grid, its source stage, the searches and the population."""
-    return [f"{study.name}-source", study.name, f"{study.name}-optuna", f"{study.name}-bandit", f"{study.name}-pbt",
-            *(search_run_name(study, cell) for cell in search_cells(study))]
 
 
 def _save_study_policy(session, path: Path, study: StudyConfig, dataset: str, results, wall: float,

@@ -18,6 +18,7 @@ from raydp.errors import ConfigError
 from raydp.run_directory import RunDirectory
 from raydp.study.config import StudyConfig
 from raydp.study.grid import search_cells
+from raydp.study.routes import FitContext, FitOutcome
 from raydp.study.trial import Trial, tune_trial
 
 
@@ -265,3 +266,48 @@ def unfinished_in(grid, planned: int | None = None) -> int:
     results = list(grid)
     running = sum(1 for r in results if r.error is None and not (r.metrics or {}).get("done"))
     return running + (max(0, planned - len(results)) if planned is not None else 0)
+
+
+# -- the routes' fits (raydp.study.routes) ----------------------------------------------------------------
+def fit_grid(context: FitContext) -> FitOutcome:
+    """The ``grid`` route: the study's planned trials (PBT's members aside: the ``pbt`` route's), a transfer study's
+    source stage first as its own Tuner; a stage stopped by a Ctrl-C leaves the next for ``--resume``."""
+    trials = context.trials
+    stages = [[t for t in trials if t.stage == "source"],
+              [t for t in trials if t.stage not in ("source", "pbt")]]  # PBT members: the pbt route
+    stages = [s for s in stages if s]
+    study, grids, stopped = context.study, [], 0
+    for i, stage in enumerate(stages):
+        name = study.name if i == len(stages) - 1 else f"{study.name}-source"
+        grids.append(_fit(context.trainable, _param_space(study, stage, context.common), context.storage, name, study,
+                          context.progress, context.resume))
+        stopped = unfinished_in(grids[-1])
+        if stopped:  # Ctrl-C: Tune saved this stage and returned; the next stages wait for --resume
+            break
+    return FitOutcome(grids, stopped)
+
+
+def fit_optuna(context: FitContext) -> FitOutcome:
+    """The ``optuna`` route: a controller's SAC cell sampled by Optuna (:func:`_fit_optuna`)."""
+    return FitOutcome([_fit_optuna(context.trainable, context.study, context.common, context.storage, context.progress,
+                                   context.resume)])
+
+
+def fit_search_cells(context: FitContext) -> FitOutcome:
+    """The ``search-space`` route: one Tuner per search cell (:func:`_fit_search`); a Ctrl-C in one must not go on
+    to the next."""
+    study, grids, stopped = context.study, [], 0
+    for cell in search_cells(study):
+        grids.append(_fit_search(context.trainable, study, cell, context.common, context.storage, context.progress,
+                                 context.resume))
+        stopped = unfinished_in(grids[-1], planned=study.optuna.num_samples)
+        if stopped:
+            break
+    return FitOutcome(grids, stopped)
+
+
+def fit_bandit(context: FitContext) -> FitOutcome:
+    """The ``bandit`` route (:func:`_fit_bandit`)."""
+    study = context.study
+    grid = _fit_bandit(context.trainable, study, context.common, context.storage, context.progress, context.resume)
+    return FitOutcome([grid], unfinished_in(grid, planned=study.bandit.num_samples * len(search_cells(study))))

@@ -1,0 +1,66 @@
+"""The registry of a study's search routes (raydp.study.routes): every value of a study file's ``search`` has a route,
+every route serves one, and which routes a study runs follows from the study file alone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import typing
+from types import SimpleNamespace
+
+import pytest
+
+from raydp.errors import ConfigError
+from raydp.study.config import StudyConfig
+from raydp.study.routes import ROUTES, _load, experiment_names, get_route, study_routes
+
+
+def test_every_search_value_has_a_route_and_every_route_serves_one():
+    searches = set(typing.get_args(StudyConfig.model_fields["search"].annotation))
+    assert searches == {route.search for route in ROUTES.values()}
+    assert len(ROUTES) == len({route.name for route in ROUTES.values()})
+    with pytest.raises(ConfigError, match="unknown search route 'nope'"):
+        get_route("nope")
+
+
+def test_every_routes_targets_resolve_to_callables():
+    for route in ROUTES.values():
+        assert (route.fit_target is None) != (route.runs_study is None), route.name  # a Tune fit, or the study itself
+        for target in (route.fit_target, route.runs_study, route.search_best, route.summary_of):
+            if target is not None:
+                assert callable(_load(target)), (route.name, target)
+
+
+@pytest.mark.parametrize("study, names", [
+    ({"search": "grid", "search_space": {}, "selection": "public"}, ["grid"]),
+    ({"search": "optuna", "search_space": {}, "selection": "public"}, ["grid", "optuna"]),
+    ({"search": "optuna", "search_space": {"clip-schedule": {}}, "selection": "public"}, ["grid", "search-space"]),
+    ({"search": "bandit", "search_space": {"clip-schedule": {}}, "selection": "public"}, ["grid", "bandit"]),
+    ({"search": "pbt", "search_space": {}, "selection": "public"}, ["grid", "pbt"]),
+    ({"search": "random", "search_space": {"static": {}}, "selection": "private-dp"}, ["private-dp"]),
+])
+def test_a_study_runs_the_grid_then_the_route_its_search_names(study, names):
+    assert [route.name for route in study_routes(SimpleNamespace(**study))] == names
+
+
+def test_only_the_grid_plans_its_trials_before_they_run_and_pbt_refuses_a_resume():
+    assert [name for name, route in ROUTES.items() if route.planned_before_run] == ["grid"]
+    assert [name for name, route in ROUTES.items() if route.refuses_resume] == ["pbt"]
+
+
+def test_experiment_names_cover_every_route_in_order():
+    study = StudyConfig.model_validate({
+        "name": "s", "models": ["embedded-tiny"], "epsilons": [1.0, 2.0], "strategies": ["clip-schedule"],
+        "search": "optuna", "search_space": {"clip-schedule": {"lr": {"low": 1e-4, "high": 1e-2, "log": True}}}})
+    assert experiment_names(study) == ["s-source", "s", "s-optuna", "s-bandit", "s-pbt",
+                                       "s-search-clip-schedule-embedded-tiny-eps1",
+                                       "s-search-clip-schedule-embedded-tiny-eps2"]
+
+
+def test_reading_the_routes_loads_no_ray():
+    code = ("import sys; from types import SimpleNamespace; import raydp.study.runner; "
+            "from raydp.study.routes import study_routes, experiment_names; "
+            "study_routes(SimpleNamespace(search='pbt', search_space={}, selection='public')); "
+            "print('ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
