@@ -645,7 +645,7 @@ def test_a_killed_trial_resumes_with_exactly_the_planned_ledger(tiny_study, tmp_
 
 
 def test_a_failed_evaluation_is_a_column_not_a_failed_trial(tmp_path):
-    from raydp.study.results import _trial_row
+    from raydp.study.trial_rows import _trial_row
     from raydp.study.trial import Trial
 
     trial = Trial(model="embedded", strategy="static", epsilon=2.0, seed=0)

@@ -150,7 +150,7 @@ def load_report(path: str | Path) -> Report:
 
 
 def _single_run(root: Path) -> Report:
-    from raydp.study.results import _phase_one_columns, trial_labels
+    from raydp.study.trial_rows import _phase_one_columns, trial_labels
 
     try:
         s = json.loads((root / "summary.json").read_text())

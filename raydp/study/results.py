@@ -1,6 +1,6 @@
 """Study results: one Parquet row per trial, steps-to-target (RLDP Sec. 4.2), tuning-aware epsilon (E7/E14).
 
-``results.parquet`` columns (one row per trial):
+``results.parquet`` columns (one row per trial, read from its run directory by :mod:`raydp.study.trial_rows`):
 
 =========================  ==========================================================================
 trial, status              the trial's name (strategy_model_eps_seed[_SAC cell]) and its status:
@@ -8,7 +8,7 @@ trial, status              the trial's name (strategy_model_eps_seed[_SAC cell])
 model, strategy, epsilon_target, seed, t_rl, b_sac, k    the varied settings (SAC cell: rldp only)
 frozen_policy              an RLDP trial driven by a frozen policy: a transfer study's stage 2, or rldp.frozen
 variant, grid, search, tuned   the trial's settings_grid / Optuna / tuned_from values as ``clip=0.03`` (variant)
-                           and each as JSON (grid: since issue 30; older rows get it back from variant)
+                           and each as JSON (grid: older rows without it get it back from variant)
                            (these columns and the ones above: :meth:`raydp.study.trial.Trial.row`)
 config                     the trial's full TrainConfig as JSON
 initial/final/best_eval_perplexity     perplexity on the PRIVATE held-out eval split at step 0, at the
@@ -91,16 +91,17 @@ from raydp.control.modes import resolve_values, unprotected
 from raydp.control.store import load_manifest, policy_privacy_mode, provenance_of, resolve_policy
 from raydp.data.identity import identity_of, manifest_id
 from raydp.errors import ConfigError
-from raydp.evaluation.results import EVALUATION_FILE, flat_metrics
-from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, ledger_rdp_curve, rdp_epsilon
-from raydp.privacy.ledger import LEDGER_FILENAME, PrivacyLedger
+from raydp.privacy.ledger import PrivacyLedger
+from raydp.run_directory import RunDirectory
 from raydp.runner.local_setup import ledger_local_plan
 from raydp.strategies.base import PAPER_MODE_LABEL
 from raydp.strategies.registry import is_private
 # the strategy groups a study compares (defined beside the arm label; imported from here by the report and page)
 from raydp.study.arms import BASELINE_EXCLUDED, CHALLENGERS, CONTROLLERS, NONPRIVATE_ARMS, arms  # noqa: F401
 from raydp.study.trial import Trial, tune_trial
+# a trial's row (the trainable imports trial_labels from here)
+from raydp.study.trial_rows import _trial_row, read_run_summary, trial_labels
 
 #: the metrics a study selects and reports on (lower is better), by split: (results.parquet final column,
 #: eval_metrics.parquet column). ``value_nll``, the value-token NLL in nats per record (raydp.evaluation.perplexity),
@@ -182,17 +183,7 @@ def search_best(table: pd.DataFrame, split: str, metric: str) -> list[dict]:
     return out
 
 
-# -- per-trial rows --------------------------------------------------------------------------------
-def trial_labels(summary: dict | None) -> list[str]:
-    """The labels of a run's epsilon (ERRATA E3, E12...): its summary's ``privacy.labels`` plus the
-    paper-mode ``privacy.privacy_label`` (summaries written before ``labels`` existed have only that)."""
-    privacy = (summary or {}).get("privacy") or {}
-    labels = [str(label) for label in (privacy.get("labels") or [])]
-    if privacy.get("privacy_label"):
-        labels.append(str(privacy["privacy_label"]))
-    return list(dict.fromkeys(labels))
-
-
+# -- selection ------------------------------------------------------------------------------------
 def selection_value(private: float | None, public: float | None, selection: str) -> tuple[float | None, str]:
     """The figure that selects (ERRATA E15) and the split it came from: the public one unless the study selects
     on the private split or the run has no public figure (then: 'private', labelled)."""
@@ -203,69 +194,6 @@ def selection_value(private: float | None, public: float | None, selection: str)
 
 def _isnan(x) -> bool:
     return isinstance(x, float) and math.isnan(x)
-
-
-def _read_summary(run_dir: Path) -> dict | None:
-    path = run_dir / "summary.json"
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def _trial_row(trial: Trial, run_dir: Path, status: str, result: dict, s: dict | None = None) -> dict:
-    """One results row: the trial's identity (:meth:`raydp.study.trial.Trial.row`), then what its run produced."""
-    identity = trial.row()
-    row = {"trial": identity.pop("trial"), "status": status, **identity, "run_dir": str(run_dir),
-           "trial_seconds": result.get("trial_seconds")}
-    if result.get("evaluation_error"):  # the study's `evaluate:` failed after training (the trial stands)
-        row["evaluation_error"] = result["evaluation_error"]
-    s = s if s is not None else _read_summary(run_dir)
-    if s is None:
-        return row
-    privacy = s.get("privacy") or {}
-    eps = privacy.get("epsilon_by_accountant") or {}
-    labels = trial_labels(s)
-    row.update({
-        "config": (run_dir / "config.json").read_text() if (run_dir / "config.json").exists() else None,
-        "initial_eval_perplexity": s["initial_eval_perplexity"], "final_eval_perplexity": s["final_eval_perplexity"],
-        "best_eval_perplexity": s["best_eval_perplexity"],
-        **{f"{w}_public_perplexity": _float_or_nan(s.get(f"{w}_public_perplexity"))
-           for w in ("initial", "final", "best")},
-        **{f"{w}_{split}_value_nll": s[f"{w}_{split}_value_nll"]  # the primary metric (nats per record)
-           for w in ("initial", "final", "best") for split in ("eval", "public") if f"{w}_{split}_value_nll" in s},
-        "steps": s["steps"],
-        "planned_steps": privacy.get("planned_steps", s["steps"]),
-        **{f"epsilon_{a}": eps.get(a) for a in REPORTED_ACCOUNTANTS},
-        "enforcing_accountant": privacy.get("enforcing_accountant"), "within_budget": privacy.get("within_budget"),
-        "verdict": privacy.get("verdict"), "privacy_mode": privacy.get("privacy_mode"),
-        "privacy_label": privacy.get("privacy_label"), "privacy_labels": "; ".join(labels) or None,
-        "epsilon": privacy.get("epsilon"), "guarantee": privacy.get("guarantee"),
-        "privacy_unit": privacy.get("privacy_unit"),
-        "dataset_id": identity_of(s),
-        "rdp_curve_source": ("local" if privacy.get("guarantee") == "local" else "renyi_filter"
-                             if privacy.get("filter") is not None else "ledger")
-        if privacy.get("epsilon") is not None else None,
-        "wall_seconds": s["wall_seconds"],
-        **{k: s[k] for k in ("final_eval_accuracy", "final_public_accuracy", "best_public_accuracy") if k in s},
-        **_phase_one_columns(s.get("phase_one")),
-    })
-    evaluation = run_dir / EVALUATION_FILE  # attacks and audit (not a DP release, E15): never selected on
-    if evaluation.exists():
-        row.update(flat_metrics(json.loads(evaluation.read_text())))
-    return row
-
-
-def _phase_one_columns(phase: dict | None) -> dict:
-    """A non-private phase 1 (DualTune-GhostDP): its data, steps and the secret detector's recall."""
-    if not phase or "data" not in phase:
-        return {}
-    canary = phase.get("canary_recall_private") or {}
-    fields = (phase.get("field_recall_public") or {}).get("overall") or {}
-    return {"phase1_data": phase["data"], "phase1_steps": phase.get("steps"),
-            "phase1_public_perplexity": phase.get("public_perplexity_after"),
-            "detector_canary_recall": canary.get("recall"), "detector_field_recall": fields.get("recall")}
-
-
-def _float_or_nan(x) -> float:
-    return float("nan") if x is None else float(x)
 
 
 def selection_split(table: pd.DataFrame, selection: str) -> tuple[str, str]:
@@ -295,7 +223,7 @@ def steps_to_target(table: pd.DataFrame, selection: str = "private", metric: str
             continue
         target = float(baselines.min())
         for idx, row in group.iterrows():
-            path = Path(row["run_dir"]) / "eval_metrics.parquet"
+            path = RunDirectory(row["run_dir"]).eval_metrics
             if not path.exists() or not row.get("steps"):
                 continue
             evals = pd.read_parquet(path)
@@ -579,7 +507,7 @@ def study_privacy(study, study_dir: Path, table: pd.DataFrame, unfinished: dict[
         if row["status"] == "NOT_RUN":
             continue
         run_dir = Path(row["run_dir"])
-        summary = _read_summary(run_dir)
+        summary = read_run_summary(run_dir)
         sha = identity_of(summary or {}) or dataset_sha or "unknown dataset"
         b = per.setdefault(sha, {"runs": [], "unknown": [], "nonprivate": [], "warnings": [], "seen": set()})
         if not is_private(row["strategy"]):
@@ -595,8 +523,9 @@ def study_privacy(study, study_dir: Path, table: pd.DataFrame, unfinished: dict[
         kind = {"ERROR": "errored_trial", "INTERRUPTED": "interrupted_trial"}.get(row["status"], "trial")
         privacy = (summary or {}).get("privacy") or {}
         unit, relation = privacy.get("privacy_unit"), privacy.get("neighbouring_relation")
-        if (run_dir / LEDGER_FILENAME).exists():
-            curve, source = run_rdp_curve(summary, PrivacyLedger.load(run_dir / LEDGER_FILENAME))
+        ledger_path = RunDirectory(run_dir).ledger
+        if ledger_path.exists():
+            curve, source = run_rdp_curve(summary, PrivacyLedger.load(ledger_path))
         elif row["trial"] in unfinished:  # errored or interrupted trials spent budget too (last checkpoint)
             spend = unfinished[row["trial"]]
             labels = list(dict.fromkeys(labels + spend.get("labels", [])))
@@ -630,7 +559,7 @@ def trial_status(result, metrics: dict, run_dir: Path) -> str:
     finishes it), or NOT_RUN."""
     if result.error:
         return "ERROR"
-    if metrics.get("done") or (Path(run_dir) / "summary.json").exists():
+    if metrics.get("done") or RunDirectory(run_dir).summary.exists():
         return "TERMINATED"
     if _reported(metrics) or getattr(result, "checkpoint", None) is not None:
         return "INTERRUPTED"

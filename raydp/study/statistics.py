@@ -180,14 +180,14 @@ def _first_step_reaching(run_dir, eval_column: str, target: float, total) -> flo
 
 
 def challenge(results: pd.DataFrame, column: str, challenger: str) -> pd.DataFrame:
-    """The per-cell verdicts of a learned controller (``challenger``: a strategy of :data:`raydp.study.results.CHALLENGERS`)
-    against the best tuned baseline: per model and epsilon, the challenger's arm and the baseline arm with the
-    lowest mean on PUBLIC validation (what may select), then on each split the means, sds and Welch's t-test
-    over seeds, the private split's p-values Holm-corrected over the model's cells; the baseline's gap to
-    non-private and the challenger's share of it; the steps (in % of planned) the challenger's seeds take to
-    reach the baseline's mean final private value. ``decision``: *better* (Holm p < 0.05, at least 0.5% and 20%
-    of the gap), *worse* (Holm p < 0.05 the other way) or *not shown*, on the private eval split (reference
-    only: nothing is selected on it, E15)."""
+    """The per-cell verdicts of a learned controller (``challenger``: a strategy of
+    :data:`raydp.study.results.CHALLENGERS`) against the best tuned baseline: per model and epsilon, the
+    challenger's arm and the baseline arm with the lowest mean on PUBLIC validation (what may select), then on
+    each split the means, sds and Welch's t-test over seeds, the private split's p-values Holm-corrected over the
+    model's cells; the baseline's gap to non-private and the challenger's share of it; the steps (in % of planned)
+    the challenger's seeds take to reach the baseline's mean final private value. ``decision``: *better* (Holm
+    p < 0.05, at least 0.5% and 20% of the gap), *worse* (Holm p < 0.05 the other way) or *not shown*, on the
+    private eval split (reference only: nothing is selected on it, E15)."""
     done = _cells(results, column)
     if done.empty or not (done["strategy"] == challenger).any():
         return pd.DataFrame()
