@@ -1,4 +1,4 @@
-"""raydp's DP step under an existing ``transformers.Trainer`` script (issue 15).
+"""raydp's DP step under an existing ``transformers.Trainer`` script.
 
 A user with a Hugging Face ``Trainer`` script and a PEFT (LoRA) model keeps it, and adds::
 
@@ -55,7 +55,8 @@ checkpointing, several devices and resuming from a checkpoint are refused (one-l
 only post-process the noisy gradient.
 
 What stays the user's responsibility (the integration cannot see it) is listed in docs/integrations.md,
-"transformers.Trainer".
+"transformers.Trainer". The refusals and the ``unprotected_*`` labels are :mod:`raydp.integrations.trainer_checks`;
+the records and their Poisson batches, :mod:`raydp.integrations.trainer_batches`.
 """
 
 from __future__ import annotations
@@ -79,6 +80,11 @@ from raydp.control.policies import trained_on
 from raydp.data import load_manifest, manifest_id, public_corpus
 from raydp.data.identity import is_dataset_id, keyed_id, owner_key_path
 from raydp.errors import ConfigError
+from raydp.integrations.trainer_batches import BATCH_KEY, PoissonBatches, _Indices, training_split
+from raydp.integrations.trainer_checks import (EVAL_NOTE, LOSS_NOTE, TIMING_LOG_KEYS, UNPROTECTED_PREFIX,
+                                               _check_served_policy, _check_trainer_class, check_trainable_dtypes,
+                                               check_training_arguments, relabel_unprotected, unprotected_name)
+from raydp.integrations.trainer_checks import FUSED_BACKWARD_OPTIMIZERS, TRAINING_LOG_KEYS  # noqa: F401  (re-exported)
 from raydp.model.adapters import discover_adapter_pairs
 from raydp.model.batches import TokenizedSplit
 from raydp.model.loading import disable_dropout
@@ -100,192 +106,8 @@ from raydp.runner.run import PUBLIC_PROBE_SEED, policy_provenance
 __all__ = ["BATCH_KEY", "DPCallback", "DPTraining", "PoissonBatches", "check_training_arguments", "relabel_unprotected",
            "unprotected_name"]
 
-#: the one key of the inputs the Trainer receives: an opaque :class:`raydp.model.batches.Batch`
-BATCH_KEY = "raydp_poisson_batch"
+#: the privacy summary :meth:`DPTraining.save` writes beside the ledger (the integration's own file)
 SUMMARY_FILENAME = "privacy_summary.json"
-#: what the Trainer reports as its training loss under DP (and why it is not a loss)
-LOSS_NOTE = ("the Trainer's loss is not computed under DP: training_step returns a constant 0 and the "
-             "'loss'/'train_loss' log entries are removed (a training loss on private data is a release no "
-             "accountant counts, ERRATA E3); the logged dp_* figures are post-processing of the DP release")
-#: the prefix of every metric the Trainer computes on data (its evaluations, under any metric_key_prefix) in
-#: every log, in what evaluate() returns and in what callbacks see, unless the eval data is declared public (E15)
-UNPROTECTED_PREFIX = "unprotected_"
-#: what a training log may carry unlabelled: public counters, the schedule, and post-processing of the DP release
-TRAINING_LOG_KEYS = frozenset({"epoch", "step", "learning_rate", "total_flos"})
-#: the Trainer's timings: they grow with the private Poisson batch sizes (E5), so they are always labelled
-#: ``unprotected_*``, as a run directory's wall times are, whether or not the eval data is public
-TIMING_LOG_KEYS = frozenset({"train_runtime", "train_samples_per_second", "train_steps_per_second",
-                             "train_tokens_per_second"})
-EVAL_NOTE = ("the Trainer's evaluation metrics are computed on its eval data, which no accountant covers (ERRATA E15): "
-             "they reach logs, callbacks and evaluate()'s result as unprotected_* (e.g. unprotected_eval_loss); pass "
-             "DPTraining(..., eval_data_is_public=True) only if that data is public")
-#: optimizers that update inside the backward pass (they would never apply the DP step's gradient)
-FUSED_BACKWARD_OPTIMIZERS = ("lomo", "adalomo")
-
-
-# -- refusals ----------------------------------------------------------------------------------------
-
-def check_training_arguments(args, *, planned_steps: int | None = None, eval_data_is_public: bool = False) -> None:
-    """Raise a one-line :class:`ConfigError` for ``TrainingArguments`` under which the Trainer would change the
-    DP step's gradient, its sampling or its step count, or select on (possibly private) eval data."""
-    def refuse(message: str):
-        raise ConfigError(f"TrainingArguments: {message}")
-
-    if args.max_grad_norm not in (None, 0, 0.0):
-        refuse(f"max_grad_norm={args.max_grad_norm:g} would rescale the DP step's noisy gradient; set max_grad_norm=0 "
-               "(the DP step clips every privacy unit itself)")
-    if args.gradient_accumulation_steps != 1:
-        refuse(f"gradient_accumulation_steps={args.gradient_accumulation_steps} would charge one DP step per "
-               "micro-batch and apply their last gradient only; set 1 (the Poisson batch is the step's whole batch)")
-    if args.fp16 or args.bf16:
-        refuse("fp16/bf16 mixed precision is not supported: the loss scaler would rescale the DP gradient and skip "
-               "steps already charged; set fp16=False, bf16=False")
-    if getattr(args, "torch_compile", False):
-        refuse("torch_compile=True is not supported (the per-sample gradient hooks need the eager model)")
-    if getattr(args, "neftune_noise_alpha", None) is not None:
-        refuse("neftune_noise_alpha draws embedding noise over the padded batch from the public-seeded generator "
-               "(like dropout, ERRATA E12); unset it")
-    if getattr(args, "gradient_checkpointing", False):
-        refuse("gradient_checkpointing=True is not supported with the per-sample gradient hooks; set it False")
-    if getattr(args, "auto_find_batch_size", False):
-        refuse("auto_find_batch_size=True restarts training after an out-of-memory error; set it False "
-               "(the expected batch size is DPTraining's batch_size)")
-    if getattr(args, "use_liger_kernel", False):
-        refuse("use_liger_kernel=True replaces the model's forward; set it False")
-    if getattr(args, "include_num_input_tokens_seen", False) not in (False, "no", None):
-        refuse("include_num_input_tokens_seen counts the private batches' tokens and logs a token rate (a timing) "
-               "at every step, past the DP log; set it False")
-    if args.world_size > 1 or args.n_gpu > 1 or getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
-        refuse("training on several devices (DDP, DataParallel, DeepSpeed, FSDP) is not supported: it would split "
-               "the Poisson sample; train on one device")
-    optim = str(getattr(args.optim, "value", args.optim)).lower()
-    if optim in FUSED_BACKWARD_OPTIMIZERS:
-        refuse(f"optim={optim!r} updates inside the backward pass and would never apply the DP gradient")
-    if not eval_data_is_public and (args.load_best_model_at_end or args.metric_for_best_model is not None
-                                    or str(getattr(args.save_strategy, "value", args.save_strategy)) == "best"):
-        refuse("selecting a checkpoint on eval metrics (load_best_model_at_end, metric_for_best_model, "
-               "save_strategy='best') uses the eval split, which no accountant covers (ERRATA E15); pass "
-               "DPTraining(..., eval_data_is_public=True) only if the eval data is public")
-    if planned_steps is not None and args.max_steps != planned_steps:
-        refuse(f"max_steps={args.max_steps} but the privacy plan calibrated sigma for exactly {planned_steps} steps; "
-               f"set max_steps=dp.planned_steps ({planned_steps}), or change epochs/max_steps in DPTraining")
-
-
-def _check_trainer_class(trainer: Trainer) -> None:
-    """A Trainer subclass whose training_step or compute_loss carries its own logic would be bypassed."""
-    cls = type(trainer)
-    if cls.training_step is not Trainer.training_step:
-        raise ConfigError(f"{cls.__name__} overrides training_step, which the DP step replaces; use a Trainer without "
-                          "that override")
-    if cls.compute_loss is not Trainer.compute_loss or getattr(trainer, "compute_loss_func", None) is not None:
-        raise ConfigError(f"{cls.__name__} has its own loss (compute_loss or compute_loss_func), which the DP step "
-                          "would not use; pass a per-example loss as DPTraining(..., loss=fn)")
-
-
-# -- data ---------------------------------------------------------------------------------------------
-
-def check_trainable_dtypes(model: torch.nn.Module) -> None:
-    """Every trainable parameter must be float32: the DP step clips per-sample gradients in the parameters'
-    dtype, and in bf16/fp16 the rounding of the clip factor and of the sums lets a clipped contribution exceed
-    its clip radius (measured: 1.0072 C with bf16 LoRA weights), which the accountant does not allow for. A
-    frozen base in bf16 is fine. One-line ConfigError naming the first offending parameter."""
-    for name, p in model.named_parameters():
-        if p.requires_grad and p.dtype != torch.float32:
-            raise ConfigError(f"trainable parameter {name} is {str(p.dtype).removeprefix('torch.')}: DP clipping needs "
-                              "float32 trainable parameters (cast the LoRA adapters with .float(); the frozen base may "
-                              "stay in bf16/fp16)")
-
-
-def unprotected_name(key: str) -> str:
-    """``eval_loss`` -> ``unprotected_eval_loss`` (E15): every key but a training log's public ones
-    (:data:`TRAINING_LOG_KEYS`) and the DP release's ``dp_*``, whatever its prefix (``test_loss`` too)."""
-    if key in TRAINING_LOG_KEYS or key.startswith(("dp_", UNPROTECTED_PREFIX)):
-        return key
-    return UNPROTECTED_PREFIX + key
-
-
-def relabel_unprotected(metrics: dict) -> None:
-    """Rename, in place, every metric :func:`unprotected_name` labels (the dict the Trainer's ``evaluate``
-    passes to its callbacks and returns)."""
-    for key in list(metrics):
-        label = unprotected_name(key)
-        if label != key:
-            metrics[label] = metrics.pop(key)
-
-
-class _Pretokenized:
-    """A tokenizer stand-in for :class:`TokenizedSplit` over sequences that are already token ids."""
-
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
-
-    def __call__(self, sequences, truncation: bool = False):
-        return {"input_ids": sequences}
-
-
-def _sequence(item, index: int) -> list[int]:
-    """The token ids of one tokenised record (``input_ids``, padding removed by ``attention_mask``)."""
-    if not hasattr(item, "keys") or "input_ids" not in item:
-        raise ConfigError(f"train_dataset record {index} has no 'input_ids' (pass texts, or tokenised records)")
-    ids = item["input_ids"]
-    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
-    mask = item.get("attention_mask") if hasattr(item, "get") else None
-    if mask is not None:
-        mask = mask.tolist() if hasattr(mask, "tolist") else list(mask)
-        ids = [t for t, m in zip(ids, mask) if m]
-    return [int(t) for t in ids]
-
-
-def training_split(dataset, tokenizer, max_length: int, units=None, text_column: str = "text") -> TokenizedSplit:
-    """The private training records as raydp's :class:`TokenizedSplit`: texts (tokenised here), records
-    with a ``text_column``, or tokenised records (``input_ids``, optional ``attention_mask``)."""
-    n = len(dataset)
-    if n == 0:
-        raise ConfigError("train_dataset is empty")
-    first = dataset[0]
-    if isinstance(first, str) or (hasattr(first, "keys") and "input_ids" not in first and text_column in first):
-        if tokenizer is None:
-            raise ConfigError("train_dataset holds texts: pass the tokenizer")
-        texts = [dataset[i] if isinstance(first, str) else dataset[i][text_column] for i in range(n)]
-        return TokenizedSplit(texts, tokenizer, max_length, units=units)
-    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
-    if pad is None:
-        raise ConfigError("the tokenizer has no pad_token_id (set tokenizer.pad_token = tokenizer.eos_token)")
-    sequences = [_sequence(dataset[i], i) for i in range(n)]
-    return TokenizedSplit(sequences, _Pretokenized(pad), max_length, units=units)
-
-
-class PoissonBatches:
-    """A torch batch sampler over raydp's :class:`~raydp.runner.sampling.PoissonSampler`: every batch is an
-    independent Poisson sample of privacy units (its records' indices; possibly empty), drawn from the run's
-    secret randomness (ERRATA E5, E11, E12). ``len`` (one epoch) is round(1/q) samples."""
-
-    def __init__(self, sampler, steps_per_epoch: int):
-        self.sampler = sampler
-        self.steps_per_epoch = int(steps_per_epoch)
-
-    def __iter__(self):
-        for _ in range(self.steps_per_epoch):
-            yield self.sampler.next_indices()
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch
-
-
-class _Indices(torch.utils.data.Dataset):
-    """The train dataloader's dataset: item ``i`` is record index ``i``, drawn by the batch sampler (the DataLoader
-    takes its length from the batch sampler, not from this dataset). Its length is what the Trainer reads of it
-    (transformers 5.24's ``Trainer.num_examples``: ``Num examples`` in its INFO log): ``n`` is a released count,
-    the number of privacy units N, never the number of records (private when a unit has several, issue 26)."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
 
 
 # -- the integration ------------------------------------------------------------------------------------
@@ -666,22 +488,6 @@ class DPTraining:
         self.run.ledger.save(path)
         (path.parent / SUMMARY_FILENAME).write_text(json.dumps(self.summary(), indent=2, default=_jsonable))
         return path
-
-
-def _check_served_policy(client, config: TrainConfig) -> None:
-    """An RLlink policy server's policy must be one that may drive this run (same privacy mode and clip
-    decoding, ERRATA E3/E14); a one-line ConfigError otherwise (the broker's client is checked by raydp's
-    launcher, which starts its policy)."""
-    served = getattr(getattr(client, "config", None), "env_config", None)
-    if not isinstance(served, dict) or "policy" not in served:
-        return
-    # lazy: Ray (RLlib) only with an RLlink policy
-    from raydp.control.rllink import check_run_declaration, check_served_policy
-
-    settings = config.strategy_settings()
-    run = {"privacy_mode": settings.privacy_mode, "action_decoding": settings.action_decoding}
-    check_served_policy(served["policy"] or {}, run, getattr(client, "service", None) or "(RLlink)")
-    check_run_declaration(client, run)  # the client's uploads are admitted and labelled by what it declares
 
 
 def _jsonable(value):
