@@ -10,6 +10,8 @@ a study's Tune state, its results and report), so what it creates is owner-only 
 - :func:`atomic_write` replaces a file in one step: a fresh temporary sibling (``mkstemp``: a unique name, mode
   0600), fsync, rename, fsync of the folder. A crash leaves either the previous file whole or the new one, never a
   truncated file, and two writers never share a temporary name;
+- :func:`atomic_create` creates a file that must never be replaced once it exists (a key): written to a fresh
+  temporary sibling, fsynced, then hard-linked into place, so that of two creators the first wins whole;
 - :func:`locked` holds an exclusive ``flock`` on a lock file (0600) for a read-modify-write;
 - :func:`private_dir` creates a folder 0700 (every level it creates), or checks that an existing one is the
   caller's and owner-only: a predictable name in a shared place such as /tmp must not be a folder another user
@@ -99,6 +101,31 @@ def atomic_replace(path: str | os.PathLike, write, mode: int = PRIVATE_FILE, fsy
     if fsync:
         _fsync_dir(path.parent)
     return path
+
+
+def atomic_create(path: str | os.PathLike, data: bytes | str, mode: int = PRIVATE_FILE) -> bool:
+    """Create ``path`` holding ``data`` unless it exists, in one step: a reader never sees it partly written, and
+    when two processes create it at once the first one's file stays (``link`` refuses an existing name, where a
+    rename would replace it). Returns whether this call created it. Creates the parent folder (0700) if needed."""
+    path = Path(path)
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    if not path.parent.is_dir():
+        private_dir(path.parent, check=False)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, mode)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+    return True
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +34,7 @@ import pyarrow.parquet as pq
 from raydp.control.store import HASH_FORMATS, MANIFEST, PICKLE_FORMATS, convert_policy_module
 from raydp.data.identity import keyed_id, manifest_id, owner_key, public_id
 from raydp.errors import ConfigError
+from raydp.files import atomic_replace, atomic_write
 
 LEGACY_FIELD = "dataset_sha256"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -121,12 +121,6 @@ def _replace_text(text: str, mapping: dict[str, str]) -> str:
     return text
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.migrate-{uuid.uuid4().hex[:8]}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def _parquet_hashes(path: Path, found: dict[str, bool]) -> None:
     try:
         schema = pq.read_schema(path)
@@ -166,9 +160,7 @@ def _rewrite_parquet(path: Path, mapping: dict[str, str]) -> bool:
             metadata, changed = fixed, True
     if changed:
         out = pa.Table.from_arrays(columns, names=names).replace_schema_metadata(metadata)
-        tmp = path.with_name(f".{path.name}.migrate-{uuid.uuid4().hex[:8]}")
-        pq.write_table(out, tmp)
-        os.replace(tmp, path)
+        atomic_replace(path, lambda tmp: pq.write_table(out, tmp))
     return changed
 
 
@@ -247,17 +239,17 @@ def migrate(paths, check: bool = False) -> Migration:
                 except json.JSONDecodeError:  # not one JSON document (JSON lines, say): rewritten as text
                     new = _replace_text(text.replace(f'"{LEGACY_FIELD}"', '"dataset_id"'), result.mapping)
                     if new != text:
-                        _atomic_write(f, new.encode())
+                        atomic_write(f, new.encode())
                         result.rewritten.append(f)
                     continue
                 new = json.dumps(_rewrite_json(data, result.mapping), indent=2)
                 if json.loads(new) != data:
-                    _atomic_write(f, (new + "\n").encode())
+                    atomic_write(f, (new + "\n").encode())
                     result.rewritten.append(f)
             else:
                 new = _replace_text(text.replace(f'"{LEGACY_FIELD}"', '"dataset_id"'), result.mapping)
                 if new != text:
-                    _atomic_write(f, new.encode())
+                    atomic_write(f, new.encode())
                     result.rewritten.append(f)
     if not check:
         for manifest_file in sorted(f for root in roots for f in ([root] if root.is_file() else root.rglob(MANIFEST))
@@ -274,7 +266,7 @@ def migrate(paths, check: bool = False) -> Migration:
             if manifest.get("dataset_id") is None:
                 manifest["dataset_id"] = manifest_id(manifest, None if manifest.get("public")
                                                      else owner_key(create=False))
-                _atomic_write(d / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
+                atomic_write(d / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
                 result.datasets.append(d)
     return result
 

@@ -63,6 +63,7 @@ from raydp.control.features import LAYOUT_VERSION, ObservationLayout
 from raydp.control.modes import PAPER, PRIVACY_MODES, recorded_privacy_mode, unprotected
 from raydp.data.identity import identity_of
 from raydp.errors import ConfigError
+from raydp.files import atomic_replace, atomic_write
 
 POLICY_FORMAT = "raydp-policy-v3"
 HASH_FORMATS = ("raydp-policy-v1",)  # read (dataset hashes converted to ids); `raydp migrate` rewrites them
@@ -365,7 +366,9 @@ def save_module_state(state: dict, path: Path) -> None:
     """The module's state (name -> array) as ``path/module.safetensors``."""
     from safetensors.numpy import save_file
 
-    save_file({k: np.ascontiguousarray(np.asarray(v)) for k, v in state.items()}, str(Path(path) / MODULE_FILE))
+    arrays = {k: np.ascontiguousarray(np.asarray(v)) for k, v in state.items()}
+    # a policy converted in place: the file is whole or absent (raydp.files.atomic_replace)
+    atomic_replace(Path(path) / MODULE_FILE, lambda tmp: save_file(arrays, str(tmp)))
 
 
 def load_module_state(path: Path) -> dict:
@@ -407,9 +410,7 @@ def convert_policy_module(path: Path) -> None:
         raise ConfigError(f"{path}: its module does not match the one its manifest describes; not converted")
     save_module_state(state, path)
     manifest["format"] = POLICY_FORMAT
-    tmp = path / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2))
-    tmp.replace(path / MANIFEST)
+    atomic_write(path / MANIFEST, json.dumps(manifest, indent=2))
     shutil.rmtree(path / MODULE_DIR)
 
 
@@ -465,6 +466,7 @@ def _copy_policy(source: Path, dest: Path, overwrite: bool, without_replay: bool
         if not overwrite:
             raise ConfigError(f"policy {dest} already exists (pass --overwrite to replace it)")
     dest.parent.mkdir(parents=True, exist_ok=True)
+    # a directory publish (the whole policy appears at once), not a file write: atomic_write replaces one file
     tmp = dest.parent / f".{dest.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(source, tmp, ignore=shutil.ignore_patterns(REPLAY_FILE) if without_replay else None)
@@ -489,7 +491,7 @@ def export_policy(source: Path, archive: Path, overwrite: bool = False,
     source = Path(source)
     manifest = json.loads((source / MANIFEST).read_text())
     if manifest.get("format") in HASH_FORMATS or '"dataset_sha256"' in (source / MANIFEST).read_text():
-        # an old manifest names its datasets by a plain hash of their records (issue 26): it must not leave
+        # an old manifest names its datasets by a plain hash of their records: it must not leave
         raise ConfigError(f"policy {source.name} is in the old format ({manifest.get('format')}), whose provenance names "
                           "datasets by a plain hash of their records: run `raydp migrate` on it before exporting")
     if unprotected(policy_privacy_mode(manifest)) and not include_private_replay:
@@ -498,8 +500,9 @@ def export_policy(source: Path, archive: Path, overwrite: bool = False,
     if archive.exists() and not overwrite:
         raise ConfigError(f"{archive} already exists (pass --overwrite to replace it)")
     archive.parent.mkdir(parents=True, exist_ok=True)
-    tmp = archive.parent / f".{archive.name}.tmp"
-    with tarfile.open(tmp, "w:gz") as tar:
-        tar.add(source, arcname=source.name)
-    tmp.replace(archive)
-    return archive
+
+    def write(tmp):
+        with tarfile.open(tmp, "w:gz") as tar:
+            tar.add(source, arcname=source.name)
+
+    return atomic_replace(archive, write)

@@ -314,6 +314,7 @@ def write_policy(algo, path: Path, *, layout, settings, trained_on: dict, result
     if out.exists():
         raise FileExistsError(f"{out} already exists")
     out.parent.mkdir(parents=True, exist_ok=True)
+    # a directory publish (the whole policy appears at once), not a file write: atomic_write replaces one file
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:

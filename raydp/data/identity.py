@@ -45,10 +45,10 @@ import hmac
 import os
 import re
 import secrets
-import uuid
 from pathlib import Path
 
 from raydp.errors import DataError
+from raydp.files import atomic_create
 
 ID_VERSION = "rdi1"
 PUBLIC_PREFIX = "public:"
@@ -93,16 +93,7 @@ def owner_key(create: bool = True) -> bytes:
 def _create_key(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(secrets.token_hex(32) + "\n")
-        try:
-            os.link(tmp, path)  # fails if another process created the key first: theirs wins
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink()
+        atomic_create(path, secrets.token_hex(32) + "\n")  # if another process created the key first, theirs wins
     except OSError as exc:
         raise DataError(f"cannot create the dataset owner key {path}: {exc.strerror or exc}") from None
 

@@ -446,6 +446,7 @@ def _write_files(tmp: Path, tables: dict[str, pa.Table], extra: dict[str, pa.Tab
 
 def _write_atomically(out: Path, overwrite: bool, tables, extra, manifest) -> None:
     created = _prepare_target(out, overwrite)
+    # a directory publish (the whole dataset appears at once), not a file write: atomic_write replaces one file
     tag = uuid.uuid4().hex[:12]
     tmp = out.parent / f".{out.name}.tmp-{tag}"
     old = out.parent / f".{out.name}.old-{tag}"

@@ -115,7 +115,7 @@ def ensure_embedded_model(
         # whatever the caller seeded (a run's LoRA initialisation) is the same on a cold cache as on a warm one
         with torch.random.fork_rng(devices=[]):
             _build(spec, staging, progress=progress, name=name)
-        try:
+        try:  # a directory publish (the whole model at once), not a file write: atomic_write replaces one file
             staging.rename(target)
         except OSError:
             if not (target / MARKER_FILE).exists():  # not a concurrent builder winning the race

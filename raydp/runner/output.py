@@ -39,6 +39,6 @@ def staged_output(output: str | Path, overwrite: bool = False):
         yield staging
         if output.exists():
             shutil.rmtree(output)
-        staging.rename(output)
+        staging.rename(output)  # a directory publish (the whole run at once), not a file write: not atomic_write
     finally:
         shutil.rmtree(staging, ignore_errors=True)
