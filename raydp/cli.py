@@ -22,6 +22,7 @@ from pathlib import Path
 from raydp import __version__
 from raydp.errors import ConfigError, RaydpError
 from raydp.files import atomic_write, private_umask
+from raydp.run_directory import EVALUATION, RunDirectory
 
 
 class RaydpParser(argparse.ArgumentParser):
@@ -531,7 +532,7 @@ def cmd_eval(args) -> int:
 
     settings = eval_config_from_args(args)
     root = Path(args.run_dir)
-    runs = sorted(p for p in (root / "trials").iterdir() if (p / "summary.json").is_file()) \
+    runs = sorted(p for p in (root / "trials").iterdir() if RunDirectory(p).is_finished()) \
         if (root / "results.parquet").is_file() and (root / "trials").is_dir() else [root]
     violations = 0
     if len(runs) > 1:
@@ -543,7 +544,7 @@ def cmd_eval(args) -> int:
         print(f"{run.name}: {summary_line(result)}")
         violations += (result.get("audit") or {}).get("consistent") is False
     where = sorted({str(evaluation_path(run).parent) for run in runs})
-    print(f"evaluation.json written for {len(runs)} run(s): "
+    print(f"{EVALUATION} written for {len(runs)} run(s): "
           + (where[0] if len(where) == 1 else "in each run's folder (a released cell's: its study's work/evaluations/)"))
     if violations:
         print(f"raydp: {violations} run(s) leak more than their claimed epsilon: a privacy bug", file=sys.stderr)

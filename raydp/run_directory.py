@@ -15,6 +15,7 @@ releasable is :data:`raydp.runner.run.RUN_PRIVACY_NOTE`'s business; this module 
     controller_decisions.parquet a controlled run's decisions
     policy/                      a controlled run's policy snapshot
     evaluation.json              ``raydp eval``'s attacks and audit (written beside the run, or under the study)
+    private/dataset/             the dataset the run built for itself (private records: never released)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ CONTROL_TRACE = "control_trace.parquet"
 CONTROLLER_DECISIONS = "controller_decisions.parquet"
 POLICY = "policy"
 EVALUATION = "evaluation.json"
+PRIVATE = "private"
 
 #: what a finished run's directory holds for a wandb artifact or a released copy (controller files aside)
 RELEASE_FILES = (ADAPTER, SUMMARY, CONFIG, PRIVACY_NOTE, LEDGER)
@@ -137,6 +139,15 @@ class RunDirectory:
     @property
     def evaluation(self) -> Path:
         return self.root / EVALUATION
+
+    @property
+    def private(self) -> Path:
+        return self.root / PRIVATE
+
+    @property
+    def private_dataset(self) -> Path:
+        """The dataset a run built for itself (a synthetic source), under its owner-only ``private/``."""
+        return self.private / "dataset"
 
     def is_finished(self) -> bool:
         """A run's directory appears only when complete, summary included (staged_output)."""

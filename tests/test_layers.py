@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "raydp"
 #: lowest first; a package imports only from lower layers (and within itself)
 LAYERS = [
     ["errors", "(init)"],                # one-line errors, the version
-    ["settings", "files", "notices"],    # pydantic models; owner-only durable writes; third-party notices
+    ["settings", "files", "run_directory", "notices"],  # pydantic models; durable writes; a run's file names; notices
     ["data"],                            # records, splits, canaries, identities
     ["model"],                           # the embedded model, tokenizers, LoRA, loss
     ["privacy"],                         # the DP step, ledger, accountants, randomness

@@ -32,7 +32,8 @@ from raydp.errors import ConfigError
 from raydp.files import atomic_write
 from raydp.evaluation.base import AttackContext
 from raydp.evaluation.registry import ATTACKS
-from raydp.evaluation.results import EVALUATION_FILE, EVALUATION_FORMAT, LABEL, EvalConfig, summary_line
+from raydp.evaluation.results import EVALUATION_FORMAT, LABEL, EvalConfig, summary_line
+from raydp.run_directory import RunDirectory
 
 
 
@@ -50,7 +51,7 @@ def run_dataset_dir(run_dir: Path, config, summary: dict) -> Path:
     when its dataset id is not the run's (a rebuilt directory would give the wrong members and coins)."""
     from raydp.data import identity_of, load_manifest, manifest_id
 
-    own = run_dir / "private" / "dataset"
+    own = RunDirectory(run_dir).private_dataset
     source = Path(config.data.source).expanduser()
     if (own / "manifest.json").is_file():
         found = own
@@ -73,7 +74,7 @@ def load_trained_model(run_dir: Path, config, device: str):
 
     from raydp.model import LoraSettings, disable_dropout, load_model
 
-    adapter = run_dir / "adapter" / "adapter_model.safetensors"
+    adapter = RunDirectory(run_dir).adapter / "adapter_model.safetensors"
     if not adapter.is_file():
         raise ConfigError(f"run {run_dir} has no trained adapter ({adapter})")
     loaded = load_model(config.model, device=device, lora=LoraSettings(**config.lora.model_dump()), progress=False)
@@ -139,13 +140,13 @@ def evaluation_path(run_dir: str | Path, out: str | Path | None = None) -> Path:
                               "releasable: write the evaluation (private) elsewhere")
         return out
     if not is_released_cell(run_dir):
-        return run_dir / EVALUATION_FILE
+        return RunDirectory(run_dir).evaluation
     study = run_dir.parent.parent
     if run_dir.parent.name != "released" or not (study / "work").is_dir():
         raise ConfigError(f"{run_dir} is a released cell of a private selection without its study directory around "
                           "it: its evaluation (private) has no private place to go; evaluate the cell inside its "
                           "study directory (it goes to the study's work/evaluations/), or give it one (out=)")
-    return study / RELEASED_EVALUATIONS / run_dir.name / EVALUATION_FILE
+    return RunDirectory(study / RELEASED_EVALUATIONS / run_dir.name).evaluation
 
 
 class _Progress:
@@ -174,8 +175,9 @@ def evaluate_run(run_dir: str | Path, settings: EvalConfig | None = None, progre
     if not run_dir.is_dir():
         raise ConfigError(f"run directory {run_dir} does not exist")
     target = evaluation_path(run_dir, out)  # before anything runs: a released cell without a private place is refused
-    summary = _read_json(run_dir / "summary.json", "summary.json")
-    config = TrainConfig.model_validate(_read_json(run_dir / "config.json", "config.json"))
+    run = RunDirectory(run_dir)
+    summary = _read_json(run.summary, run.summary.name)
+    config = TrainConfig.model_validate(_read_json(run.config, run.config.name))
     dataset = run_dataset_dir(run_dir, config, summary)
     say = _Progress(progress, run_dir.name)
     loaded = load_trained_model(run_dir, config, settings.device)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from raydp.evaluation.registry import ATTACKS
 from raydp.evaluation.settings import EvalConfig  # noqa: F401  (re-exported: studies import it here)
+from raydp.run_directory import EVALUATION
 
-EVALUATION_FILE = "evaluation.json"
+EVALUATION_FILE = EVALUATION  # the name studies and results import from here
 EVALUATION_FORMAT = 1
 LABEL = ("attack and audit metrics are computed from private records (train, attack split, canaries): not a DP "
          "release, not covered by any accountant; for the data owner only, never for selection (ERRATA E15)")

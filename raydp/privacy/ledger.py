@@ -49,6 +49,7 @@ import pyarrow.parquet as pq
 from raydp.errors import ConfigError, DataError
 from raydp.files import atomic_replace
 from raydp.privacy.accounting.grid import StepHistogram
+from raydp.run_directory import LEDGER
 
 __all__ = [
     "ALLOCATIONS",
@@ -68,7 +69,7 @@ NEIGHBOURING_RELATION = "add_remove_one"
 LOCAL_RELATION = "replace_one_local"
 NEIGHBOURING_RELATIONS = (NEIGHBOURING_RELATION, LOCAL_RELATION)
 ALLOCATIONS = ("proportional", "uniform", "flat")
-LEDGER_FILENAME = "privacy_ledger.parquet"
+LEDGER_FILENAME = LEDGER  # a run's ledger file (raydp.run_directory names it; importable here for callers)
 FORMAT_VERSION = 1
 _META_KEY = b"raydp.privacy_ledger"
 

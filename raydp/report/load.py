@@ -16,12 +16,12 @@ from raydp.data.identity import identity_of
 from raydp.errors import ConfigError
 from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
 from raydp.report.markup import _missing
+from raydp.run_directory import EVALUATION, RunDirectory
 from raydp.study.arms import Arm, arms
 from raydp.study.statistics import _final_column, column_split, load_results, metric_label
 from raydp.study.results import CONTROLLERS, METRIC_COLUMNS
 from raydp.study.trial import Trial
 
-EVALUATION_FILE = "evaluation.json"
 NO_EVALUATION = ("no trial has an evaluation: run `raydp eval RUN_DIR` or set `evaluate:` in the study file")
 
 
@@ -76,18 +76,18 @@ class Report:
         return self.cache[cache_key]
 
     def evals(self, row) -> pd.DataFrame | None:
-        return self._load(row, "evals", lambda d: _parquet(d / "eval_metrics.parquet"))
+        return self._load(row, "evals", lambda d: _parquet(RunDirectory(d).eval_metrics))
 
     def ledger(self, row) -> pd.DataFrame | None:
         columns = ["step", "q", "sigma_eff", "clip"]
-        return self._load(row, "ledger", lambda d: _parquet(d / "privacy_ledger.parquet", columns))
+        return self._load(row, "ledger", lambda d: _parquet(RunDirectory(d).ledger, columns))
 
     def trace(self, row) -> pd.DataFrame | None:
-        return self._load(row, "trace", lambda d: _parquet(d / "control_trace.parquet"))
+        return self._load(row, "trace", lambda d: _parquet(RunDirectory(d).control_trace))
 
     def evaluation(self, row) -> dict | None:
         def read(d: Path):
-            path = d / EVALUATION_FILE
+            path = RunDirectory(d).evaluation
             return json.loads(path.read_text()) if path.exists() else None
         return self._load(row, "evaluation", read)
 
@@ -95,8 +95,8 @@ class Report:
         """The trial's own summary.json (its privacy block: the enforcing accountant, a Renyi filter's orders, the
         strategy's resolved settings and public reference norms)."""
         def read(d: Path):
-            path = d / "summary.json"
-            return json.loads(path.read_text()) if path.exists() else None
+            run = RunDirectory(d)
+            return run.read_summary().raw if run.summary.exists() else None
         return self._load(row, "summary", read)
 
     @property
@@ -144,7 +144,7 @@ def load_report(path: str | Path) -> Report:
                                          else "selection used the private eval split: unprotected (E15)")
         return Report("study", str(summary.get("study") or root.name), root, _with_arms(results), summary,
                       column, _eval_column(column), note)
-    if (root / "summary.json").exists():
+    if RunDirectory(root).summary.exists():
         return _single_run(root)
     raise ConfigError(f"{root} is neither a study directory (results.parquet) nor a run directory (summary.json)")
 
@@ -153,8 +153,9 @@ def _single_run(root: Path) -> Report:
     from raydp.study.trial_rows import _phase_one_columns, trial_labels
 
     try:
-        s = json.loads((root / "summary.json").read_text())
-        config = json.loads((root / "config.json").read_text()) if (root / "config.json").exists() else {}
+        run = RunDirectory(root)
+        s = run.read_summary().raw
+        config = run.read_config() or {}
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{root}: cannot read the run's summary.json/config.json ({exc})") from None
     privacy = s.get("privacy") or {}
@@ -284,5 +285,5 @@ def _missing_evaluation_note(r: Report, evaluated: list) -> str | None:
     if not evaluated:
         return NO_EVALUATION
     if missing:
-        return f"{missing} of {len(r.results)} trials have no {EVALUATION_FILE} (not shown)"
+        return f"{missing} of {len(r.results)} trials have no {EVALUATION} (not shown)"
     return None

@@ -7,6 +7,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from raydp.run_directory import RunDirectory
+
 
 class MetricHistory:
     """Per-step training metrics and per-evaluation held-out metrics."""
@@ -23,9 +25,9 @@ class MetricHistory:
 
     def write(self, directory: Path) -> dict[str, Path]:
         """Write ``train_metrics.parquet`` and ``eval_metrics.parquet`` into ``directory``."""
-        paths = {}
-        for name, rows in (("train_metrics", self.train_rows), ("eval_metrics", self.eval_rows)):
-            path = Path(directory) / f"{name}.parquet"
+        run, paths = RunDirectory(directory), {}
+        for name, path, rows in (("train_metrics", run.train_metrics, self.train_rows),
+                                 ("eval_metrics", run.eval_metrics, self.eval_rows)):
             pq.write_table(pa.Table.from_pylist(rows), path)
             paths[name] = path
         return paths

@@ -30,6 +30,7 @@ from raydp.control.transports import transport_for
 from raydp.errors import ConfigError
 from raydp.files import atomic_write, owner_only
 from raydp.model.loading import check_model_name
+from raydp.run_directory import RunDirectory
 
 RAY_NAMESPACE = "raydp"
 
@@ -212,7 +213,7 @@ def train(config: TrainConfig, output: str | Path, overwrite: bool = False, prog
     try:
         summary = _run_actor(config, output, overwrite, launch.start(RAY_NAMESPACE), progress)
         launch.finish(summary, Path(output))
-        _rewrite_json(Path(output) / "summary.json", summary)
+        _rewrite_json(RunDirectory(output).summary, summary)
         return summary
     finally:
         launch.close()

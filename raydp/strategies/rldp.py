@@ -59,12 +59,13 @@ from raydp.control.reward import potential_reward, reward as rldp_reward
 from raydp.errors import ConfigError
 from raydp.privacy.statistics import ClippedLossSum, NormHistogram
 from raydp.privacy.mechanism import Dials, StepRelease
+from raydp.run_directory import CONTROL_TRACE, CONTROLLER_DECISIONS
 from raydp.strategies.base import Strategy, StrategyContext
 from raydp.strategies.clipschedule import scheduled_clips
 from raydp.strategies.rldp_settings import RLDPSettings
 
-TRACE_FILE = "control_trace.parquet"
-DECISIONS_FILE = "controller_decisions.parquet"
+TRACE_FILE = CONTROL_TRACE  # the run's files this strategy writes (raydp.run_directory names them)
+DECISIONS_FILE = CONTROLLER_DECISIONS
 
 
 class _Interval:

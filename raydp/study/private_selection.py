@@ -65,6 +65,7 @@ from raydp.strategies.base import Strategy
 from raydp.strategies.registry import strategy_class
 from raydp.runner.run import run_training
 from raydp.runner.task import Task
+from raydp.run_directory import CONFIG, LEDGER, RunDirectory
 from raydp.study.config import PrivateSelectionSettings, SearchDimension, StudyConfig, draw_in_range, trial_config
 from raydp.study.trial import Trial
 from raydp.study.selection_release import (ALL_CELLS_NOTE, OWNER_REPORT, PRIVATE_SELECTION_NOTE,  # noqa: F401
@@ -79,7 +80,7 @@ SECRET_FORMAT = "raydp-private-selection-v1"
 #: what a private-dp study releases, one directory per cell
 RELEASED = "released"
 #: a run directory's files a released trial keeps (adapter/ is copied whole; summary.json is rewritten)
-RELEASED_FILES = ("config.json", "privacy_ledger.parquet")
+RELEASED_FILES = (CONFIG, LEDGER)
 #: a cell's per-trial epsilon is solved in [end-to-end / EPSILON_RANGE, end-to-end]
 EPSILON_RANGE = 50.0
 #: the most corner combinations of a search space that plan_cell checks
@@ -349,7 +350,7 @@ def trial_score(run_dir: Path, config, dataset: str, settings: PrivateSelectionS
 def check_trial_spend(run_dir: Path, plan_curve: np.ndarray) -> None:
     """The trial's ledger against its planned training curve: a trial that spent more than planned breaks the
     theorem's one-curve condition, so the study stops with nothing released."""
-    ledger = PrivacyLedger.load(run_dir / "privacy_ledger.parquet")
+    ledger = PrivacyLedger.load(RunDirectory(run_dir).ledger)
     spent = ledger_rdp_curve(ledger, DEFAULT_ORDERS)
     if np.any(spent > np.asarray(plan_curve) * (1 + 1e-9) + 1e-12):
         raise ConfigError(f"trial {run_dir.name} spent more than its plan (order "
@@ -570,15 +571,16 @@ def _release(study: StudyConfig, study_dir: Path, plans: dict[str, CellPlan], st
         else:
             best = min(trials, key=lambda t: (not math.isfinite(scores[t["id"]]), scores[t["id"]]))
             run_dir = study_dir / "work" / "trials" / best["id"] / "run"
-            if not (run_dir / "adapter").is_dir():
+            run, cell = RunDirectory(run_dir), RunDirectory(target)
+            if not run.adapter.is_dir():
                 raise ConfigError(f"the selected trial's kept outputs are gone from {study_dir / 'work'}: nothing "
                                   "is released (a selection is run once)")
-            shutil.copytree(run_dir / "adapter", target / "adapter", copy_function=shutil.copyfile)
+            shutil.copytree(run.adapter, cell.adapter, copy_function=shutil.copyfile)
             for name in RELEASED_FILES:
                 if (run_dir / name).is_file():
                     shutil.copyfile(run_dir / name, target / name)
-            run_summary = json.loads((run_dir / "summary.json").read_text())
-            atomic_write(target / "summary.json", json.dumps(released_summary(run_summary, plan, entry["theorem"]),
+            run_summary = run.read_summary().raw
+            atomic_write(cell.summary, json.dumps(released_summary(run_summary, plan, entry["theorem"]),
                                                              indent=2))
             entry.update(released=True, settings=best["settings"], score=scores[best["id"]],
                          score_note="the noisy sum over the private validation split's patients of each patient's "
@@ -588,7 +590,7 @@ def _release(study: StudyConfig, study_dir: Path, plans: dict[str, CellPlan], st
                          directory=str(target.relative_to(study_dir)))
             owner[key] = {k: run_summary.get(k) for k in ("final_eval_value_nll", "best_eval_value_nll",
                                                           "final_eval_perplexity")}
-        atomic_write(target / "PRIVACY.txt", released_cell_note(plan, total))
+        atomic_write(RunDirectory(target).privacy_note, released_cell_note(plan, total))
         atomic_write(target / SELECTION_FILE, json.dumps({**entry, "all_cells": total}, indent=2))
         out.append(entry)
     _write_private(study_dir / OWNER_REPORT, {
