@@ -34,10 +34,9 @@ def old_study(tmp_path):
     return root, sha
 
 
-def test_migration_leaves_no_part_of_the_plain_hash(old_study, capsys):
+def test_migration_leaves_no_part_of_the_plain_hash(old_study):
     root, sha = old_study
-    assert main(["migrate", "--check", str(root)]) == 1  # the old files are flagged
-    capsys.readouterr()
+    assert migrate([root], check=True).remaining  # the old files are flagged
     result = migrate([root])
     new = keyed_id(sha)
     assert result.mapping == {sha: new}
@@ -48,7 +47,7 @@ def test_migration_leaves_no_part_of_the_plain_hash(old_study, capsys):
     assert json.loads((root / "trials" / "static_m_eps2_seed0" / "summary.json").read_text())["dataset_id"] == new
     assert list(pd.read_parquet(root / "results.parquet")["dataset_id"]) == [new]
     assert list(json.loads((root / "study_summary.json").read_text())["tuning_aware_epsilon"]) == [new]
-    assert main(["migrate", "--check", str(root)]) == 0
+    assert migrate([root], check=True).remaining == []
 
 
 def test_check_flags_a_file_holding_a_hash_on_its_own(tmp_path, capsys):
@@ -71,8 +70,8 @@ def test_migration_needs_the_owners_existing_key(old_study, tmp_path, monkeypatc
     assert not (tmp_path / "nobody").exists()
 
 
-def test_a_pickled_policy_is_converted_to_the_state_file_format(tmp_path, capsys):
-    """Issue 30: a v2 policy kept RLlib's module checkpoint, which pickles classes by module path (moving a file
+def test_a_pickled_policy_is_converted_to_the_state_file_format(tmp_path):
+    """A v2 policy kept RLlib's module checkpoint, which pickles classes by module path (moving a file
     broke it). `raydp migrate` writes the same weights as module.safetensors and removes every pickle; the module
     is rebuilt from the manifest alone."""
     import shutil
@@ -91,8 +90,8 @@ def test_a_pickled_policy_is_converted_to_the_state_file_format(tmp_path, capsys
     (old / "manifest.json").write_text(json.dumps({**manifest, "format": "raydp-policy-v2"}))
     assert list(old.rglob("*.pkl"))
     before = load_module_state(old)
-    assert main(["migrate", str(tmp_path / "policies")]) == 0
-    assert "1 polic(ies) converted" in capsys.readouterr().out
+    assert len(migrate([tmp_path / "policies"]).policies) == 1  # converted
+    assert migrate([tmp_path / "policies"], check=True).remaining == []  # nothing left that looks like a hash
     assert not list(old.rglob("*.pkl")) and not (old / "module").exists()
     assert load_manifest(old)["format"] == "raydp-policy-v3"
     after = load_module_state(old)
