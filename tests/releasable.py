@@ -66,6 +66,7 @@ SUMMARY = {
         "public_validation", "public_validation_note", "initial_public_value_nll", "final_public_value_nll",
         "best_public_value_nll", "final_public_nll_per_record",
         "phase_one",  # null: no phase 1 (its fields: PHASE_ONE below)
+        "recipe", "recipe.*",  # the recipe entry the run took (raydp.recipe): from public config values and the table
         "controller",
         # public validation split: public records
         "initial_public_perplexity", "final_public_perplexity", "best_public_perplexity")},

@@ -16,6 +16,7 @@ LAYERS = [
     ["privacy"],                         # the DP step, ledger, accountants, randomness
     ["control"],                         # the RLDP controller's pieces: decoding, features, SAC, transports
     ["strategies"],                      # what each strategy chooses
+    ["recipe"],                          # the public recipe table: the settings a run leaves unset
     ["config"],                          # TrainConfig: validates strategies' settings and controller addresses
     ["evaluation"],                      # attacks, audit, metrics
     ["runner"],                          # one run: setup, loop, Ray actors, the policy server

@@ -10,8 +10,10 @@ import io
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 
 import raydp.recipe.table as recipe_table
@@ -306,7 +308,7 @@ def test_the_lookup_opens_no_file_but_the_packages_table(tmp_path, monkeypatch):
 
 # -- a run records it --------------------------------------------------------------------------------------------------
 
-def test_a_run_writes_the_recipe_it_took_into_config_json(tmp_path, own_table):
+def test_a_run_writes_the_recipe_it_took_into_config_json_and_its_summary(tmp_path, own_table):
     from raydp.runner.run import run_training
 
     own_table(_table([(0.5, {"batch_size": 8, "epochs": 3.0, "lr": 1e-3, "lr_decay": "cosine", "lr_end": 0.0,
@@ -322,6 +324,8 @@ def test_a_run_writes_the_recipe_it_took_into_config_json(tmp_path, own_table):
     assert stored["recipe_applied"] == config.recipe_applied
     assert stored["recipe_applied"]["entry"] == "embedded-tiny/static-pairwise/default"
     assert stored["lr"] == pytest.approx(2e-3) and stored["batch_size"] == 8
+    summary = json.loads(RunDirectory(tmp_path / "run").summary.read_text())
+    assert summary["recipe"] == config.recipe_applied  # the summary names the entry too
 
 
 # -- studies pin it ----------------------------------------------------------------------------------------------------
@@ -348,3 +352,18 @@ def test_the_preregistered_search_validates_on_public_data_from_todays_defaults(
         config = trial_config(study, trial)
         assert config.recipe_applied is None and config.common_random_numbers
         assert (config.batch_size, config.epochs) == (16, 3.0)
+
+
+def test_dp_training_takes_no_recipe_of_the_configs_model():
+    """A Trainer trains its own model: DPTraining must not give it the embedded model's recipe (clip 0.039 where the
+    user asked for nothing), whether given fields or a TrainConfig that took the recipe."""
+    pytest.importorskip("transformers")
+    from raydp.integrations.transformers import DPTraining
+
+    fields = {"strategy": "static-pairwise", "epsilon": 2.0}
+    assert TrainConfig(**fields).recipe_applied is not None  # the plain config does take it
+    model = torch.nn.Linear(2, 2)
+    for kwargs in (fields, {"config": TrainConfig(**fields)}):
+        dp = DPTraining(model, [{"input_ids": [1, 2, 3]}] * 64, SimpleNamespace(pad_token_id=0), **kwargs)
+        assert dp.config.recipe_applied is None and dp.config.clip == TrainConfig(recipe="none", **fields).clip
+        assert dp.config.epsilon == 2.0 and dp.config.strategy == "static-pairwise"

@@ -120,7 +120,7 @@ class DPTraining:
     ``max_steps``, ``accountant``, ``clip``, ``settings``, ``rldp``, ``privacy_unit``,
     ``unsafe_fixed_randomness``, ``seed``, ``max_length``, ``dp_width``: the tokens every batch is padded to,
     default max_length); its model, data, learning-rate and evaluation fields are not used (those are the
-    Trainer's). ``train_dataset``: the private training records (texts,
+    Trainer's), nor is a recipe (:mod:`raydp.recipe`: it is looked up by the config's model, not the Trainer's). ``train_dataset``: the private training records (texts,
     records with ``text_column``, or tokenised records); the Trainer must be given the same object or none.
     ``units``: the privacy unit of every record (e.g. a patient id; ERRATA E11), or None: every record is
     its own unit. ``loss(logits, input_ids, attention_mask)``: the per-example loss (default: per-sequence
@@ -148,7 +148,13 @@ class DPTraining:
                  dataset: str | Path | None = None, **config_fields: Any):
         if config is not None and config_fields:
             raise ConfigError("pass a TrainConfig or its fields as keyword arguments, not both")
-        self.config = config if config is not None else TrainConfig(**config_fields)
+        # the Trainer trains its own model, not ``config.model``: a recipe looked up by the config's model (the embedded
+        # one unless set) would give its clip to another model, so DPTraining takes no recipe (``recipe: none``)
+        if config is None:
+            config = TrainConfig(**{"recipe": "none", **config_fields})
+        elif config.recipe_applied is not None:
+            config = TrainConfig(**{k: getattr(config, k) for k in config.model_fields_set}, recipe="none")
+        self.config = config
         if not self.config.is_private:
             raise ConfigError("DPTraining needs a DP strategy (strategy='static', 'static-pairwise', ...)")
         self.model = model
