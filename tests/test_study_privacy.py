@@ -298,8 +298,9 @@ def test_old_summaries_without_public_figures_fall_back_with_a_label(tmp_path):
     assert math.isnan(table["final_public_perplexity"].iloc[0])
 
 
-def test_report_prints_the_figure_labels_and_selection(tmp_path, capsys):
-    from raydp.cli import main
+def test_report_prints_the_figure_labels_and_selection(tmp_path):
+    from raydp.report import write_report
+    from raydp.study.tables import format_report
 
     study, d = make_study(), study_dir_with_dataset(tmp_path)
     t1, t2 = spec("static_a", 0.5), spec("static_b", 2.0)
@@ -307,8 +308,8 @@ def test_report_prints_the_figure_labels_and_selection(tmp_path, capsys):
     write_run(d, t2.name, ledger=make_ledger(0.05, 1.5, 10, 2.0))
     table = collect_results(study, d, [t1, t2], [result(t1), result(t2, error=RuntimeError("x"))])
     (d / "study_summary.json").write_text(json.dumps({"study": "hand", **table.attrs}, default=str))
-    assert main(["report", str(d)]) == 0
-    out = capsys.readouterr().out
+    out = format_report(d)  # what `raydp report` prints, beside the HTML page it writes
+    assert write_report(d).is_file()
     assert f"dataset {ID[:16]}: 2 runs" in out and "LABEL: VOID (E12)" in out
     assert "selection used the public validation split (E15)" in out
     assert "final perplexity" in out and "public validation (selects)" in out  # the metric and the split it selects on
