@@ -37,6 +37,7 @@ from raydp.control.store import load_manifest as load_policy_manifest
 from raydp.data import load_manifest, manifest_id
 from raydp.errors import ConfigError
 from raydp.files import atomic_write, owner_only, private_dir
+from raydp.run_directory import RunDirectory
 from raydp.study.config import StudyConfig, load_study
 from raydp.study.grid import TUNING_FORMAT, TUNING_RECORD, trial_config, trial_grid
 from raydp.study.params import TrialParams
@@ -177,7 +178,8 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     common = shared.to_tune()  # what every trial's Tune config holds; each route adds its trials' own keys
     started, fit_started = time.perf_counter(), time.time()
     # a frozen transfer trial starts from its stage-1 trial's policy
-    sources = {t.source_key: str(study_dir / "trials" / t.name / "policy") for t in trials if t.stage == "source"}
+    sources = {t.source_key: str(RunDirectory(study_dir / "trials" / t.name).policy) for t in trials
+               if t.stage == "source"}
     trials = [replace(t, policy_path=sources[t.frozen_from]) if t.frozen_from else t for t in trials]
     context = FitContext(trainable, study, trials, common, storage, progress, resume)
     grids, stopped = [], 0
