@@ -274,10 +274,10 @@ def test_a_manifest_that_declares_no_privacy_mode_counts_as_paper(tmp_path):
                                                          trained_on={**no_mode, "privacy_mode": "strict"}))) == "strict"
 
 
-def test_export_refuses_an_old_policy_that_names_its_data_by_a_plain_hash(tmp_path, capsys):
-    """Issue 26 review: a v1 manifest's provenance holds dataset_sha256, a plain hash of the records; exporting it
+def test_export_refuses_an_old_policy_that_names_its_data_by_a_plain_hash(tmp_path):
+    """A v1 manifest's provenance holds dataset_sha256, a plain hash of the records; exporting it
     would release that hash. `raydp migrate` rewrites it first."""
-    from raydp.cli import main
+    from raydp.control.store import export_policy
 
     path = fake_policy(tmp_path, "oldpol", provenance=[entry()])
     manifest = json.loads((path / "manifest.json").read_text())
@@ -285,9 +285,9 @@ def test_export_refuses_an_old_policy_that_names_its_data_by_a_plain_hash(tmp_pa
     manifest["provenance"][0]["dataset_sha256"] = "ab" * 32
     (path / "manifest.json").write_text(json.dumps(manifest))
     archive = tmp_path / "old.tar.gz"
-    assert main(["policy", "export", "oldpol", "--policy-dir", str(tmp_path), "--to", str(archive)]) == 2
-    err = capsys.readouterr().err
-    assert "run `raydp migrate` on it before exporting" in err and err.count("\n") == 1 and not archive.exists()
+    with pytest.raises(ConfigError, match=r"run `raydp migrate` on it before exporting") as refused:
+        export_policy(path, archive)
+    assert "\n" not in str(refused.value) and not archive.exists()
 
 
 def test_a_continued_policys_totals_cover_every_study_that_trained_it():
@@ -369,9 +369,8 @@ def test_a_save_adds_its_sessions_counts_to_the_restored_lifetime_once(tmp_path)
         {"runs": 1, "transitions": None, "sac_updates": 6}
 
 
-def test_training_totals_prefer_the_lifetime_field_with_the_study_records_seconds(tmp_path, capsys):
-    from raydp.cli import main
-    from raydp.control.store import training_totals
+def test_training_totals_prefer_the_lifetime_field_with_the_study_records_seconds(tmp_path):
+    from raydp.control.store import list_policies, training_totals
 
     record = {"episodes": 1, "transitions": 3, "sac_updates": 6, "wall_seconds": 10.0, "cpu_seconds": 20.0,
               "gpu_seconds": 0.0}
@@ -394,9 +393,8 @@ def test_training_totals_prefer_the_lifetime_field_with_the_study_records_second
     assert training_totals(manifest("d", stale, False))["transitions"] == 40  # older: the record's totals
     older = manifest("e", record, False)
     assert "lifetime" not in load_manifest(tmp_path / "e") and training_totals(older)["transitions"] == 3
-    assert main(["policy", "list", "--policy-dir", str(tmp_path)]) == 0
-    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
-    assert " 45  " in rows["a"] and " 40  " in rows["d"] and " 3  " in rows["e"]  # lifetime transitions
+    listed = {p["name"]: p["totals"]["transitions"] for p in list_policies(tmp_path)}  # what `policy list` shows
+    assert (listed["a"], listed["d"], listed["e"]) == (45, 40, 3)  # lifetime transitions
 
 
 def _drive_broker(client, layout, decisions: int, seed: int, reward: float | None = None) -> None:
