@@ -14,7 +14,8 @@ from raydp.config import TrainConfig, validate_config
 from raydp.data import load_manifest, load_texts, manifest_id
 from raydp.errors import ConfigError
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS
-from raydp.privacy.lifetime import charge, read_budget, register_path, set_budget, spent_epsilon
+from raydp.privacy.lifetime import (
+    charge, read_budget, register_path, set_budget, set_dataset_budget, spent_epsilon)
 from raydp.data.splits import build_dataset
 from raydp.runner.privacy_setup import plan_private_run, training_units
 from tests._support import copy_dataset
@@ -178,7 +179,7 @@ def test_a_study_is_charged_once_per_study_run_and_refused_past_the_budget(tmp_p
     assert study_lifetime_nonce(study_dir, resume=True) != "kept"
 
 
-def test_a_budgeted_dataset_refuses_what_a_charge_cannot_cover(dataset, tmp_path, monkeypatch, capsys):
+def test_a_budgeted_dataset_refuses_what_a_charge_cannot_cover(dataset, tmp_path, monkeypatch):
     """Fail closed and refuse: a run whose epsilon carries caveats (paper mode, void randomness), a local-DP
     plan, another privacy unit, and any run when the dataset says it is budgeted but its register is not found
     (another owner key on this machine)."""
@@ -186,7 +187,7 @@ def test_a_budgeted_dataset_refuses_what_a_charge_cannot_cover(dataset, tmp_path
 
     manifest = load_manifest(dataset)
     if read_budget(manifest_id(manifest)) is None:  # when run alone
-        assert main(["data", "budget", str(dataset), "--epsilon", "2.5", "--delta", "1e-5"]) == 0
+        set_dataset_budget(dataset, 2.5, 1e-5)
         manifest = load_manifest(dataset)
     plan = PrivacyPlan(q=0.01, planned_steps=10, sigma_0=5.0)
     with pytest.raises(ConfigError, match="caveats \\(paper mode"):
@@ -201,9 +202,9 @@ def test_a_budgeted_dataset_refuses_what_a_charge_cannot_cover(dataset, tmp_path
         charge_lifetime(manifest, {"x": LifetimeCharge(plan, 1e-5, "patient")}, commit=False)
     other = tmp_path / "other"
     build_dataset(other, n_records=402, progress=False)
-    capsys.readouterr()
-    assert main(["data", "budget", str(other), "--epsilon", "1", "--delta", "0.01"]) == 2  # delta >= 1/N units
-    assert "1/N units" in capsys.readouterr().err and "lifetime_budget" not in load_manifest(other)
+    with pytest.raises(ConfigError, match="1/N units"):  # delta >= 1/N units
+        set_dataset_budget(other, 1, 0.01)
+    assert "lifetime_budget" not in load_manifest(other)
 
 
 def test_a_trainer_given_the_dataset_directory_fails_closed(tmp_path, monkeypatch):
@@ -215,7 +216,8 @@ def test_a_trainer_given_the_dataset_directory_fails_closed(tmp_path, monkeypatc
 
     data = tmp_path / "data"
     build_dataset(data, n_records=403, progress=False)
-    assert main(["data", "budget", str(data), "--epsilon", "6", "--delta", "1e-5"]) == 0  # the manifest says so too
+    set_dataset_budget(data, 6, 1e-5)  # the manifest says so too
+    assert load_manifest(data)["lifetime_budget"] == {"epsilon": 6, "delta": 1e-5, "privacy_unit": "patient"}
     dataset_id = manifest_id(load_manifest(data))
     from raydp.data import load_units
 
@@ -285,7 +287,7 @@ def test_a_source_rebuilt_under_a_new_owner_key_keeps_its_budget(tmp_path, monke
     plan = plan_private_run(tiny(tmp_path / "a"), training_units(tiny(tmp_path / "a"), str(tmp_path / "a"), len(
         load_texts(tmp_path / "a", "train"))).public_count)
     budget = (dp_accounting_epsilon([plan], 1e-5) + dp_accounting_epsilon([plan, plan], 1e-5)) / 2  # fits one run
-    assert main(["data", "budget", str(tmp_path / "a"), "--epsilon", f"{budget:.4f}", "--delta", "1e-5"]) == 0
+    set_dataset_budget(tmp_path / "a", float(f"{budget:.4f}"), 1e-5)
 
     monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "keys" / "second.key"))  # a new key, the same budgets/
     assert main(["data", "build", "--source", str(tmp_path / "diabetic_data.csv"), "--output", str(tmp_path / "b")]) == 0
@@ -379,22 +381,24 @@ def test_a_rebuild_with_another_split_seed_fraction_or_cap_is_charged_to_the_bud
     rebuild has no budget: its sentence must say that it is charged."""
     from pathlib import Path
 
+    from raydp.config import DataConfig
+    from raydp.data import build_from_config
     from raydp.data.synthetic import generate_records
     from raydp.runner.privacy_setup import LifetimeCharge, charge_lifetime
 
     generate_records(400, seed=11, progress=False).to_csv(tmp_path / "diabetic_data.csv", index=False)
     monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "owner.key"))
     source = str(tmp_path / "diabetic_data.csv")
-    assert main(["data", "build", "--source", source, "--output", str(tmp_path / "a")]) == 0
-    assert main(["data", "build", "--source", source, "--output", str(tmp_path / "b"), "--data-seed", "7",
-                 "--split", "eval=0.1", "--sample-fraction", "0.8"]) == 0
+    build_from_config(validate_config(DataConfig, {"source": source}), tmp_path / "a", progress=False)
+    build_from_config(validate_config(DataConfig, {"source": source, "seed": 7, "fractions": {"eval": 0.1},
+                                                   "sample_fraction": 0.8}), tmp_path / "b", progress=False)
     first, rebuilt = load_manifest(tmp_path / "a"), load_manifest(tmp_path / "b")
     assert manifest_id(first) != manifest_id(rebuilt)
     config = tiny(tmp_path / "b")
     plan = plan_private_run(config, training_units(config, str(tmp_path / "b"), len(
         load_texts(tmp_path / "b", "train"))).public_count)
     budget = (dp_accounting_epsilon([plan], 1e-5) + dp_accounting_epsilon([plan, plan], 1e-5)) / 2  # fits one run
-    assert main(["data", "budget", str(tmp_path / "a"), "--epsilon", f"{budget:.4f}", "--delta", "1e-5"]) == 0
+    set_dataset_budget(tmp_path / "a", float(f"{budget:.4f}"), 1e-5)
     run = {"run": LifetimeCharge(plan, 1e-5, "patient")}
     assert charge_lifetime(rebuilt, run) == pytest.approx(dp_accounting_epsilon([plan], 1e-5), rel=1e-4)
     assert list(read_budget(manifest_id(first))["charges"]) == ["run"]  # charged to the first build's budget
@@ -419,7 +423,7 @@ def test_a_plain_caller_cannot_skip_the_charge_on_a_budgeted_dataset(small_datas
     data = copy_dataset(small_dataset, tmp_path / "data")  # its manifest gets a budget below
     config = tiny(data, max_steps=2)
     run_training(config, tmp_path / "unbudgeted", progress=False, charge_lifetime=False)  # nothing to charge
-    assert main(["data", "budget", str(data), "--epsilon", "8", "--delta", "1e-5"]) == 0
+    set_dataset_budget(data, 8, 1e-5)
     manifest = load_manifest(data)
     dataset_id = manifest_id(manifest)
     for name, skip in [("plain", {"charge_lifetime": False}), ("not-a-receipt", {"_charged_by": True}),
@@ -442,7 +446,7 @@ def test_spend_on_a_dataset_without_a_budget_is_recorded_and_printed_when_a_run_
     steps than a non-private one at the same epochs."""
     import stat
 
-    from raydp.privacy.lifetime import spend_record_path
+    from raydp.privacy.lifetime import spend_record_path, spent_so_far
     from raydp.runner.launch import train
 
     monkeypatch.setenv("RAYDP_OWNER_KEY", str(tmp_path / "key" / "owner.key"))  # its spend record: this test's
@@ -462,6 +466,4 @@ def test_spend_on_a_dataset_without_a_budget_is_recorded_and_printed_when_a_run_
     expected = dp_accounting_epsilon([plan], 1e-5)
     assert f"1 earlier DP run(s) on it compose to epsilon {expected:.3g} at delta 1e-05" in line
     assert "raydp data budget" in line
-    assert main(["data", "budget", str(data)]) == 0
-    out = capsys.readouterr().out
-    assert "no lifetime budget" in out and f"2 DP run(s) compose to epsilon " in out
+    assert read_budget(dataset_id) is None and spent_so_far(dataset_id, 1e-5)["runs"] == 2  # no budget: 2 DP runs

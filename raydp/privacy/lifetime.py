@@ -45,7 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
-from raydp.data.identity import PUBLIC_PREFIX, is_dataset_id, owner_key_path
+from raydp.data.identity import PUBLIC_PREFIX, is_dataset_id, manifest_id, owner_key_path
+from raydp.data.splits import MANIFEST, load_manifest
 from raydp.errors import ConfigError
 from raydp.files import atomic_write, locked
 from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, rdp_epsilon
@@ -167,6 +168,21 @@ def set_budget(dataset_id: str, epsilon: float, delta: float, privacy_unit: str 
         # budgets set at once on two builds of one source would otherwise both find none and create two registers
         path = register_for(dataset_id, source_sha256)
         return _set_budget_in(path, dataset_id, epsilon, delta, privacy_unit, source_sha256)
+
+
+def set_dataset_budget(directory: str | os.PathLike, epsilon: float, delta: float,
+                       privacy_unit: str = "patient") -> dict:
+    """Put a lifetime budget on the dataset in ``directory``: set its register (:func:`set_budget`, once; delta
+    below 1/N, N its train split's size) and write ``lifetime_budget`` (epsilon, delta, privacy unit) into its
+    manifest.json, so that the dataset itself says it is budgeted: a run that cannot find the register is refused
+    (fail closed). Returns the register."""
+    manifest = load_manifest(directory)
+    register = set_budget(manifest_id(manifest), epsilon, delta, privacy_unit,
+                          max_delta=1.0 / max(int(manifest["sizes"].get("train", 1)), 1),
+                          source_sha256=manifest.get("source_sha256"))
+    manifest["lifetime_budget"] = {k: register[k] for k in ("epsilon", "delta", "privacy_unit")}
+    atomic_write(Path(directory) / MANIFEST, json.dumps(manifest, indent=2))
+    return register
 
 
 def _set_budget_in(path: Path, dataset_id: str, epsilon: float, delta: float, privacy_unit: str,
