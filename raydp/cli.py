@@ -21,7 +21,7 @@ from pathlib import Path
 
 from raydp import __version__
 from raydp.errors import ConfigError, RaydpError
-from raydp.files import atomic_write, private_umask
+from raydp.files import private_umask
 from raydp.run_directory import EVALUATION, RunDirectory
 
 
@@ -298,19 +298,14 @@ def cmd_data_show(args) -> int:
 def cmd_data_budget(args) -> int:
     from raydp.data import load_manifest, manifest_id  # lazy: `raydp --help` loads no pandas
     from raydp.privacy.lifetime import (  # lazy: `raydp --help` loads no pandas
-        read_budget, register_for, set_budget, spend_record_path, spent_epsilon, spent_so_far)
+        read_budget, register_for, set_dataset_budget, spend_record_path, spent_epsilon, spent_so_far)
 
     manifest = load_manifest(args.dataset)
     dataset_id = manifest_id(manifest)
     if (args.epsilon is None) != (args.delta is None):
         raise ConfigError("set a lifetime budget with both --epsilon and --delta")
-    if args.epsilon is not None:
-        register = set_budget(dataset_id, args.epsilon, args.delta, args.privacy_unit,
-                              max_delta=1.0 / max(int(manifest["sizes"].get("train", 1)), 1),
-                              source_sha256=manifest.get("source_sha256"))
-        # the dataset itself says it is budgeted: a run that cannot find the register is refused (fail closed)
-        manifest["lifetime_budget"] = {k: register[k] for k in ("epsilon", "delta", "privacy_unit")}
-        atomic_write(Path(args.dataset) / "manifest.json", json.dumps(manifest, indent=2))
+    if args.epsilon is not None:  # the register, and lifetime_budget in the dataset's manifest
+        register = set_dataset_budget(args.dataset, args.epsilon, args.delta, args.privacy_unit)
     else:
         register = read_budget(dataset_id, manifest.get("source_sha256"))
     where = register_for(dataset_id, manifest.get("source_sha256"))
