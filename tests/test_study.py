@@ -66,9 +66,11 @@ def write_study(tmp_path, **changes):
     ({"settings_grid": {"static": {"clip": [0.1, 0.1]}}}, "two trials would both be named"),
     ({"resources": {"cpus_per_trial": 64}}, "exceeds the cluster's"),
 ])
-def test_invalid_study_files_fail_before_any_trial(tmp_path, changes, message, capsys):
+def test_invalid_study_files_fail_before_any_trial(tmp_path, changes, message, capsys, request):
     from raydp.cli import main
 
+    if "cpus_per_trial" in str(changes):  # refused once Ray is up: the session's one Ray, never a study's own
+        request.getfixturevalue("local_ray")
     path = write_study(tmp_path, **changes)
     assert main(["study", str(path), "--results-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
