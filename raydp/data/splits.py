@@ -177,7 +177,7 @@ def _check_seed(name: str, value: Any) -> int:
 
 
 #: ``source: public`` builds a dataset from the PUBLIC synthetic population (raydp.data.public): episodes
-#: that pre-train a controller or tune a baseline's clip spend no private budget (issue 12). Its seeds
+#: that pre-train a controller or tune a baseline's clip spend no private budget. Its seeds
 #: start at PUBLIC_EPISODE_SEED, apart from the public corpus's other uses (model pre-training, the probe,
 #: public validation, extraction profiles), so a policy never trains on the records it is selected by.
 PUBLIC_SOURCE = "public"

@@ -52,7 +52,7 @@ def evaluation_mode(model: torch.nn.Module):
 
 def length_sorted_batches(split: TokenizedSplit, n: int, batch_size: int) -> list[list[int]]:
     """The first ``n`` sequences of ``split`` in batches of similar length (a stable sort by length): less padding
-    than batches in split order (about 20% less evaluation time on the embedded default's narratives, issue 28).
+    than batches in split order (about 20% less evaluation time on the embedded default's narratives; docs/throughput.md).
     Every figure is a sum over sequences, so only the order of the additions changes."""
     order = sorted(range(n), key=lambda i: len(split.sequences[i]))
     return [order[start:start + batch_size] for start in range(0, n, batch_size)]

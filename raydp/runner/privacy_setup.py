@@ -436,7 +436,7 @@ def ledger_metadata(plan: PrivacyPlan, units: PrivacyUnits, randomness: PrivateR
             "randomness": randomness.source, "labels": privacy_labels(strategy, randomness)}
 
 
-#: what the released counts mean for the guarantee (issue 26): N is released, so say under which relation it is covered
+#: what the released counts mean for the guarantee: N is released, so say under which relation it is covered
 PUBLIC_COUNTS_NOTE = (
     "the number of units in train (n_units, N), q = B/N and the step count are released (the record count is not) "
     "and treated as public, as DP-SGD libraries do. epsilon is for add/remove-one unit: it bounds what the "

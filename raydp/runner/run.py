@@ -411,7 +411,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             "dataset_id": manifest_id(manifest),  # keyed: names the dataset for its owner only
             "data_note": SYNTHETIC_NOTE if manifest.get("synthetic") else None,
             # the record count of a DP run is not released: a patient's number of encounters would show in it
-            # (issue 26); the number of units (N, q = B/N) is, and privacy.public_counts says what covers it
+            # (the guarantee does not cover it); the number of units (N, q = B/N) is, and privacy.public_counts says what covers it
             **({"train_records": len(train)} if not config.is_private else {}),
             "eval_records": len(evaluation),
             "public_eval_records": len(public_eval),

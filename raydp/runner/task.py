@@ -1,8 +1,7 @@
 """The task a run trains and evaluates: language modelling (the default) or classification.
 
 A task gives the run its splits, the per-example loss (what the DP step clips per example) and the
-held-out metric; the loop and the DP step are the same for both (issue "An open DP step": the task is
-injected, not a fork of the loop).
+held-out metric; the loop and the DP step are the same for both (the task is injected, not a fork of the loop).
 
 * ``lm``: per-sequence next-token NLL (:mod:`raydp.model.loss`), perplexity.
 * ``classification``: a label field of the narratives as a prompt classifier (:mod:`raydp.data.tasks`,

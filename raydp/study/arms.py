@@ -18,7 +18,7 @@ import pandas as pd
 
 from raydp.strategies.registry import STRATEGY_CHOICES, is_private, with_capability
 
-#: the learned controllers a study compares with the baselines (never a baseline themselves, issue 29): the
+#: the learned controllers a study compares with the baselines (never a baseline themselves): the
 #: registry's ``challenger`` capability
 CHALLENGERS = tuple(with_capability(STRATEGY_CHOICES, "challenger"))
 #: the strategies whose dials a live policy sets (RLDP): their SAC cells are arms of their own

@@ -214,7 +214,7 @@ class Resources(StrictModel):
 
 def upgrade_study_values(values):
     """An old study file's values in today's form (every StudyConfig is read through this; a stored study.json
-    too). A strategy's legacy settings block in ``base`` (RLDP's ``base.rldp``, before issue 30) becomes that
+    too). A strategy's legacy settings block in ``base`` (RLDP's ``base.rldp`` of older study files) becomes that
     strategy's ``strategy_settings``, like every other strategy's (:func:`raydp.config.upgrade_train_values`)."""
     if not isinstance(values, dict) or not isinstance(values.get("base"), dict):
         return values

@@ -162,7 +162,7 @@ def check_resumed_study(study: StudyConfig, study_dir: Path) -> None:
     saved_path = Path(study_dir) / "study.json"
     if not saved_path.is_file():
         raise ConfigError(f"{study_dir} has no study.json: it cannot be resumed (nothing says which study ran there)")
-    saved = upgrade_study_values(json.loads(saved_path.read_text()))  # a study.json from before issue 30: base.rldp
+    saved = upgrade_study_values(json.loads(saved_path.read_text()))  # an older study.json may carry base.rldp
     now = json.loads(json.dumps(study.model_dump(mode="json")))
     changed = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
     if changed:

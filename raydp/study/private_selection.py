@@ -1,4 +1,4 @@
-"""``selection: private-dp``: private hyperparameter selection with one end-to-end epsilon (issue 32).
+"""``selection: private-dp``: private hyperparameter selection with one end-to-end epsilon.
 
 The mechanism (Papernot & Steinke, "Hyperparameter Tuning with Renyi Differential Privacy", ICLR 2022,
 arXiv:2110.03620v2), once per (model, epsilon, seed) cell of the study:
@@ -297,7 +297,7 @@ def score_release(values: np.ndarray, units: np.ndarray, score_range: tuple[floa
     [0, high - low], so adding or removing a unit moves the sum by at most high - low; the released score is that
     sum plus Gaussian noise of std ``noise`` (high - low) (1 + :data:`SCORE_ROUNDING_MARGIN`). It is not divided by
     the split's unit count: the count moves with the unit added or removed, which the Gaussian's sensitivity does not
-    cover (review of issue 32).
+    cover (found by an adversarial review of this mechanism).
 
     Floating point (Casacuberta et al. 2022). With D = fl(high - low): a unit's contribution c_u is the exactly
     rounded sum (``math.fsum``, independent of the records' order) of its records' fl(clip(v) - low), each in

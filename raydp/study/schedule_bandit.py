@@ -1,4 +1,4 @@
-"""An episode-level contextual bandit over a strategy's public choices (issue 29): one decision per run.
+"""An episode-level contextual bandit over a strategy's public choices: one decision per run.
 
 RLDP decides the dials every few steps from a noisy reward; this controller decides them once, before the run, from
 the run's context, and learns only from whole public episodes:

@@ -281,7 +281,7 @@ def _restore_point(workdir: Path) -> tuple[dict | None, Path | None]:
 #: names a directory (an absolute path): a trial's process that has it set runs its trainable under cProfile and leaves
 #: the statistics there, one ``TRIAL-PID-ID.prof`` per attempt, written as ``TRIAL-PID-ID.prof.partial`` and renamed
 #: (a ``.partial`` left behind is from a process that ended while writing). bench/bench_episode.py --study reads them:
-#: a trial's cost by phase, issue 28. A developer's setting, off unless set; a local Ray hands the driver's environment
+#: a trial's cost by phase (docs/throughput.md). A developer's setting, off unless set; a local Ray hands the driver's environment
 #: to its trials. The files' call counts give the private splits' record counts and the total of the secret Poisson
 #: batch sizes exactly, and their times follow them: unprotected, to be kept with the run's private data
 #: (docs/privacy.md).
