@@ -23,6 +23,21 @@ def test_every_search_value_has_a_route_and_every_route_serves_one():
         get_route("nope")
 
 
+def test_a_study_files_search_and_its_search_space_follow_the_registry():
+    """StudyConfig's choices are the routes' values, and a search_space is refused under a search no route of which
+    takes one (the registry, not a list in the study model, says which)."""
+    from raydp.study.routes import SEARCH_SPACE_VALUES, SEARCH_VALUES
+
+    assert typing.get_args(StudyConfig.model_fields["search"].annotation) == SEARCH_VALUES
+    assert set(SEARCH_SPACE_VALUES) == {"optuna", "bandit", "random"}
+    base = {"name": "s", "models": ["embedded-tiny"], "epsilons": [1.0], "strategies": ["static"],
+            "search_space": {"static": {"lr": {"low": 1e-4, "high": 1e-2, "log": True}}}}
+    with pytest.raises(ValueError, match="search_space is searched by"):
+        StudyConfig.model_validate({**base, "search": "grid"})
+    with pytest.raises(ValueError, match="search"):
+        StudyConfig.model_validate({**base, "search": "nope"})
+
+
 def test_every_routes_targets_resolve_to_callables():
     for route in ROUTES.values():
         assert (route.fit_target is None) != (route.runs_study is None), route.name  # a Tune fit, or the study itself

@@ -27,6 +27,7 @@ from raydp.evaluation.results import EvalConfig
 from raydp.strategies.registry import (SPECS, STRATEGY_CHOICES, capability_names, get_spec, strategy_class,
                                        with_capability)
 # the trials' planning moved to raydp.study.grid; its names are still read from here
+from raydp.study.routes import SEARCH_SPACE_VALUES, SEARCH_VALUES
 from raydp.study.grid import (SEARCHABLE_RUN_FIELDS, TUNING_FORMAT, TUNING_RECORD, draw_in_range,  # noqa: F401
                               optuna_trial, pbt_members, search_cells, search_trial, trial_config, trial_grid,
                               tuned_values, tuning_record)
@@ -261,7 +262,7 @@ class StudyConfig(StrictModel):
         "a finished search study's directory (search_space, on PUBLIC data): each trial of a strategy it searched "
         "runs with the best values of its (strategy, model, epsilon) cell (study_summary.json search_best)"))
     sac_grid: SACGrid = SACGrid()
-    search: Literal["grid", "optuna", "pbt", "random", "bandit"] = Field("grid", description=(
+    search: Literal[SEARCH_VALUES] = Field("grid", description=(  # the search routes' values (raydp.study.routes)
         "grid; optuna (a search_space or RLDP's SAC cell); pbt; random: independent draws from search_space, "
         "with selection: private-dp only; bandit: one contextual bandit over one strategy's search_space across "
         "the epsilons, on public episodes"))
@@ -452,7 +453,7 @@ class StudyConfig(StrictModel):
         return self.private_selection or PrivateSelectionSettings()
 
     def _check_search_space(self) -> None:
-        if self.search not in ("optuna", "random", "bandit"):
+        if self.search not in SEARCH_SPACE_VALUES:
             raise ValueError("search_space is searched by Optuna (search: optuna), a bandit (search: bandit) or "
                              "drawn independently (search: random, selection: private-dp)")
         if self.search == "bandit":

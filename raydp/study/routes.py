@@ -14,8 +14,8 @@ planned trials: the whole grid, or the baselines beside a search), then the one 
 * ``private-dp``: ``search: random`` with ``selection: private-dp``, Papernot and Steinke's private selection, which
   runs the whole study itself (:func:`raydp.study.runner._run_private_selection`), outside Tune's routes.
 
-A new route is one module with its ``fit(context) -> FitOutcome`` and one :class:`SearchRoute` line in ``_ROUTES``
-(``tests/test_search_routes.py`` checks that every ``search`` value of a study file has a route). Targets are
+A new route is one module with its ``fit(context) -> FitOutcome`` and one :class:`SearchRoute` line in ``_ROUTES``:
+a study file's ``search`` takes its values from the registry (:data:`SEARCH_VALUES`, StudyConfig's choices). Targets are
 ``"module:function"`` strings, imported when the route runs, so reading the registry loads no Ray (``raydp study
 --check``).
 """
@@ -92,6 +92,9 @@ class SearchRoute:
     search_best: str | None = None
     #: "module:function": ``(study_dir) -> dict`` added to the study summary
     summary_of: str | None = None
+    #: whether the ``search`` value it serves searches a ``search_space`` (a study file's search_space is refused
+    #: under a search that none of its routes take it)
+    takes_search_space: bool = False
 
     def fit(self, context: FitContext) -> FitOutcome:
         if self.fit_target is None:
@@ -128,7 +131,8 @@ _ROUTES = (
                 fit_target="raydp.study.searches:fit_optuna", experiments=lambda s: [f"{s.name}-optuna"]),
     SearchRoute("bandit", "bandit", "the episode-level contextual bandit over one strategy's search_space, on public "
                 "episodes", applies=lambda s: s.search == "bandit", fit_target="raydp.study.searches:fit_bandit",
-                experiments=lambda s: [f"{s.name}-bandit"], search_best="raydp.study.bandit:bandit_best"),
+                experiments=lambda s: [f"{s.name}-bandit"], search_best="raydp.study.bandit:bandit_best",
+                takes_search_space=True),
     SearchRoute("pbt", "pbt", "Population Based Training of the population strategy's members",
                 applies=lambda s: s.search == "pbt", fit_target="raydp.study.pbt:fit",
                 experiments=lambda s: [f"{s.name}-pbt"],
@@ -137,14 +141,19 @@ _ROUTES = (
                 summary_of="raydp.study.population:population_summary"),
     SearchRoute("search-space", "optuna", "one Optuna search per (strategy, model, epsilon) cell over a search_space",
                 applies=lambda s: s.search == "optuna" and bool(s.search_space),
-                fit_target="raydp.study.searches:fit_search_cells", experiments=_search_cells),
+                fit_target="raydp.study.searches:fit_search_cells", experiments=_search_cells,
+                takes_search_space=True),
     SearchRoute("private-dp", "random", "private selection: a secret number of independent draws per cell, the best "
                 "released with one end-to-end epsilon", applies=lambda s: s.selection == "private-dp",
-                runs_study="raydp.study.runner:_run_private_selection"),
+                runs_study="raydp.study.runner:_run_private_selection", takes_search_space=True),
 )
 
 #: the routes by name, in the order a study runs them
 ROUTES: dict[str, SearchRoute] = {route.name: route for route in _ROUTES}
+#: the values of a study file's ``search`` (StudyConfig's choices): those the routes serve, the grid's first
+SEARCH_VALUES: tuple[str, ...] = tuple(dict.fromkeys(route.search for route in _ROUTES))
+#: the ``search`` values under which a study file may give a ``search_space``
+SEARCH_SPACE_VALUES: tuple[str, ...] = tuple(dict.fromkeys(r.search for r in _ROUTES if r.takes_search_space))
 
 
 def get_route(name: str) -> SearchRoute:
