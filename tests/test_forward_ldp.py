@@ -14,7 +14,7 @@ from dp_accounting import dp_event
 from dp_accounting.pld import PLDAccountant
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from raydp.cli import main
+from raydp.config import TrainConfig, validate_config
 from raydp.data import generate_records, verbalise_records
 from raydp.data.tasks import classification_spec, to_classification
 from raydp.errors import ConfigError
@@ -24,6 +24,7 @@ from raydp.model.loading import LoraSettings, apply_lora
 from raydp.privacy.clipping import PerSampleGradientComputer, pair_norms
 from raydp.privacy.forward import ForwardNoiseLayer, clip_frobenius, install_noise_layer
 from raydp.privacy.randomness import PrivateRandomness
+from raydp.runner.launch import train
 
 
 def test_labels_are_the_records_fields_and_the_clause_is_gone():
@@ -116,14 +117,19 @@ def test_noise_layer_freezes_the_users_side_and_perturbs_the_providers_input():
         install_noise_layer(model, 2, layer)
 
 
-TINY = ["--quiet", "--model", "embedded-tiny", "--n-records", "300", "--epochs", "2", "--max-length", "96",
-        "--task", "classification"]
+def train_run(out, **values) -> dict:
+    """One run, quietly, of the config these values validate to (as `raydp train` validates its flags)."""
+    return train(validate_config(TrainConfig, values), out, progress=False)
+
+
+TINY_LM = {"model": "embedded-tiny", "data": {"n_records": 300}, "epochs": 2, "max_length": 96}
+TINY = {**TINY_LM, "task": {"kind": "classification"}}
 
 
 @pytest.fixture(scope="module")
 def ewft_run(tmp_path_factory, raydp_cache):
     out = tmp_path_factory.mktemp("ldp") / "ewft"
-    assert main(["train", "--output", str(out), "--strategy", "ewft", "--epsilon", "8", *TINY]) == 0
+    train_run(out, strategy="ewft", epsilon=8, **TINY)
     return out
 
 
@@ -162,17 +168,15 @@ def test_a_local_run_trains_only_the_providers_side(ewft_run):
     assert provider and any(float(v.abs().max()) > 0.0 for v in provider)
 
 
-def test_local_strategies_need_a_classification_task(tmp_path, capsys):
-    assert main(["train", "--output", str(tmp_path / "x"), "--strategy", "dpforward", "--epsilon", "8",
-                 "--quiet"]) == 2
-    assert "task: {kind: classification}" in capsys.readouterr().err
+def test_local_strategies_need_a_classification_task(tmp_path):
+    with pytest.raises(ConfigError, match=r"task: \{kind: classification\}"):
+        train_run(tmp_path / "x", strategy="dpforward", epsilon=8)
     assert not (tmp_path / "x").exists()
 
 
 def test_ewpba_run_follows_its_schedule_and_stays_within_budget(tmp_path, raydp_cache):
     out = tmp_path / "ewpba"
-    assert main(["train", "--output", str(out), "--strategy", "ewpba", "--epsilon", "2", "--quiet", "--model",
-                 "embedded-tiny", "--n-records", "300", "--epochs", "2", "--max-length", "96"]) == 0
+    train_run(out, strategy="ewpba", epsilon=2, **TINY_LM)
     privacy = json.loads((out / "summary.json").read_text())["privacy"]
     shape = privacy["schedule"]["per_epoch"]
     assert privacy["schedule"]["kind"] == "per_epoch" and shape[0] > shape[-1] == 1.0
@@ -196,7 +200,9 @@ def test_a_classification_study_runs_a_local_strategy_beside_dp_sgd_on_ray(local
     import pandas as pd
     import yaml
 
+    from raydp.report import write_report
     from raydp.study.runner import run_study
+    from raydp.study.tables import format_report
 
     study = {"name": "cls", "models": ["embedded-tiny"], "epsilons": [8.0], "seeds": [0],
              "strategies": ["ewft", "static"], "resources": {"cpus_per_trial": 1}, "wandb": {"mode": "disabled"},
@@ -214,7 +220,7 @@ def test_a_classification_study_runs_a_local_strategy_beside_dp_sgd_on_ray(local
     sources = {run["name"].split("_")[0]: run["curve"] for d in composed.values() for run in d["composed"]}
     assert sources == {"ewft": "local", "static": "ledger"}
     assert any("neighbouring relations" in w for d in composed.values() for w in d["warnings"])
-    assert main(["report", str(study_dir)]) == 0
+    assert format_report(study_dir) and write_report(study_dir).is_file()
 
 
 def test_the_noise_layer_finds_the_blocks_of_a_llama_model_too():
@@ -273,17 +279,16 @@ def test_a_resumed_local_step_keeps_its_released_labels_and_will_not_re_release_
         resumed.compute(model, Batch([0, 1], ids, torch.ones_like(ids), labels=torch.tensor([0, 1])))
 
 
-def test_nothing_trainable_may_sit_before_the_noise_or_outside_the_clipped_pairs(tmp_path, capsys):
+def test_nothing_trainable_may_sit_before_the_noise_or_outside_the_clipped_pairs(tmp_path):
     model, _ = tiny_model()
     model.get_input_embeddings().weight.requires_grad_(True)  # e.g. LoRA on the embeddings
     layer = ForwardNoiseLayer(1.0, noise=PrivateRandomness.fresh().noise("cpu"))
     with pytest.raises(ConfigError, match="trainable parameters outside the blocks after the noise"):
         install_noise_layer(model, 0, layer)
-    config = tmp_path / "c.yaml"  # DP-SGD: LoRA on the embeddings would be updated with raw gradients
-    config.write_text("lora: {target_modules: [c_attn, wte]}\n")
-    assert main(["train", "--output", str(tmp_path / "x"), "--config", str(config), "--strategy", "static",
-                 "--epsilon", "2", *TINY[:-2]]) == 2
-    assert "outside the LoRA adapter pairs" in capsys.readouterr().err
+    # DP-SGD: LoRA on the embeddings would be updated with raw gradients
+    with pytest.raises(ConfigError, match="outside the LoRA adapter pairs"):
+        train_run(tmp_path / "x", lora={"target_modules": ["c_attn", "wte"]}, strategy="static", epsilon=2,
+                  **TINY_LM)
     assert not (tmp_path / "x").exists()
 
 
@@ -314,9 +319,8 @@ def test_a_local_run_on_a_from_pretrained_llama_directory(tmp_path, tiny_tokeniz
                      ).save_pretrained(model_dir)
     shutil.copytree(tiny_tokenizer_dir, model_dir, dirs_exist_ok=True)
     out = tmp_path / "run"
-    assert main(["train", "--output", str(out), "--model", str(model_dir), "--strategy", "ewft", "--epsilon", "8",
-                 "--quiet", "--n-records", "200", "--epochs", "1", "--max-length", "48", "--task",
-                 "classification", "--set", "autoencoder=[4]", "--set", "layer=1"]) == 0
+    train_run(out, model=str(model_dir), strategy="ewft", epsilon=8, data={"n_records": 200}, epochs=1,
+              max_length=48, task={"kind": "classification"}, settings={"autoencoder": [4], "layer": 1})
     privacy = json.loads((out / "summary.json").read_text())["privacy"]
     assert privacy["noise_layer_after_block"] == 1 and privacy["autoencoder"]["dims"] == [4]
     assert privacy["within_budget"] and privacy["neighbouring_relation"].startswith("replace-one")
@@ -342,16 +346,15 @@ def test_an_encoder_classifies_at_its_mask_token_under_dp_sgd_and_local_dp(tiny_
     """The paper's model family: an encoder (masked LM) from a local directory, the prompt ending in the
     mask token, the class words' masked-LM logits as the classifier."""
     out = tmp_path / strategy
-    assert main(["train", "--output", str(out), "--model", str(tiny_bert_dir), "--strategy", strategy,
-                 "--epsilon", "8", "--quiet", "--n-records", "200", "--epochs", "1", "--max-length", "48",
-                 "--task", "classification", "--set", "autoencoder=[4]" if strategy == "ewft" else "clip=0.5"]) == 0
+    train_run(out, model=str(tiny_bert_dir), strategy=strategy, epsilon=8, data={"n_records": 200}, epochs=1,
+              max_length=48, task={"kind": "classification"},
+              settings={"autoencoder": [4]} if strategy == "ewft" else {"clip": 0.5})
     summary = json.loads((out / "summary.json").read_text())
     assert summary["model_type"] == "bert" and 0 <= summary["final_eval_accuracy"] <= 1
     assert summary["privacy"]["within_budget"] and summary["n_adapter_pairs"] == 6  # query and value x 3
 
 
-def test_an_encoder_trains_classification_only(tiny_bert_dir, tmp_path, capsys):
-    assert main(["train", "--output", str(tmp_path / "x"), "--model", str(tiny_bert_dir), "--quiet",
-                 "--n-records", "200", "--epochs", "1"]) == 2
-    assert "classification task only" in capsys.readouterr().err
+def test_an_encoder_trains_classification_only(tiny_bert_dir, tmp_path):
+    with pytest.raises(ConfigError, match="classification task only"):
+        train_run(tmp_path / "x", model=str(tiny_bert_dir), data={"n_records": 200}, epochs=1)
     assert not (tmp_path / "x").exists()
