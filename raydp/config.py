@@ -222,6 +222,15 @@ class TrainConfig(StrictModel):
         """Each recipe field the config leaves unset (not in ``model_fields_set``: no flag, YAML key or study value
         gave it) takes the recipe's value; ``recipe_applied`` records the entry and the fields. A validated config
         dumped and read again (config.json) sets every field, so it fills nothing and keeps its record."""
+        if "recipe_applied" in self.model_fields_set and self.recipe_applied is not None:
+            # a config read back (config.json): its record stays (an older table's entry is history), but only as
+            # the record of values this config holds, under recipe: auto; validation writes it, a user does not
+            filled = self.recipe_applied.get("filled") if isinstance(self.recipe_applied, dict) else None
+            if self.recipe != "auto" or not isinstance(filled, dict) or \
+                    any(k not in RECIPE_FIELDS or getattr(self, k) != v for k, v in filled.items()):
+                raise ValueError("recipe_applied is written by validation: it must record the values this config "
+                                 "holds, under recipe: auto (remove it to let validation write it)")
+            return self
         if self.recipe == "none" or self.strategy not in STRATEGY_CHOICES:
             return self  # an unknown strategy: _consistent names it
         resolved = resolve(self.model, self.strategy, self.epsilon)  # public config values only: no data is read

@@ -363,7 +363,45 @@ def test_dp_training_takes_no_recipe_of_the_configs_model():
     fields = {"strategy": "static-pairwise", "epsilon": 2.0}
     assert TrainConfig(**fields).recipe_applied is not None  # the plain config does take it
     model = torch.nn.Linear(2, 2)
-    for kwargs in (fields, {"config": TrainConfig(**fields)}):
+    read_back = TrainConfig.model_validate(json.loads(json.dumps(TrainConfig(**fields).model_dump(mode="json"))))
+    explicit = TrainConfig(recipe="auto", **fields)  # recipe set explicitly: in model_fields_set, dropped all the same
+    for kwargs in (fields, {"config": TrainConfig(**fields)}, {"config": read_back}, {"config": explicit}):
         dp = DPTraining(model, [{"input_ids": [1, 2, 3]}] * 64, SimpleNamespace(pad_token_id=0), **kwargs)
         assert dp.config.recipe_applied is None and dp.config.clip == TrainConfig(recipe="none", **fields).clip
         assert dp.config.epsilon == 2.0 and dp.config.strategy == "static-pairwise"
+
+
+def test_dp_training_refuses_a_recipe_asked_for_and_a_forged_record_is_refused():
+    pytest.importorskip("transformers")
+    from raydp.errors import ConfigError
+    from raydp.integrations.transformers import DPTraining
+
+    with pytest.raises(ConfigError, match="DPTraining takes no recipe"):
+        DPTraining(torch.nn.Linear(2, 2), [{"input_ids": [1, 2, 3]}] * 64, SimpleNamespace(pad_token_id=0),
+                   strategy="static-pairwise", epsilon=2.0, recipe="auto")
+    # recipe_applied is validation's record of values the config holds: not a user's to write
+    with pytest.raises(ValueError, match="recipe_applied is written by validation"):
+        TrainConfig(strategy="static", epsilon=2.0, recipe="none", recipe_applied={"entry": "forged", "filled": {}})
+    with pytest.raises(ValueError, match="recipe_applied is written by validation"):
+        TrainConfig(strategy="static-pairwise", epsilon=2.0, recipe_applied={"filled": {"clip": 9.0}})
+
+
+def test_a_resumed_study_runs_under_the_recipe_it_started_with(tmp_path):
+    """A study started before recipes existed resumes under recipe: none (not the table's settings, which its running
+    trials never had), and a study file that names no recipe takes the one its study.json recorded."""
+    from raydp.study.config import StudyConfig
+    from raydp.study.runner import resumed_recipe
+
+    study = StudyConfig.model_validate({"name": "s", "models": ["embedded-tiny"], "epsilons": [2.0],
+                                        "strategies": ["static-pairwise"], "seeds": [0]})
+    saved = tmp_path / "study.json"
+    legacy = json.loads(json.dumps(study.model_dump(mode="json")))
+    saved.write_text(json.dumps(legacy))  # no recipe in its base: written before recipes existed
+    resumed = resumed_recipe(study, tmp_path)
+    assert resumed.base["recipe"] == "none" and json.loads(saved.read_text())["base"]["recipe"] == "none"
+    assert resumed_recipe(study, tmp_path).base["recipe"] == "none"  # and again on the next resume
+    legacy["base"]["recipe"] = "auto"
+    saved.write_text(json.dumps(legacy))
+    assert resumed_recipe(study, tmp_path).base["recipe"] == "auto"
+    pinned = study.model_copy(update={"base": {"recipe": "none"}})
+    assert resumed_recipe(pinned, tmp_path) is pinned  # named in the file: compared by check_resumed_study

@@ -151,9 +151,15 @@ class DPTraining:
         # the Trainer trains its own model, not ``config.model``: a recipe looked up by the config's model (the embedded
         # one unless set) would give its clip to another model, so DPTraining takes no recipe (``recipe: none``)
         if config is None:
-            config = TrainConfig(**{"recipe": "none", **config_fields})
-        elif config.recipe_applied is not None:
-            config = TrainConfig(**{k: getattr(config, k) for k in config.model_fields_set}, recipe="none")
+            if config_fields.get("recipe", "none") != "none":
+                raise ConfigError("DPTraining takes no recipe (it is looked up by the config's model, not the "
+                                  "Trainer's): leave recipe unset and give the settings you want")
+            config = TrainConfig(**{**config_fields, "recipe": "none"})
+        elif config.recipe != "none" or config.recipe_applied is not None:
+            # the fields the user set, without what a recipe filled (a config.json read back lists those as set)
+            filled = set((config.recipe_applied or {}).get("filled") or {})
+            config = TrainConfig(**{k: getattr(config, k) for k in config.model_fields_set
+                                    if k not in {"recipe", "recipe_applied", *filled}}, recipe="none")
         self.config = config
         if not self.config.is_private:
             raise ConfigError("DPTraining needs a DP strategy (strategy='static', 'static-pairwise', ...)")

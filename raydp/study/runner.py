@@ -138,6 +138,7 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     # Validate everything before anything stays on disk: a study directory that did not exist is removed again
     # when preparing fails (a bad trial, an unreachable budget, too many CPUs per trial)
     if resume:
+        study = resumed_recipe(study, study_dir)
         check_resumed_study(study, study_dir)
     created = not study_dir.exists()
     try:
@@ -229,10 +230,28 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     return study_dir
 
 
+def resumed_recipe(study: StudyConfig, study_dir: Path) -> StudyConfig:
+    """The recipe a resumed study runs under is the one it started with: a study file that names no ``recipe`` in its
+    ``base`` takes the one its study.json recorded, and a study started before recipes existed (its study.json has
+    none) resumes under ``recipe: none``, today's defaults then, which its study.json records from now on. Without
+    this, a resumed trial would take settings it did not start with (the trial's plan check refuses a changed plan,
+    not a changed learning rate or clip)."""
+    saved_path = Path(study_dir) / "study.json"
+    if "recipe" in study.base or not saved_path.is_file():
+        return study  # named in the file: check_resumed_study compares it; no study.json: it refuses the resume
+    saved = json.loads(saved_path.read_text())
+    base = saved.setdefault("base", {})
+    if "recipe" not in base:
+        base["recipe"] = "none"
+        atomic_write(saved_path, json.dumps(saved, indent=2))
+    return study.model_copy(update={"base": {**study.base, "recipe": base["recipe"]}})
+
+
 def _run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, resume: bool, held: list) -> Path:
     """A ``selection: private-dp`` study (:mod:`raydp.study.private_selection`) in its locked directory; a
     directory this call created is removed again when the study fails before any trial was drawn."""
     if resume:
+        study = resumed_recipe(study, study_dir)
         check_resumed_study(study, study_dir)
     created = not study_dir.exists()
     private_dir(study_dir)  # owner-only, this user's, and nothing above it lets another user swap it
