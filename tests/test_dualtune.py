@@ -1,6 +1,6 @@
-"""DualTune-GhostDP end to end: both phase-1 variants through `raydp train`, the run's ledger recomputed
-with dp_accounting, the E16 label and its consequences (the audit is not compared), `raydp eval`, and a
-study on Ray with both variants beside static DP-SGD, attacked and reported."""
+"""DualTune-GhostDP end to end: both phase-1 variants (the redacted one through `raydp train`: what its terminal
+shows), the run's ledger recomputed with dp_accounting, the E16 label and its consequences (the audit is not
+compared), its evaluation, and a study on Ray with both variants beside static DP-SGD, attacked and reported."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from raydp.cli import main
 from raydp.strategies.dualtune import REDACTED_LABEL
 
 SMALL = ["--model", "embedded-tiny", "--n-records", "300", "--epochs", "1", "--max-length", "96", "--quiet"]
-QUICK_EVAL = ["--generations", "10", "--candidates", "20", "--membership-records", "8", "--no-audit"]
+QUICK_EVAL = {"generations": 10, "exposure_candidates": 20, "membership_records": 8, "audit": False}
 
 
 def _ledger_epsilon(run, delta):
@@ -27,10 +27,14 @@ def _ledger_epsilon(run, delta):
 
 @pytest.fixture(scope="module")
 def public_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dualtune") / "public"
-    assert main(["train", "--output", str(out), "--strategy", "dualtune", "--epsilon", "2", *SMALL,
-                 "--set", "phase1_epochs=2", "--set", "phase1_lr=0.01", "--set", "clip=0.5",
-                 "--set", "phase1_records=200"]) == 0
+    from raydp.config import TrainConfig
+    from raydp.runner.launch import train
+
+    out = tmp_path_factory.mktemp("dualtune") / "public"  # SMALL's run, as `raydp train` runs it
+    train(TrainConfig.model_validate({"model": "embedded-tiny", "data": {"n_records": 300}, "epochs": 1,
+                                      "max_length": 96, "strategy": "dualtune", "epsilon": 2,
+                                      "settings": {"phase1_epochs": 2, "phase1_lr": 0.01, "clip": 0.5,
+                                                   "phase1_records": 200}}), out, progress=False)
     return out
 
 
@@ -68,7 +72,10 @@ def test_redacted_phase_one_is_labelled_and_its_audit_is_not_compared(tmp_path, 
     assert REDACTED_LABEL in privacy["labels"] and REDACTED_LABEL in privacy["verdict"]
     assert privacy["strategy"]["gradient_source"] == "per_sample"
     assert "phase 2 only" in printed  # the terminal says it too
-    assert main(["eval", str(out), *QUICK_EVAL]) == 0
+    from raydp.evaluation.evaluate import evaluate_run
+    from raydp.evaluation.settings import EvalConfig
+
+    evaluate_run(out, EvalConfig(**QUICK_EVAL), progress=False)
     claimed = json.loads((out / "evaluation.json").read_text())["claimed"]
     assert claimed["comparable"] is False and "phase 2 only" in claimed["note"]
 
@@ -93,7 +100,7 @@ def test_dualtune_refuses_bad_settings_with_one_line(tmp_path, capsys):
 
 
 # ~60 s: both dualtune variants in a Ray study, attacked and reported; each variant end to end is
-# test_dualtune.py's CLI tests, a study with a non-DP-SGD strategy attacked and reported is
+# test_dualtune.py's runs above, a study with a non-DP-SGD strategy attacked and reported is
 # test_forward_ldp.py::test_a_classification_study_runs_a_local_strategy_beside_dp_sgd_on_ray
 @pytest.mark.slow
 def test_a_study_runs_both_dualtune_variants_beside_static_dp_sgd_on_ray(local_ray, tmp_path):
