@@ -231,15 +231,20 @@ def planned_rdp_curve(plan: PrivacyPlan, delta: float, orders=DEFAULT_ORDERS) ->
 PLAN_TOLERANCE = 1e-9
 
 
-def plan_record(plan, config: TrainConfig) -> dict | None:
-    """What a run's privacy plan fixes before its first step, as plain JSON (None for a non-private run): for DP-SGD
-    the target (epsilon, delta), the accountant, the sampling rate q, the planned steps, the calibrated sigma_0, the
-    sigma schedule and the releases' precisions; for forward-pass local DP its epochs, q, records per unit and
-    per-epoch sigmas. A study's driver charges a trial this plan, and the trial's run must run it
-    (:func:`check_expected_plan`)."""
+def plan_record(plan, config: TrainConfig, units: PrivacyUnits | None, dataset_id: str | None) -> dict | None:
+    """What a run's privacy plan fixes before its first step, as plain JSON (None for a non-private run): the dataset
+    it runs on (its keyed ``dataset_id``, :func:`raydp.data.manifest_id`), the privacy unit and the public unit count N;
+    for DP-SGD the target (epsilon, delta), the accountant, the sampling rate q, the planned steps, the calibrated
+    sigma_0, the sigma schedule and the releases' precisions; for forward-pass local DP its epochs, q, records per unit
+    and per-epoch sigmas. A study's driver charges a trial this plan, and the trial's run must run it, on that dataset
+    (:func:`check_expected_plan`): two datasets of one size (say two builds that differ only in their canaries) plan
+    the same numbers, and only the dataset id tells them apart."""
     if plan is None:
         return None
-    target = {"epsilon": float(config.epsilon), "delta": float(config.delta)}
+    if units is None:
+        raise ConfigError("a private run's plan record names its privacy units")
+    target = {"epsilon": float(config.epsilon), "delta": float(config.delta), "dataset_id": dataset_id,
+              "privacy_unit": units.name, "units": int(units.public_count)}
     if isinstance(plan, PrivacyPlan):
         return {"mechanism": "central", **target, "accountant": plan.accountant, "q": float(plan.q),
                 "planned_steps": int(plan.planned_steps), "sigma_0": float(plan.sigma_0), "adaptive": bool(plan.adaptive),
@@ -258,10 +263,12 @@ def plan_differences(expected: dict, actual: dict | None) -> list[str]:
             if not _same(expected.get(key), actual.get(key))]
 
 
-def check_expected_plan(expected: dict, plan, config: TrainConfig) -> None:
+def check_expected_plan(expected: dict, plan, config: TrainConfig, units: PrivacyUnits | None,
+                        dataset_id: str | None) -> None:
     """Refuse (one line, before any step) a run whose plan is not ``expected``, the plan its caller (a study's
-    driver) calibrated and charged for it: the plan that was charged must be the plan that runs."""
-    actual = plan_record(plan, config)
+    driver) calibrated and charged for it: the plan that was charged must be the plan that runs, on the dataset it
+    was charged on (``dataset_id``: the run's dataset's, :func:`raydp.data.manifest_id`)."""
+    actual = plan_record(plan, config, units, dataset_id)
     differing = plan_differences(expected, actual)
     if differing:
         actual = actual or {"mechanism": "none"}

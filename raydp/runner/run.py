@@ -246,8 +246,9 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
 
     ``expected_plan``: the privacy plan (:func:`~raydp.runner.privacy_setup.plan_record`) a caller calibrated and
     charged for this run (a study's driver, for each trial it planned): the run calibrates its own and refuses, with
-    a ConfigError naming the differing fields, before any charge or step, when the two differ. None: not compared
-    (a plain run; a study's searched trial, which the driver did not plan)."""
+    a ConfigError naming the differing fields, before any charge or step, when the two differ (the dataset's id and
+    the privacy units included: a plan charged on one dataset does not run on another of the same size). None: not
+    compared (a plain run; a study's searched trial, which the driver did not plan)."""
     started = time.perf_counter()
     check_model_name(config.model)  # fail on a bad model before building anything
     keep_freed_memory()  # every step reuses the last step's pages (raydp.runner.allocator; nothing computed changes)
@@ -268,7 +269,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
         else:
             plan = plan_private_run(config, units.public_count, strategy) if config.is_private else None
         if expected_plan is not None:  # the plan that was charged is the plan that runs (before any charge or step)
-            check_expected_plan(expected_plan, plan, config)
+            check_expected_plan(expected_plan, plan, config, units, manifest_id(manifest))
         if plan is not None and resume is None and progress and not local:  # what earlier runs spent, never silent
             spent = spend_line(manifest_id(manifest), config.delta, manifest.get("source_sha256"))
             if spent:

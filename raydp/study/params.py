@@ -10,7 +10,8 @@ pydantic error).
 
 The keys, by who writes them:
 
-* every trial: ``study`` (the validated study file), ``dataset`` (the built dataset on the driver), ``study_dir``,
+* every trial: ``study`` (the validated study file), ``dataset`` (the built dataset on the driver), ``dataset_id``
+  (that dataset's keyed id, :func:`raydp.data.manifest_id`, read on the driver), ``study_dir``,
   ``wandb`` (where the trials log, resolved on the driver), ``connection`` (a shared policy's, or None),
   ``log_checkpoints``, ``n_trials`` (the audits' family size), ``lifetime_nonce`` (the tag of the study's lifetime
   charge); with the study's ``storage``: ``storage`` and ``dataset_remote``;
@@ -24,8 +25,11 @@ The keys, by who writes them:
 The driver's privacy plan of a grid trial travels in its spec (:attr:`Trial.privacy_plan
 <raydp.study.trial.Trial.privacy_plan>`, set by :func:`raydp.study.prepare.prepare_study`): :attr:`TrialParams.expected_plan`.
 The trainable passes it to :func:`raydp.runner.run.run_training`, which refuses to run a plan that differs from it,
-so the plan the study charged is the plan that runs. A searched trial (Optuna, a search cell, the bandit) is planned
-only when it runs: it carries no plan and is not compared.
+so the plan the study charged is the plan that runs, on the dataset it was charged on (the plan names the dataset's
+id). A searched trial (Optuna, a search cell, the bandit) is planned only when it runs: it carries no plan and is not
+compared, and is refused on a dataset with a lifetime budget (:func:`raydp.study.trainable.check_trial_charged`). Every
+trial's lifetime receipt names the driver's ``dataset_id``, not its own copy's, so a trial on another copy (a node's
+stale cache) is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from raydp.data import load_manifest, manifest_id
 from raydp.errors import ConfigError
 from raydp.study.config import StudyConfig
 from raydp.study.trial import Trial, tune_trial
@@ -45,6 +50,9 @@ class TrialParams:
     study: StudyConfig
     dataset: str
     study_dir: str
+    #: the keyed id of the driver's dataset (the one its trials were charged on); read from ``dataset``'s manifest
+    #: when not given (on the driver, where that directory is)
+    dataset_id: str | None = None
     #: where the trial logs to wandb (:func:`raydp.study.trainable.wandb_target`); None: resolved in the trial
     wandb: dict | None = None
     #: the study's shared policy (:meth:`raydp.control.service.PolicySession.connection`), or None
@@ -68,6 +76,10 @@ class TrialParams:
     population_namespace: str | None = None
     pbt: dict | None = None
     pbt_members: dict | None = None
+
+    def __post_init__(self):
+        if self.dataset_id is None:  # the driver's: read where the dataset was built (a trial's params carry it)
+            object.__setattr__(self, "dataset_id", manifest_id(load_manifest(self.dataset)))
 
     # -- the trial's privacy plan -----------------------------------------------------------------------
     @property
@@ -120,11 +132,15 @@ class TrialParams:
 
 _FIELDS = tuple(f.name for f in fields(TrialParams))
 #: written for every trial, None or not
-_ALWAYS = ("study", "dataset", "study_dir", "wandb", "connection", "log_checkpoints", "n_trials", "lifetime_nonce")
-_REQUIRED = ("dataset", "study_dir")
+_ALWAYS = ("study", "dataset", "dataset_id", "study_dir", "wandb", "connection", "log_checkpoints", "n_trials",
+           "lifetime_nonce")
+#: a trial without ``dataset_id`` (a study started before its trials carried it) could not tell its dataset copy from
+#: the one it was charged on: refused
+_REQUIRED = ("dataset", "dataset_id", "study_dir")
 #: a study started when every config held every spec (read by :func:`raydp.study.trial.tune_trial`)
 _LEGACY = ("trial_name", "trial_specs")
-_KINDS = {"dataset": str, "study_dir": str, "wandb": dict, "connection": dict, "log_checkpoints": bool,
-          "n_trials": int, "lifetime_nonce": str, "storage": str, "dataset_remote": str, "t_rl": int, "b_sac": int,
-          "k": int, "search": dict, "population": str, "population_namespace": str, "pbt": dict, "pbt_members": dict}
+_KINDS = {"dataset": str, "dataset_id": str, "study_dir": str, "wandb": dict, "connection": dict,
+          "log_checkpoints": bool, "n_trials": int, "lifetime_nonce": str, "storage": str, "dataset_remote": str,
+          "t_rl": int, "b_sac": int, "k": int, "search": dict, "population": str, "population_namespace": str,
+          "pbt": dict, "pbt_members": dict}
 _KIND_WORDS = {str: "a string", dict: "a mapping", bool: "true or false", int: "an integer"}

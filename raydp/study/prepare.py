@@ -62,7 +62,8 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
             raise ConfigError(f"the study declares its data public (private_data: false, a shared policy or "
                               f"save_policy), but {dataset} is not raydp's public population")
     n_train = len(load_texts(dataset, "train"))
-    trials, plans, trial_plans, unit_names = [], {}, {}, {}
+    dataset_id = manifest_id(load_manifest(dataset))  # each DP trial's plan names the dataset it is charged on
+    trials, plans, trial_plans, trial_units = [], {}, {}, {}
     for trial in trial_grid(study) + corners:
         config = trial_config(study, trial, dataset)
         if config.is_controlled and config.strategy_settings().policy and not trial.frozen_from:
@@ -77,7 +78,7 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
             if key not in plans:
                 try:
                     units = training_units(config, dataset, n_train)  # patients by default (E11)
-                    unit_names[key] = units.name  # the key holds the privacy unit: one per plan
+                    trial_units[key] = units  # the key holds the privacy unit: one per plan
                     if is_local(strategy):  # forward-pass local DP: its own plan (ERRATA E8)
                         plans[key] = plan_local_run(config, strategy, units,
                                                     classification_spec(config.task.label).n_classes)
@@ -87,10 +88,11 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
                     raise ConfigError(f"trial {trial.name}: {exc}") from None
         if not trial.search:  # a corner is only checked: Optuna's trials are named when they run
             # a DP trial carries the plan charged for it: its run refuses any other (raydp.runner.run.run_training)
-            trials.append(replace(trial, privacy_plan=plan_record(plans[key], config)) if config.is_private else trial)
+            trials.append(replace(trial, privacy_plan=plan_record(plans[key], config, trial_units[key], dataset_id))
+                          if config.is_private else trial)
             if config.is_private:
                 trial_plans[f"study:{lifetime_nonce}/{trial.name}"] = LifetimeCharge.of(
-                    plans[key], config, strategy, unit_names[key])
+                    plans[key], config, strategy, trial_units[key].name)
     _charge_lifetime(study, dataset, trial_plans, commit=charge_lifetime)
     if build_models:
         build_study_models(trials, progress)

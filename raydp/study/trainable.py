@@ -34,10 +34,12 @@ from raydp.control.policies import trained_on
 from raydp.data import load_manifest, manifest_id
 from raydp.evaluation.evaluate import evaluate_run
 from raydp.evaluation.results import flat_metrics
-from raydp.files import atomic_replace, atomic_write, tighten_umask, user_scratch
+from raydp.errors import ConfigError, RaydpError
+from raydp.files import atomic_replace, atomic_write, locked, tighten_umask, user_scratch
 from raydp.privacy.accounting.rdp import epsilon_over_steps
 from raydp.privacy.lifetime import LifetimeReceipt
 from raydp.run_directory import RunDirectory
+from raydp.runner.privacy_setup import has_lifetime_budget
 from raydp.runner.run import run_training
 from raydp.study.config import StudyConfig
 from raydp.study.params import TrialParams
@@ -348,6 +350,7 @@ def _run_trial(config: dict) -> None:
         trial = optuna_trial(study, params.t_rl, params.b_sac, params.k, tune.get_context().get_trial_id())
     dataset = node_local_dataset(params)
     run_config = trial_config(study, trial, dataset, trial.policy_path)
+    check_trial_charged(params.expected_plan, run_config, dataset)  # before anything is written
     torch.set_num_threads(run_config.cpus or 1)
     # with the study's storage, the trial writes on its own node and its run directory travels back to the study
     # as its final checkpoint (fetch_trial_outputs); without it, into the study directory (one machine, or NFS)
@@ -382,8 +385,9 @@ def _run_trial(config: dict) -> None:
                 session = start_policy(run_config, restore=policy_snapshot)
                 client = session.client(trial.name)
         summary = run_training(run_config, out, overwrite=True, progress=False, client=client,
-                               # the study charged every trial before any started, under this label
-                               _charged_by=LifetimeReceipt(manifest_id(load_manifest(dataset)),
+                               # the study charged every trial before any started, under this label, on the
+                               # driver's dataset: a run on another copy is refused (check_receipt)
+                               _charged_by=LifetimeReceipt(params.dataset_id,
                                                            f"study:{params.lifetime_nonce}/{trial.name}"),
                                expected_plan=params.expected_plan,  # the plan the study charged, or None (searched)
                                on_evaluation=reporter.evaluation, on_checkpoint=checkpoint, resume=resume,
@@ -447,21 +451,56 @@ def _node_id() -> str | None:
 
 
 
+def check_trial_charged(expected_plan: dict | None, config, dataset: str) -> None:
+    """Refuse (one line, before anything is written) a DP trial that carries no privacy plan on a dataset with a
+    lifetime budget: only a plan the driver calibrated and charged before the study started may run on it, and which
+    routes plan their trials is each route's own word (:attr:`raydp.study.routes.SearchRoute.planned_before_run`), so
+    the trial checks it too."""
+    if expected_plan is not None or not config.is_private:
+        return
+    manifest = load_manifest(dataset)
+    if has_lifetime_budget(manifest):
+        raise ConfigError(f"dataset {manifest_id(manifest)} has a lifetime budget, and this DP trial carries no "
+                          "privacy plan: the study's driver did not plan and charge it; nothing was started")
+
+
 def node_local_dataset(params: TrialParams) -> str:
     """A trial's dataset directory on its own node: downloaded once per node from the study's storage (into the
-    node's temporary directory, keyed by the study's storage path), or the driver's when there is no storage."""
+    node's temporary directory, keyed by the study's storage path), or the driver's when there is no storage. A copy
+    already there is used only if it is the driver's dataset (its manifest's id is :attr:`TrialParams.dataset_id`):
+    one left by an earlier study of the same name and storage is fetched again and replaced."""
     if not params.storage:
         return params.dataset
     filesystem, _ = study_filesystem(params.storage)
     key = hashlib.sha256(params.dataset_remote.encode()).hexdigest()[:16]
-    local = user_scratch("datasets") / key
-    if not (local / "manifest.json").exists():
-        staging = local.with_name(f"{key}.partial-{os.getpid()}")
-        staging.mkdir(parents=True, exist_ok=True)
+    scratch = user_scratch("datasets")
+    local = scratch / key
+    if _copy_id(local) == params.dataset_id:
+        return str(local)
+    staging = scratch / f"{key}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
         pyarrow.fs.copy_files(params.dataset_remote, str(staging), source_filesystem=filesystem,
                               destination_filesystem=pyarrow.fs.LocalFileSystem())
-        try:
-            staging.rename(local)
-        except OSError:  # another trial on this node got there first
-            shutil.rmtree(staging, ignore_errors=True)
+        fetched = _copy_id(staging)
+        if fetched != params.dataset_id:
+            raise ConfigError(f"the study's storage holds dataset {fetched}, not {params.dataset_id}, the one its "
+                              "trials were charged on; nothing was started")
+        with locked(scratch / f"{key}.lock"):  # one trial on this node replaces a copy at a time
+            if _copy_id(local) != params.dataset_id:
+                if local.exists():  # a stale copy (another dataset under this study's name): set aside, removed
+                    stale = scratch / f"{key}.stale-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+                    local.rename(stale)
+                    shutil.rmtree(stale, ignore_errors=True)
+                staging.rename(local)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already when it became the node's copy
     return str(local)
+
+
+def _copy_id(directory: Path) -> str | None:
+    """The dataset id of a dataset copy's manifest; None where there is no readable manifest."""
+    try:
+        return manifest_id(load_manifest(directory))
+    except (OSError, ValueError, RaydpError):  # no directory, no manifest, or no id to compute
+        return None
