@@ -4,6 +4,7 @@ errors, exit codes and outputs; the report renders the run's evaluation."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -88,10 +89,7 @@ def test_the_correct_mechanism_passes_its_audit_and_reports(tmp_path, capsys):
     assert 0 <= mia["loss"]["auc"] <= 1 and mia["n_members"] == mia["n_nonmembers"] > 0
     assert ext["generations"] == 40 and ext["n_canary"] == 10 and 0 <= ext["n_valid"] <= 40
     assert exp["candidates"] == 100 and len(exp["per_canary"]) == 10
-    # the default method extrapolates (the rank's log2(K + 1) cap: tests/test_exposure_fit.py): at most the format's
-    # bits, each estimate inside its 95% interval
-    assert exp["method"] == "extrapolate" and 0 <= exp["max"] <= exp["max_measurable_bits"] == exp["space_bits"]
-    assert all(low <= v <= high for v, (low, high) in zip(exp["per_canary"], exp["interval"]))
+    assert 0 <= exp["max"] <= exp["max_measurable_bits"] == pytest.approx(math.log2(101))
     assert result["seconds"]["total"] > 0 and result["cost_ratio"] > 0
     assert result["claimed"]["privacy_unit"] == "patient"
     out = capsys.readouterr().out

@@ -20,12 +20,14 @@ class EvalConfig(StrictModel):
     extraction_prompt: Literal["paper", "narrative"] = Field(
         "paper", description="paper: Appendix A.1's instruction + profile; narrative: profile + ' secret_id='")
     extraction_profiles: int = Field(8, gt=0, description="public patient profiles the generations are spread over")
-    exposure_candidates: int = Field(1_000, ge=0, description="random secrets per canary for exposure; 0 skips",
+    exposure_candidates: int = Field(10_000, ge=0, description="random secrets per canary for exposure; 0 skips",
                                      json_schema_extra={"flag": "--candidates", "metavar": "K"})
-    exposure_method: Literal["extrapolate", "rank"] = Field(
-        "extrapolate", description="extrapolate: a skew-normal fitted to the candidates' log-perplexities, read at the "
-        "canary's (Carlini et al. 2019, Sec. 4.3), with a bootstrap interval; rank: the canary's rank among them "
-        "(Sec. 4.2, at most log2(K + 1) bits)")
+    #: rank stays the default: extrapolating from 500-2,000 candidates landed within 0.3 bits of a 100,000-candidate
+    #: rank but its bootstrap interval covered that rank for 44-72% of canaries only (docs/privacy.md, exposure)
+    exposure_method: Literal["rank", "extrapolate"] = Field(
+        "rank", description="rank: the canary's rank among the candidates (Carlini et al. 2019, Sec. 4.2; at most "
+        "log2(K + 1) bits); extrapolate: a skew-normal fitted to their log-perplexities, read at the canary's "
+        "(Sec. 4.3), with a bootstrap interval of the candidates' sampling error only (about 1,000 candidates suffice)")
     exposure_resamples: int = Field(200, ge=0, description="bootstrap resamples of the candidates for the "
                                     "extrapolated exposure's 95% interval; 0: no interval")
     audit: bool = Field(True, description="score the audit canaries and bound epsilon from below (it needs audit "
