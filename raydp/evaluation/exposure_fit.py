@@ -12,7 +12,8 @@
   fit), percentile interval. When the canaries share their candidates (they do: one public draw), the resamples
   are the same candidate indices for every canary, so the mean's and the max's intervals come from the same
   replicates. The interval is the candidates' sampling error only: it assumes the skew-normal shape, which
-  ``bench/bench_exposure.py`` checks against a 100,000-candidate rank on trained runs.
+  ``bench/bench_exposure.py`` checks against a 100,000-candidate rank on trained runs (there the shape's error,
+  0.1-0.2 bits, was often larger than the interval: docs/privacy.md, exposure).
 """
 
 from __future__ import annotations
