@@ -127,3 +127,22 @@ def test_the_check_fails_when_a_signature_differs_from_the_record(change):
 
     altered = {**DP_ACCOUNTING_PRIVATE, "_gamma_truncated_negative_binomial": "(shape: float, mean: float) -> float"}
     assert len(signature_drift(rdp_privacy_accountant, altered)) == 1
+
+
+def test_tunes_progress_reporter_setup_keeps_the_signature_and_the_start_time_patch_holds():
+    """raydp.study.progress.keep_reporters_start_time patches Tune's ProgressReporter.setup (a second reporter beside
+    TrialLines is set up without a start time and raised on a trial's failure): the method it wraps must still take
+    start_time, and after the patch a setup without one keeps the reporter's own start, so a failure's line prints."""
+    import inspect
+
+    from ray.tune.experimental.output import AirVerbosity, ProgressReporter, TuneTerminalReporter
+
+    from raydp.study.progress import TrialLines, keep_reporters_start_time
+
+    TrialLines(lines=False)  # applies the patch
+    keep_reporters_start_time()  # idempotent
+    assert getattr(ProgressReporter.setup, "_raydp_keeps_start_time", False)
+    assert "start_time" in inspect.signature(inspect.unwrap(TuneTerminalReporter.setup)).parameters
+    tunes_own = TuneTerminalReporter(AirVerbosity.SILENT)
+    tunes_own.setup(total_num_samples=1)  # what Tune's CallbackList.setup does to every callback
+    assert isinstance(tunes_own._start_time, float)

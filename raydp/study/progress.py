@@ -70,6 +70,27 @@ def _spec(trial) -> Trial | None:
     return spec
 
 
+def keep_reporters_start_time() -> None:
+    """Work around a Ray 2.60 Tune bug that :class:`TrialLines` exposes: Tune calls every callback's ``setup()``
+    without a start time, then ``setup(start_time=...)`` on the first ``ProgressReporter`` among its callbacks only
+    (``ray.tune.tune.run``). Tune's own reporter, appended after TrialLines, keeps ``None``, and raises a TypeError
+    when a trial fails or is retried (``on_trial_error``/``on_trial_recover`` print the elapsed time): a study would
+    crash instead of retrying a trial (``max_failures``) or recording its failure. A ``setup`` without a start time
+    now keeps the reporter's own (its construction time). Explicit and idempotent;
+    tests/test_private_apis.py fails when the patched method changes its signature."""
+    original = TuneProgressReporter.setup
+    if getattr(original, "_raydp_keeps_start_time", False):
+        return
+
+    def setup(self, start_time=None, **kwargs):
+        if start_time is None:
+            start_time = getattr(self, "_start_time", None)
+        return original(self, start_time=start_time, **kwargs)
+
+    setup._raydp_keeps_start_time = True
+    TuneProgressReporter.setup = setup
+
+
 class TrialLines(TuneProgressReporter):
     """Prints :func:`trial_line` when a trial of the experiment finishes or fails for good (not with ``lines=False``:
     ``raydp study --quiet``), and nothing else: not Tune's announcement of the experiment, nor its status tables."""
@@ -78,6 +99,7 @@ class TrialLines(TuneProgressReporter):
     _intermediate_result_verbosity = AirVerbosity.VERBOSE
 
     def __init__(self, lines: bool = True):
+        keep_reporters_start_time()  # Tune's own reporter beside this one must survive a trial's failure
         super().__init__(AirVerbosity.SILENT)
         self.lines = lines
 
