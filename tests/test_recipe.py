@@ -387,21 +387,24 @@ def test_dp_training_refuses_a_recipe_asked_for_and_a_forged_record_is_refused()
 
 
 def test_a_resumed_study_runs_under_the_recipe_it_started_with(tmp_path):
-    """A study started before recipes existed resumes under recipe: none (not the table's settings, which its running
-    trials never had), and a study file that names no recipe takes the one its study.json recorded."""
+    """A new study records its recipe (auto unless its file names one) in study.json and its trials' parameters; a
+    resumed study whose file names none takes the recorded one; one started before recipes existed is refused."""
+    from raydp.errors import ConfigError
     from raydp.study.config import StudyConfig
-    from raydp.study.runner import resumed_recipe
+    from raydp.study.runner import study_recipe
 
     study = StudyConfig.model_validate({"name": "s", "models": ["embedded-tiny"], "epsilons": [2.0],
                                         "strategies": ["static-pairwise"], "seeds": [0]})
+    assert study_recipe(study, tmp_path, resume=False).base["recipe"] == "auto"
     saved = tmp_path / "study.json"
-    legacy = json.loads(json.dumps(study.model_dump(mode="json")))
-    saved.write_text(json.dumps(legacy))  # no recipe in its base: written before recipes existed
-    resumed = resumed_recipe(study, tmp_path)
-    assert resumed.base["recipe"] == "none" and json.loads(saved.read_text())["base"]["recipe"] == "none"
-    assert resumed_recipe(study, tmp_path).base["recipe"] == "none"  # and again on the next resume
-    legacy["base"]["recipe"] = "auto"
-    saved.write_text(json.dumps(legacy))
-    assert resumed_recipe(study, tmp_path).base["recipe"] == "auto"
+    recorded = json.loads(json.dumps(study.model_dump(mode="json")))
+    for value in ("auto", "none"):
+        recorded["base"]["recipe"] = value
+        saved.write_text(json.dumps(recorded))
+        assert study_recipe(study, tmp_path, resume=True).base["recipe"] == value
+    del recorded["base"]["recipe"]
+    saved.write_text(json.dumps(recorded))  # written before recipes existed
+    with pytest.raises(ConfigError, match="started before raydp had recipes"):
+        study_recipe(study, tmp_path, resume=True)
     pinned = study.model_copy(update={"base": {"recipe": "none"}})
-    assert resumed_recipe(pinned, tmp_path) is pinned  # named in the file: compared by check_resumed_study
+    assert study_recipe(pinned, tmp_path, resume=True) is pinned  # named in the file: compared by check_resumed_study

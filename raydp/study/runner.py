@@ -137,8 +137,8 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
         raise ConfigError(f"policy {saved_policy} already exists: remove it or set another save_policy")
     # Validate everything before anything stays on disk: a study directory that did not exist is removed again
     # when preparing fails (a bad trial, an unreachable budget, too many CPUs per trial)
+    study = study_recipe(study, study_dir, resume)
     if resume:
-        study = resumed_recipe(study, study_dir)
         check_resumed_study(study, study_dir)
     created = not study_dir.exists()
     try:
@@ -230,28 +230,32 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     return study_dir
 
 
-def resumed_recipe(study: StudyConfig, study_dir: Path) -> StudyConfig:
-    """The recipe a resumed study runs under is the one it started with: a study file that names no ``recipe`` in its
-    ``base`` takes the one its study.json recorded, and a study started before recipes existed (its study.json has
-    none) resumes under ``recipe: none``, today's defaults then, which its study.json records from now on. Without
-    this, a resumed trial would take settings it did not start with (the trial's plan check refuses a changed plan,
-    not a changed learning rate or clip)."""
+def study_recipe(study: StudyConfig, study_dir: Path, resume: bool) -> StudyConfig:
+    """The study with its ``recipe`` explicit in ``base``, so its study.json and every trial's parameters record it and
+    a resumed study runs under the recipe it started with: a new study takes the file's (``auto`` where the file names
+    none); a resumed study whose file names none takes the one its study.json recorded. A study whose study.json
+    records none started before recipes existed: its trials ran with the defaults of then, and resuming it would give
+    them the recipe's settings, so the resume is refused (the trial's plan check refuses a changed plan, not a changed
+    learning rate or clip)."""
+    if "recipe" in study.base:
+        return study  # named in the file (on resume, check_resumed_study compares it with the study.json's)
+    recipe = "auto"
     saved_path = Path(study_dir) / "study.json"
-    if "recipe" in study.base or not saved_path.is_file():
-        return study  # named in the file: check_resumed_study compares it; no study.json: it refuses the resume
-    saved = json.loads(saved_path.read_text())
-    base = saved.setdefault("base", {})
-    if "recipe" not in base:
-        base["recipe"] = "none"
-        atomic_write(saved_path, json.dumps(saved, indent=2))
-    return study.model_copy(update={"base": {**study.base, "recipe": base["recipe"]}})
+    if resume and saved_path.is_file():  # without a study.json, check_resumed_study refuses the resume
+        saved = (json.loads(saved_path.read_text()).get("base") or {})
+        if "recipe" not in saved:
+            raise ConfigError(f"{study_dir} started before raydp had recipes: resumed, its trials would take the "
+                              "recipe's settings (raydp.recipe), not those they started with; resume it with the raydp "
+                              "it started with, or run it again into another --results-dir")
+        recipe = saved["recipe"]
+    return study.model_copy(update={"base": {**study.base, "recipe": recipe}})
 
 
 def _run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, resume: bool, held: list) -> Path:
     """A ``selection: private-dp`` study (:mod:`raydp.study.private_selection`) in its locked directory; a
     directory this call created is removed again when the study fails before any trial was drawn."""
+    study = study_recipe(study, study_dir, resume)
     if resume:
-        study = resumed_recipe(study, study_dir)
         check_resumed_study(study, study_dir)
     created = not study_dir.exists()
     private_dir(study_dir)  # owner-only, this user's, and nothing above it lets another user swap it
