@@ -1,5 +1,6 @@
-"""``raydp eval`` end to end: the audit catches a broken mechanism and passes the correct one; the CLI's
-errors, exit codes and outputs; the report renders the run's evaluation."""
+"""The evaluation of a run: the audit catches a broken mechanism (``raydp eval`` end to end: its exit code and
+verdict) and passes the correct one; the CLI's errors; a released cell's evaluation kept out of it; the report
+renders the run's evaluation."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ AUDITABLE = {"model": "embedded-tiny", "strategy": "static", "epsilon": 0.3, "de
              "lr": 0.01, "warmup_steps": 0, "eval_every": 1000, "eval_max_records": 8, "public_eval_records": 8,
              "settings": {"clip": 10.0}, "lora": {"r": 32, "alpha": 64, "target_modules": ["c_attn", "c_fc", "c_proj"]}}
 QUICK = ["--generations", "40", "--candidates", "100", "--membership-records", "16"]
+QUICK_SETTINGS = EvalConfig(generations=40, exposure_candidates=100, membership_records=16)  # QUICK's settings
 
 
 def _train(tmp_path: Path, name: str, **changes) -> Path:
@@ -73,11 +75,13 @@ def test_the_audit_catches_a_mechanism_with_its_noise_off(tmp_path, monkeypatch,
     assert strongest["epsilon_clopper_pearson"] > claimed
 
 
-def test_the_correct_mechanism_passes_its_audit_and_reports(tmp_path, capsys):
-    from raydp.cli import main
+def test_the_correct_mechanism_passes_its_audit_and_reports(tmp_path):
+    from raydp.evaluation.evaluate import evaluate_run
+    from raydp.evaluation.results import summary_line
+    from raydp.report import write_report
 
     run = _train(tmp_path, "correct")
-    assert main(["eval", str(run), *QUICK]) == 0
+    line = summary_line(evaluate_run(run, QUICK_SETTINGS, progress=False))
     text = (run / "evaluation.json").read_text()
     result = json.loads(text)  # standard JSON: no NaN
     assert "NaN" not in text and "Infinity" not in text
@@ -92,10 +96,9 @@ def test_the_correct_mechanism_passes_its_audit_and_reports(tmp_path, capsys):
     assert 0 <= exp["max"] <= exp["max_measurable_bits"] == pytest.approx(math.log2(101))
     assert result["seconds"]["total"] > 0 and result["cost_ratio"] > 0
     assert result["claimed"]["privacy_unit"] == "patient"
-    out = capsys.readouterr().out
-    assert "MIA AUC" in out and "not refuted" in out
+    assert "MIA AUC" in line and "not refuted" in line
     # the run's HTML report shows the evaluation
-    assert main(["report", str(run)]) == 0
+    assert write_report(run) == run / "report.html"
     page = (run / "report.html").read_text()
     assert 'id="table-audit"' in page and 'id="table-membership"' in page
     assert 'class="violation"' not in page and '>not refuted<' in page
@@ -135,8 +138,6 @@ def test_eval_of_a_released_cell_writes_nothing_into_it(tmp_path, monkeypatch, c
     import shutil
 
     import raydp.evaluation.evaluate as evaluate
-    from raydp.cli import main
-
     from raydp.runner.run import run_training
 
     run = tmp_path / "run"
@@ -157,7 +158,7 @@ def test_eval_of_a_released_cell_writes_nothing_into_it(tmp_path, monkeypatch, c
     before = sorted(p.name for p in cell.iterdir())
     monkeypatch.setattr(evaluate, "ATTACKS", [])
 
-    assert main(["eval", str(cell)]) == 0
+    evaluate.evaluate_run(cell, progress=False)
     written = study / "work" / "evaluations" / cell.name / "evaluation.json"
     assert json.loads(written.read_text())["format"] and oct(written.stat().st_mode & 0o777) == "0o600"
     assert sorted(p.name for p in cell.iterdir()) == before  # nothing new in the releasable folder
@@ -165,9 +166,9 @@ def test_eval_of_a_released_cell_writes_nothing_into_it(tmp_path, monkeypatch, c
     # released/ copied out of its study: refused, nothing written
     alone = tmp_path / "copied" / cell.name
     shutil.copytree(cell, alone)
-    assert main(["eval", str(alone)]) == 2
-    err = capsys.readouterr().err
-    assert "without its study directory around it" in err and err.count("\n") == 1
+    with pytest.raises(ConfigError, match="without its study directory around it") as refused:
+        evaluate.evaluate_run(alone, progress=False)
+    assert "\n" not in str(refused.value)  # one line
     assert sorted(p.name for p in alone.iterdir()) == before
     # an explicit place inside a released cell is refused too; one outside it is taken
     with pytest.raises(ConfigError, match="inside a released cell"):
