@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -12,7 +14,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The dataset owner's key (raydp.data.identity) of this test session: never the user's own key file.
-os.environ.setdefault("RAYDP_OWNER_KEY", str(Path(tempfile.mkdtemp(prefix="raydp-owner-")) / "owner.key"))
+if "RAYDP_OWNER_KEY" not in os.environ:  # removed when the session's process exits (it holds a key and registers)
+    _owner_dir = tempfile.mkdtemp(prefix="raydp-owner-")
+    atexit.register(shutil.rmtree, _owner_dir, True)
+    os.environ["RAYDP_OWNER_KEY"] = str(Path(_owner_dir) / "owner.key")
 SESSION_OWNER_KEY = os.environ["RAYDP_OWNER_KEY"]
 
 

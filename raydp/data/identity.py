@@ -48,7 +48,7 @@ import secrets
 from pathlib import Path
 
 from raydp.errors import DataError
-from raydp.files import atomic_create
+from raydp.files import atomic_create, private_dir
 
 ID_VERSION = "rdi1"
 PUBLIC_PREFIX = "public:"
@@ -92,7 +92,7 @@ def owner_key(create: bool = True) -> bytes:
 
 def _create_key(path: Path) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(path.parent, check=False)  # a folder it makes is owner-only whatever the caller's umask
         atomic_create(path, secrets.token_hex(32) + "\n")  # if another process created the key first, theirs wins
     except OSError as exc:
         raise DataError(f"cannot create the dataset owner key {path}: {exc.strerror or exc}") from None
