@@ -414,7 +414,7 @@ def cmd_study(args) -> int:
     if args.check:
         import tempfile  # lazy: only --check needs it (keeps `import raydp.cli` light)
 
-        from raydp.study.runner import prepare_study  # lazy: `raydp --help` loads no pandas
+        from raydp.study.prepare import prepare_study  # lazy: `raydp --help` loads no pandas
 
         study = load_study(args.path)
         if study.selection == "private-dp":
@@ -429,12 +429,9 @@ def cmd_study(args) -> int:
             return 0
         with tempfile.TemporaryDirectory() as tmp:
             _, trials = prepare_study(study, Path(tmp), progress=False)
-        from raydp.study.config import search_cells  # lazy: as above
+        from raydp.study.routes import study_routes  # lazy: as above
 
-        cells = search_cells(study)
-        searched = "" if not cells else (
-            f" and {study.bandit.num_samples * len(cells)} chosen by the bandit" if study.search == "bandit" else
-            f" and {study.optuna.num_samples * len(cells)} sampled by Optuna in {len(cells)} search cell(s)")
+        searched = "".join(f" and {route.planned_line(study)}" for route in study_routes(study) if route.name != "grid")
         print(f"study {study.name}: {len(trials)} grid trials{searched}, all configs valid and every budget reachable")
         for t in trials[:20]:
             print(f"  {t.name}")
@@ -474,7 +471,7 @@ def cmd_study(args) -> int:
 def _tune_verbosity(level: int):
     """Within the block, Ray Tune's console at ``level`` (``raydp study --verbose``; 0: raydp's line per trial);
     the environment is restored afterwards."""
-    from raydp.study.runner import TUNE_VERBOSE_ENV  # lazy: `raydp --help` loads no pandas
+    from raydp.study.searches import TUNE_VERBOSE_ENV  # lazy: `raydp --help` loads no pandas
 
     before = os.environ.get(TUNE_VERBOSE_ENV)
     if level:

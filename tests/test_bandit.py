@@ -176,7 +176,8 @@ def test_invalid_bandit_studies_fail_with_one_line(tmp_path, changes, message, c
 def test_a_bandit_study_learns_across_epsilons_and_its_decisions_drive_a_later_study(local_ray, tmp_path):
     import pandas as pd
 
-    from raydp.study.config import load_study, trial_config, trial_grid
+    from raydp.study.config import load_study
+    from raydp.study.grid import trial_config, trial_grid
     from raydp.study.runner import run_study
 
     study_dir = run_study(_write(tmp_path), results_dir=tmp_path / "out", progress=False)

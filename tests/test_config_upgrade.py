@@ -10,7 +10,8 @@ import pytest
 from raydp.config import TrainConfig, upgrade_train_values
 from raydp.errors import ConfigError
 from raydp.settings import validate_config
-from raydp.study.config import StudyConfig, trial_config, trial_grid, upgrade_study_values
+from raydp.study.config import StudyConfig, upgrade_study_values
+from raydp.study.grid import trial_config, trial_grid
 
 
 def test_an_rldp_block_becomes_the_rldp_runs_settings():

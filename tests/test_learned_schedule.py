@@ -283,7 +283,8 @@ def test_an_optuna_search_over_a_strategy_runs_and_records_its_best(local_ray, t
     final = {"name": "final", "models": ["embedded-tiny"], "epsilons": [2.0], "strategies": ["clip-schedule"],
              "tuned_from": "tuned/search.json", "base": {"data": {"n_records": 300}}}
     (tmp_path / "trials" / "final.yaml").write_text(yaml.safe_dump(final))
-    from raydp.study.config import load_study, trial_config, trial_grid
+    from raydp.study.config import load_study
+    from raydp.study.grid import trial_config, trial_grid
 
     later = load_study(tmp_path / "trials" / "final.yaml")  # resolved beside the study file, whatever the cwd
     config = trial_config(later, trial_grid(later)[0])
@@ -388,7 +389,7 @@ def _finished_search(root, private=False, best=None, dataset_id="public:" + "ab"
 
 
 def test_tuned_from_runs_each_cell_with_its_searched_best(tmp_path):
-    from raydp.study.config import trial_config, trial_grid
+    from raydp.study.grid import trial_config, trial_grid
 
     study = _tuned_study(tmp_path, _finished_search(tmp_path / "search"))
     trials = trial_grid(study)
@@ -410,7 +411,7 @@ def test_tuned_from_runs_each_cell_with_its_searched_best(tmp_path):
 ])
 def test_tuned_from_refuses_a_private_unfinished_or_partial_search(tmp_path, private, best, epsilons, dataset_id,
                                                                    message):
-    from raydp.study.config import trial_grid
+    from raydp.study.grid import trial_grid
 
     study = _tuned_study(tmp_path, _finished_search(tmp_path / "search", private, best, dataset_id), epsilons)
     with pytest.raises(ConfigError, match=message):
@@ -423,7 +424,7 @@ def test_a_study_declared_public_must_run_on_the_public_population(tmp_path):
     from raydp.config import DataConfig
     from raydp.data import resolve_dataset
     from raydp.study.config import load_study
-    from raydp.study.runner import prepare_study
+    from raydp.study.prepare import prepare_study
 
     private = resolve_dataset(DataConfig(n_records=200), tmp_path / "private", progress=False)
     values = {"name": "claims-public", "models": ["embedded-tiny"], "epsilons": [2.0], "strategies": ["static"],
@@ -438,7 +439,8 @@ def test_a_study_declared_public_must_run_on_the_public_population(tmp_path):
 
 
 def test_settings_grid_can_vary_run_fields_beside_settings(tmp_path):
-    from raydp.study.config import load_study, trial_config, trial_grid
+    from raydp.study.config import load_study
+    from raydp.study.grid import trial_config, trial_grid
 
     values = {"name": "ablation", "models": ["embedded-tiny"], "epsilons": [2.0], "strategies": ["clip-schedule"],
               "settings_grid": {"clip-schedule": {"rescale_moments": [False, True], "clip_end": [0.1]}},

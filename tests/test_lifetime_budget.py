@@ -134,7 +134,7 @@ def test_a_study_is_charged_once_per_study_run_and_refused_past_the_budget(tmp_p
     resume (same tag) is not charged again, the same study run again (a new tag) is, and a study that would pass
     the budget is refused with nothing charged. Optuna studies are refused on a budgeted dataset."""
     from raydp.study.config import load_study
-    from raydp.study.runner import LIFETIME_NONCE, prepare_study, study_lifetime_nonce, write_lifetime_nonce
+    from raydp.study.prepare import LIFETIME_NONCE, prepare_study, study_lifetime_nonce, write_lifetime_nonce
     from tests.test_study import write_study
 
     data = tmp_path / "data"

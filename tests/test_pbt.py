@@ -18,7 +18,8 @@ from raydp.privacy.accounting.rdp import DEFAULT_ORDERS, rdp_epsilon
 from raydp.privacy.filter import FilterGuard, PopulationFilter, RenyiFilter
 from raydp.privacy.guard import BudgetExhausted
 from raydp.privacy.ledger import PrivacyLedger
-from raydp.study.config import load_study, trial_grid
+from raydp.study.config import load_study
+from raydp.study.grid import trial_grid
 
 REPO = Path(__file__).resolve().parents[1]
 ORDERS = np.asarray(DEFAULT_ORDERS)

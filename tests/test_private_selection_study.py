@@ -245,7 +245,7 @@ def tiny_dataset(tmp_path_factory):
 def test_cell_plan_meets_its_end_to_end_epsilon_and_is_tight(tiny_dataset):
     from raydp.runner.privacy_setup import build_strategy, plan_private_run, planned_rdp_curve, training_units
     from raydp.data import load_texts
-    from raydp.study.config import trial_config
+    from raydp.study.grid import trial_config
 
     study = study_of()
     plan = ps.plan_cell(study, tiny_dataset, "embedded-tiny", 4.0, 0)
@@ -278,7 +278,7 @@ def _cell_event(study, dataset, trial_epsilon: float):
     from dp_accounting import dp_event
     from raydp.data import load_texts
     from raydp.runner.privacy_setup import build_strategy, plan_private_run, training_units
-    from raydp.study.config import trial_config
+    from raydp.study.grid import trial_config
 
     config = trial_config(study, Trial(model="embedded-tiny", epsilon=trial_epsilon, seed=0,
                                        strategy="static-pairwise", search={"clip": 0.1, "lr": 1e-3}), dataset)

@@ -245,7 +245,9 @@ def test_a_config_stored_before_recipes_reads_back_without_one():
 
 
 def test_a_studys_values_count_as_set(tmp_path):
-    from raydp.study.config import Trial, load_study, trial_config
+    from raydp.study.config import load_study
+    from raydp.study.grid import trial_config
+    from raydp.study.trial import Trial
 
     study_file = tmp_path / "study.yaml"
     study_file.write_text(yaml.safe_dump({
@@ -262,7 +264,8 @@ def test_a_studys_values_count_as_set(tmp_path):
 
 
 def test_tuned_from_values_count_as_set(tmp_path):
-    from raydp.study.config import load_study, trial_config, trial_grid
+    from raydp.study.config import load_study
+    from raydp.study.grid import trial_config, trial_grid
 
     values = yaml.safe_load((REPO / "trials" / "quickstart.yaml").read_text())
     values["base"] = {k: v for k, v in values["base"].items() if k != "recipe"}  # unpinned, as a user's copy
@@ -341,7 +344,8 @@ def test_every_shipped_and_campaign_study_file_pins_the_recipe():
 
 
 def test_the_preregistered_search_validates_on_public_data_from_todays_defaults():
-    from raydp.study.config import load_study, search_cells, trial_config, trial_grid
+    from raydp.study.config import load_study
+    from raydp.study.grid import search_cells, trial_config, trial_grid
 
     study = load_study(SEARCH)
     assert not study.private_data and study.base["data"]["source"] == "public" and study.base["recipe"] == "none"

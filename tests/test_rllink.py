@@ -917,3 +917,19 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_transport_is_declared_by_its_registry_line_alone(monkeypatch):
+    """A new transport's spec names its value form and its parser's module: matching, parsing and the error that
+    lists the known forms follow from the registry (nothing else names broker or rllink)."""
+    import raydp.control.transports as transports
+    from raydp.control.transports import TransportSpec, transport_for
+
+    mine = TransportSpec("mine", "mine://HOST", "raydp.control.service:broker_client",
+                         "raydp.control.service:BrokerLaunch", parser="raydp.control.address:loopback_host")
+    monkeypatch.setattr(transports, "TRANSPORTS", (*transports.TRANSPORTS, mine))
+    assert transport_for("mine://localhost") is mine and mine.parse("localhost") == "127.0.0.1"
+    assert transport_for("broker").kind == "broker" and transport_for("rllink://:1").kind == "rllink"
+    with pytest.raises(ValueError, match="expected 'broker', 'rllink://HOST:PORT' or 'mine://HOST', got 'nope'"):
+        transport_for("nope")
+    assert not mine.matches("mine:/x") and not mine.matches(None)

@@ -81,3 +81,21 @@ def test_reading_the_routes_loads_no_ray():
             "print('ray' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_check_says_what_each_route_beside_the_grid_runs():
+    """`raydp study --check`'s line comes from the routes: a searched route says how many trials it draws in how many
+    cells, any other route (PBT, or a new one without ``planned``) its summary; nothing is named by a branch in the
+    CLI."""
+    from dataclasses import replace
+
+    base = {"name": "s", "models": ["embedded-tiny"], "epsilons": [1.0, 2.0], "strategies": ["clip-schedule"]}
+    space = {"clip-schedule": {"lr": {"low": 1e-4, "high": 1e-2, "log": True}}}
+    searched = StudyConfig.model_validate({**base, "search": "optuna", "search_space": space,
+                                           "optuna": {"num_samples": 3}})
+    assert ROUTES["search-space"].planned_line(searched) == "6 sampled by Optuna in 2 search cell(s)"
+    bandit = StudyConfig.model_validate({**base, "search": "bandit", "search_space": space, "private_data": False,
+                                         "base": {"data": {"source": "public"}}, "bandit": {"num_samples": 4}})
+    assert ROUTES["bandit"].planned_line(bandit) == "8 chosen by the bandit in 2 search cell(s)"
+    new = replace(ROUTES["pbt"], name="mine", summary="my way of choosing trials", planned=None)
+    assert new.planned_line(searched) == "the mine route: my way of choosing trials"

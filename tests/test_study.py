@@ -15,7 +15,8 @@ import yaml
 
 from raydp.control.store import shipped_policy_dir
 from raydp.errors import ConfigError
-from raydp.study.config import load_study, trial_grid
+from raydp.study.config import load_study
+from raydp.study.grid import trial_grid
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -159,7 +160,7 @@ def test_campaign_study_files_validate_and_their_paths_resolve(tmp_path, monkeyp
 
 
 def test_settings_grid_expands_into_named_trials_with_their_settings(tmp_path):
-    from raydp.study.config import trial_config
+    from raydp.study.grid import trial_config
 
     study = load_study(write_study(tmp_path, strategies=["static", "static-pairwise", "rldp"], settings_grid={
         "static-pairwise": {"clip": [0.01, 0.1]}, "rldp": {"action_decoding": ["paper", "relative"]}}))
@@ -379,8 +380,8 @@ def test_rldp_trials_can_share_one_policy(tiny_study, tmp_path, monkeypatch):
     assert not (tmp_path / "again").exists()
     # a later study names the saved policy relative to where it runs: the driver hands each trial the
     # absolute path (Tune starts a trial in its own directory, and the policy service elsewhere again)
-    from raydp.study.config import trial_config
-    from raydp.study.runner import prepare_study
+    from raydp.study.grid import trial_config
+    from raydp.study.prepare import prepare_study
 
     monkeypatch.chdir(tmp_path)
     rldp = {**TINY_STUDY["strategy_settings"]["rldp"], "policy": "pre", "policy_dir": "policies"}
@@ -489,7 +490,7 @@ def test_a_stopped_tuner_counts_its_unfinished_and_unsampled_trials():
     unfinished trials; a search cell's samples never drawn count as unfinished."""
     from types import SimpleNamespace
 
-    from raydp.study.runner import unfinished_in
+    from raydp.study.searches import unfinished_in
 
     done = SimpleNamespace(error=None, metrics={"done": True, "step": 9})
     failed = SimpleNamespace(error=RuntimeError("x"), metrics={"step": 3})
@@ -503,7 +504,8 @@ def test_a_stopped_tuner_counts_its_unfinished_and_unsampled_trials():
 
 def test_a_second_driver_in_the_same_study_directory_is_refused(tmp_path):
     """Issue 32 review: two drivers in one directory would both run its unfinished trials under one lifetime charge."""
-    from raydp.study.runner import lock_study_dir, run_study
+    from raydp.study.prepare import lock_study_dir
+    from raydp.study.runner import run_study
 
     path = write_study(tmp_path)
     held = lock_study_dir(tmp_path / "out" / "tiny")  # the first driver
@@ -777,7 +779,7 @@ def test_report_over_studies_refuses_other_datasets_or_splits(tmp_path):
 def test_a_trial_config_holds_its_own_spec_whatever_the_study_size():
     from ray.tune.search.variant_generator import generate_variants
 
-    from raydp.study.runner import _param_space
+    from raydp.study.searches import _param_space
     from raydp.study.trial import Trial
 
     def first_config_size(n_trials):
@@ -792,7 +794,7 @@ def test_tunes_best_result_ranks_dp_runs_only():
     """What ResultGrid.get_best_result() ranks (the study's Tune metric): a DP run's selection score, NaN (which
     Tune skips) for a non-private run. The whole study is test_tune_keeps_two_checkpoints_and_ranks_dp_trials_only
     (slow)."""
-    from raydp.study.runner import evaluation_metrics
+    from raydp.study.trainable import evaluation_metrics
 
     row = {"value_nll": 66.0, "public_value_nll": 67.0, "perplexity": 9.0, "public_perplexity": 9.5}
     dp, plain = evaluation_metrics(row, "public"), evaluation_metrics(row, "public", private_run=False)
@@ -806,7 +808,9 @@ def test_tunes_best_result_ranks_dp_runs_only():
 def test_tune_keeps_two_checkpoints_and_ranks_dp_trials_only(local_ray, tmp_path):
     from ray import tune
 
-    from raydp.study.runner import CHECKPOINTS_KEPT, run_study, run_trial
+    from raydp.study.runner import run_study
+    from raydp.study.searches import CHECKPOINTS_KEPT
+    from raydp.study.trainable import run_trial
 
     path = write_study(tmp_path, name="ranked", strategies=["nonprivate", "static"], wandb={"mode": "disabled"})
     study_dir = run_study(path, tmp_path / "out", progress=False)
@@ -848,7 +852,7 @@ def test_wandb_sends_attack_results_only_on_opt_in_labelled_unprotected(tmp_path
 
     from raydp.config import TrainConfig
     from raydp.study.config import load_study
-    from raydp.study.runner import _Reporter
+    from raydp.study.trainable import _Reporter
     from raydp.study.trial import Trial
 
     monkeypatch.delenv("WANDB_SILENT", raising=False)  # raydp silences wandb itself (a study's log stays clean)
@@ -879,7 +883,7 @@ def test_wandb_gets_nothing_from_a_nonprivate_trial_and_a_wandb_failure_fails_no
 
     from raydp.config import TrainConfig
     from raydp.study.config import load_study
-    from raydp.study.runner import _Reporter
+    from raydp.study.trainable import _Reporter
     from raydp.study.trial import Trial
 
     study = load_study(write_study(tmp_path, wandb={"mode": "offline"}))

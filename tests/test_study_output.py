@@ -332,7 +332,7 @@ class _Collect(logging.Handler):
 
 def test_third_party_notices_are_filtered_at_their_loggers_and_raydps_are_not():
     from raydp.notices import quiet_library_notices
-    from raydp.study.runner import TUNE_VERBOSE_ENV, tune_verbosity
+    from raydp.study.searches import TUNE_VERBOSE_ENV, tune_verbosity
 
     quiet_library_notices()
     quiet_library_notices()  # idempotent: one filter per logger
@@ -383,3 +383,26 @@ def test_plain_output_sets_and_restores_the_environment(monkeypatch):
     assert "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ and hf.is_progress_bar_enabled()
     with plain_output(False):
         assert "RAY_COLOR_PREFIX" not in os.environ and hf.is_progress_bar_enabled()
+
+
+def test_a_registered_attacks_part_of_the_trial_line_comes_from_its_spec(monkeypatch):
+    """The study's attack lines loop over the attack registry: a new attack's ``line`` shows up beside the built-in
+    ones, a trial none of them attacked gets no line, and a failed evaluation says so."""
+    import raydp.study.outcome as outcome
+    from raydp.evaluation.base import AttackSpec, present
+
+    mine = AttackSpec("mine", run=lambda ctx: None, summary=str, flat=dict,
+                      line=lambda row: f"mine {row['mine_score']:.1f}" if present(row.get("mine_score")) else None)
+    monkeypatch.setattr(outcome, "ATTACKS", (*outcome.ATTACKS, mine))
+    results = pd.DataFrame([
+        {"model": "m", "epsilon_target": 2.0, "strategy": "static", "seed": 0, "status": "TERMINATED",
+         "mia_auc": 0.51, "mia_cal_auc": 0.5, "mine_score": 3.25, "epsilon": 1.99},
+        {"model": "m", "epsilon_target": 2.0, "strategy": "static", "seed": 1, "status": "TERMINATED",
+         "mia_auc": None, "mine_score": None, "epsilon": 2.0},
+        {"model": "m", "epsilon_target": 2.0, "strategy": "static", "seed": 2, "status": "TERMINATED",
+         "evaluation_error": "boom", "epsilon": 2.0}])
+    lines = outcome.attack_lines(results, {})
+    assert lines[0].startswith("\nAttacks and audit")
+    assert len(lines) == 3 and "seed 0: membership AUC 0.51 (calibrated 0.50); mine 3.2" in lines[1]
+    assert "seed 2: evaluation failed: boom" in lines[2]
+    assert outcome.attack_lines(results.iloc[[1]], {}) == []

@@ -10,7 +10,8 @@ import pytest
 
 from raydp.errors import ConfigError
 from raydp.study.arms import arms
-from raydp.study.config import StudyConfig, search_cells, search_trial, trial_config, trial_grid
+from raydp.study.config import StudyConfig
+from raydp.study.grid import search_cells, search_trial, trial_config, trial_grid
 from raydp.study.trial import Trial, tune_trial
 
 IDENTITY = ("name", "model", "strategy", "epsilon", "seed", "t_rl", "b_sac", "k", "grid", "tuned", "search",

@@ -62,7 +62,7 @@ def is_loopback(host: str) -> bool:
 def parse_rllink(value: str) -> RLlinkAddress:
     """The policy server's address in ``rllink://HOST:PORT``; ValueError (one line) for a bad URL."""
     if not isinstance(value, str) or not value.startswith(f"{SCHEME}://"):
-        raise ValueError(f"expected 'broker' or 'rllink://HOST:PORT', got {value!r}")
+        raise ValueError(f"expected 'rllink://HOST:PORT', got {value!r}")
     parts = urlsplit(value)
     if parts.username is not None or parts.password is not None:
         raise ValueError("do not put a secret in the controller URL; set RAYDP_RLLINK_SECRET instead")

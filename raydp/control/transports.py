@@ -2,7 +2,8 @@
 
 A transport is one module holding its address parser, its client factory and its launcher, plus one line in
 :data:`TRANSPORTS`. This module stays free of Ray and torch imports (the config validates ``controller`` with
-it before anything starts); a spec names its client and launcher as ``"module:attribute"``, loaded when used.
+it before anything starts); a spec names its parser, client and launcher as ``"module:attribute"``, loaded when
+used (the parser's module must be as light as this one).
 
 - ``broker`` (the default): the launcher starts a policy service for the run (:mod:`raydp.control.service`);
   the run owns its policy (``settings.policy``, ``frozen``, ``save_policy`` apply).
@@ -18,25 +19,37 @@ transport's ``kind``), ``finish(summary, output)`` adds the transport's record t
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from raydp.control.address import BROKER, parse_rllink
+from raydp.control.address import BROKER
 
 
 @dataclass(frozen=True)
 class TransportSpec:
     kind: str
-    #: whether a ``controller`` value names this transport
-    matches: Callable[[str], bool]
-    #: the value's address (ValueError, one line, for a bad one)
-    parse: Callable[[str], object]
+    #: what a ``controller`` value naming this transport looks like: the bare kind (``"broker"``), or an address
+    #: with a scheme (``"rllink://HOST:PORT"``: a value names it when it starts with ``rllink://``)
+    form: str
     #: ``"module:function"``: function(connection, run_id) -> the run's policy client
     client: str
     #: ``"module:Class"``: Class(config, overwrite_policy=False), see the module docstring
     launcher: str
+    #: ``"module:function"``: function(value) -> the value's address, ValueError (one line) for a bad one; its
+    #: module must import no Ray or torch (the config validates with it); None: the bare kind takes no address
+    parser: str | None = None
     #: the policy lives outside the run (a server): the run's own policy settings do not apply
     external: bool = False
+
+    def matches(self, value) -> bool:
+        """Whether a ``controller`` value names this transport."""
+        if not isinstance(value, str):
+            return False
+        scheme, sep, _ = self.form.partition("://")
+        return value.startswith(scheme + sep) if sep else value == self.form
+
+    def parse(self, value: str):
+        """The value's address (ValueError, one line, for a bad one); None for a transport without one."""
+        return None if self.parser is None else _load(self.parser)(value)
 
     def connect(self, connection: dict, run_id: str):
         """The run's policy client for ``connection`` (this transport's ``client``)."""
@@ -53,11 +66,16 @@ def _load(target: str):
 
 
 TRANSPORTS: tuple[TransportSpec, ...] = (
-    TransportSpec(BROKER, lambda value: value == BROKER, lambda value: None,
-                  "raydp.control.service:broker_client", "raydp.control.service:BrokerLaunch"),
-    TransportSpec("rllink", lambda value: isinstance(value, str) and value.startswith("rllink://"), parse_rllink,
-                  "raydp.control.rllink:rllink_client", "raydp.control.rllink:RLlinkLaunch", external=True),
+    TransportSpec(BROKER, BROKER, "raydp.control.service:broker_client", "raydp.control.service:BrokerLaunch"),
+    TransportSpec("rllink", "rllink://HOST:PORT", "raydp.control.rllink:rllink_client",
+                  "raydp.control.rllink:RLlinkLaunch", parser="raydp.control.address:parse_rllink", external=True),
 )
+
+
+def expected_forms() -> str:
+    """The registered transports' value forms, for an error message: ``'broker' or 'rllink://HOST:PORT'``."""
+    forms = [f"'{spec.form}'" for spec in TRANSPORTS]
+    return forms[0] if len(forms) == 1 else ", ".join(forms[:-1]) + " or " + forms[-1]
 
 
 def transport_for(value: str) -> TransportSpec:
@@ -65,7 +83,7 @@ def transport_for(value: str) -> TransportSpec:
     for spec in TRANSPORTS:
         if spec.matches(value):
             return spec
-    raise ValueError(f"expected 'broker' or 'rllink://HOST:PORT', got {value!r}")
+    raise ValueError(f"expected {expected_forms()}, got {value!r}")
 
 
 def transport_of_connection(connection: dict) -> TransportSpec:

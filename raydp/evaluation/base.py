@@ -4,7 +4,8 @@ at import): studies, results and reports read specs without loading a model; ``r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -68,11 +69,25 @@ class AttackTable:
 class AttackSpec:
     """One attack. ``key``: its entry in evaluation.json (None when it did not run); ``run(ctx)``: the attack,
     returning that entry or None; ``summary(entry)``: its part of the one-line headline; ``flat(entry)``: its
-    columns in a study's results table; ``table``: its table on the report page (None: shown elsewhere)."""
+    columns in a study's results table; ``line(row)``: its part of a trial's line in a study's terminal output, read
+    from those columns in the trial's results row (None where the trial has none); ``table``: its table on the report
+    page (None: shown elsewhere)."""
 
     key: str
     run: Callable[[AttackContext], dict | None]
     summary: Callable[[dict], str]
     flat: Callable[[dict], dict]
+    line: Callable[[Mapping], str | None]
     table: AttackTable | None = None
     extra: dict = field(default_factory=dict)
+
+
+def present(value) -> bool:
+    """Whether a results-table cell holds a value (not None, NaN or pandas' NA): a row of a trial that was not
+    attacked, or an older study's, has the attack's columns empty."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return False
+    try:
+        return not bool(value != value)  # pandas.NA compares to NA, whose truth value raises
+    except TypeError:
+        return False

@@ -8,7 +8,7 @@ import math
 
 from raydp.data import load_audit_canaries
 from raydp.evaluation.audit import audit_scores
-from raydp.evaluation.base import AttackContext, AttackSpec
+from raydp.evaluation.base import AttackContext, AttackSpec, present
 
 
 def run(ctx: AttackContext) -> dict | None:
@@ -59,4 +59,17 @@ def flat(audit: dict) -> dict:
             "audit_m": audit["m"], "audit_consistent": audit["consistent"]}
 
 
-SPEC = AttackSpec("audit", run, summary, flat)  # the report's audit section shows it
+def line(row) -> str | None:
+    """The one-run bound beside the epsilon the trial spent (``epsilon``; a non-private trial has none), flagged when
+    above it."""
+    if not present(row.get("audit_epsilon_one_run")):
+        return None
+    spent = row.get("epsilon")
+    number = isinstance(spent, (int, float)) and not isinstance(spent, bool) and math.isfinite(spent)
+    claimed = f"spent {spent:.2f}" if number else "not DP"
+    above = present(row.get("audit_consistent")) and not bool(row["audit_consistent"])
+    return (f"audit epsilon >= {row['audit_epsilon_one_run']:.2f} ({claimed})"
+            + (": ABOVE what it spent, a privacy bug" if above else ""))
+
+
+SPEC = AttackSpec("audit", run, summary, flat, line)  # the report's audit section shows it

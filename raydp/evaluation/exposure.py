@@ -4,7 +4,7 @@ extraction table."""
 
 from __future__ import annotations
 
-from raydp.evaluation.base import AttackContext, AttackSpec
+from raydp.evaluation.base import AttackContext, AttackSpec, present
 
 
 def run(ctx: AttackContext) -> dict | None:
@@ -41,4 +41,10 @@ def flat(exp: dict) -> dict:
             "exposure_max_low": box[0], "exposure_max_high": box[1]}
 
 
-SPEC = AttackSpec("exposure", run, summary, flat)  # its columns are in the extraction table
+def line(row) -> str | None:
+    if not present(row.get("exposure_mean")):
+        return None
+    return f"exposure {row['exposure_mean']:.2f} (max {row['exposure_max']:.2f})"
+
+
+SPEC = AttackSpec("exposure", run, summary, flat, line)  # its columns are in the extraction table

@@ -5,7 +5,7 @@ table also shows the exposure (:mod:`raydp.evaluation.exposure`) of the same can
 from __future__ import annotations
 
 from raydp.data import public_corpus
-from raydp.evaluation.base import AttackContext, AttackSpec, AttackTable, Column
+from raydp.evaluation.base import AttackContext, AttackSpec, AttackTable, Column, present
 
 PROFILE_SEED = 9_999  # public profiles for the extraction prompts, drawn apart from probe/validation seeds
 
@@ -35,6 +35,13 @@ def flat(ext: dict) -> dict:
             **{f"canary_jaccard_{n}": ext["jaccard"][n]["mean"] for n in ("1", "2", "3", "4")}}
 
 
+def line(row) -> str | None:
+    if not present(row.get("canary_exact_matches")):
+        return None
+    valid = row.get("canary_n_valid")
+    return f"canaries {int(row['canary_exact_matches'])}/{int(valid) if present(valid) else 0} extracted"
+
+
 def _caption(evaluations: list[dict]) -> str:
     first = next((ev["extraction"] for ev in evaluations if isinstance(ev.get("extraction"), dict)), None)
     settings = "" if first is None else (
@@ -44,7 +51,7 @@ def _caption(evaluations: list[dict]) -> str:
     return "canary extraction and exposure (mean ± std over seeds)" + settings
 
 
-SPEC = AttackSpec("extraction", run, summary, flat, AttackTable(
+SPEC = AttackSpec("extraction", run, summary, flat, line, AttackTable(
     "table-extraction", ("extraction", "exposure"), (
         Column("valid generations", ("extraction", "n_valid"), 0),
         Column("exact matches", ("extraction", "exact_matches"), 1),

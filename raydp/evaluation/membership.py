@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from raydp.data import load_split
-from raydp.evaluation.base import AttackContext, AttackSpec, AttackTable, Column
+from raydp.evaluation.base import AttackContext, AttackSpec, AttackTable, Column, present
 
 
 def run(ctx: AttackContext) -> dict:
@@ -46,13 +46,20 @@ def flat(mia: dict) -> dict:
     return out
 
 
+def line(row) -> str | None:
+    if not present(row.get("mia_auc")):
+        return None
+    calibrated = row.get("mia_cal_auc")
+    return f"membership AUC {row['mia_auc']:.2f}" + (f" (calibrated {calibrated:.2f})" if present(calibrated) else "")
+
+
 def _caption(evaluations: list[dict]) -> str:
     return "membership inference (mean ± std over seeds); members / non-members per trial: " + ", ".join(
         dict.fromkeys(f"{ev['membership'].get('n_members')} / {ev['membership'].get('n_nonmembers')}"
                       for ev in evaluations if isinstance(ev.get("membership"), dict)))
 
 
-SPEC = AttackSpec("membership", run, summary, flat, AttackTable(
+SPEC = AttackSpec("membership", run, summary, flat, line, AttackTable(
     "table-membership", ("membership",), (
         Column("AUC (loss)", ("membership", "loss", "auc")),
         Column("TPR@0.1% FPR", ("membership", "loss", "tpr_at_fpr_0.001"), 4),

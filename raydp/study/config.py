@@ -26,12 +26,8 @@ from raydp.errors import ConfigError
 from raydp.evaluation.results import EvalConfig
 from raydp.strategies.registry import (SPECS, STRATEGY_CHOICES, capability_names, get_spec, strategy_class,
                                        with_capability)
-# the trials' planning moved to raydp.study.grid; its names are still read from here
+from raydp.study.grid import SEARCHABLE_RUN_FIELDS
 from raydp.study.routes import SEARCH_SPACE_VALUES, SEARCH_VALUES
-from raydp.study.grid import (SEARCHABLE_RUN_FIELDS, TUNING_FORMAT, TUNING_RECORD, draw_in_range,  # noqa: F401
-                              optuna_trial, pbt_members, search_cells, search_trial, trial_config, trial_grid,
-                              tuned_values, tuning_record)
-from raydp.study.trial import Trial  # noqa: F401
 
 
 def _known_strategy(name: str) -> str:

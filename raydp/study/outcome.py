@@ -20,6 +20,8 @@ import textwrap
 
 import pandas as pd
 
+from raydp.evaluation.base import present
+from raydp.evaluation.registry import ATTACKS
 from raydp.study.arms import NONPRIVATE_ARMS, arms
 from raydp.study.results import would_release
 
@@ -200,46 +202,26 @@ def _pct(x) -> str:
     return "" if x is None else f"{x:.0f}%"
 
 
-ATTACK_COLUMNS = ("mia_auc", "mia_cal_auc", "canary_exact_matches", "canary_n_valid", "exposure_mean",
-                  "exposure_max", "audit_epsilon_one_run", "audit_consistent", "evaluation_error")
-
-
 def attack_lines(results: pd.DataFrame, names: dict[str, str]) -> list[str]:
-    """One line per attacked trial: membership inference AUC (and calibrated), canaries extracted exactly,
-    exposure, and the one-run audit's epsilon lower bound beside the epsilon the trial spent. Computed on the private
-    records: for the owner, not a DP release (E15)."""
-    if not any(c in results for c in ATTACK_COLUMNS):
+    """One line per attacked trial, each registered attack's part of it (``AttackSpec.line``: membership inference
+    AUC, canaries extracted, exposure, the one-run audit's epsilon lower bound beside the epsilon the trial spent),
+    or the evaluation's error. Computed on the private records: for the data owner, not a DP release (E15)."""
+    records = results.to_dict("records")
+    parts = [[part for spec in ATTACKS if (part := spec.line(r)) is not None] for r in records]
+    attacked = [bool(p) or present(r.get("evaluation_error")) for r, p in zip(records, parts)]
+    if not any(attacked):
         return []
-    rows = results[[any(_present(r.get(c)) for c in ATTACK_COLUMNS) for r in results.to_dict("records")]]
-    if rows.empty:
-        return []
+    rows = results.assign(_parts=parts)[attacked]
     rows = rows.assign(_arm=arms(rows, cell=True))
     lines = ["\nAttacks and audit (on the private records: for the data owner, not a DP release, E15)"]
     for r in rows.sort_values(["model", "epsilon_target", "_arm", "seed"], na_position="last").to_dict("records"):
         eps = "" if not _is_number(r.get("epsilon_target")) else f" eps {r['epsilon_target']:g}"
         head = f"  {names.get(r['_arm'], r['_arm'])}{eps} seed {r.get('seed')}"
-        if _present(r.get("evaluation_error")) and not _present(r.get("mia_auc")):
+        if present(r.get("evaluation_error")) and not r["_parts"]:
             lines.extend(wrap(f"{head}: evaluation failed: {r['evaluation_error']}"))
             continue
-        parts = []
-        if _present(r.get("mia_auc")):
-            parts.append(f"membership AUC {r['mia_auc']:.2f}" + (f" (calibrated {r['mia_cal_auc']:.2f})"
-                                                                  if _present(r.get("mia_cal_auc")) else ""))
-        if _present(r.get("canary_exact_matches")):
-            parts.append(f"canaries {int(r['canary_exact_matches'])}/{int(r.get('canary_n_valid') or 0)} extracted")
-        if _present(r.get("exposure_mean")):
-            parts.append(f"exposure {r['exposure_mean']:.2f} (max {r['exposure_max']:.2f})")
-        if _present(r.get("audit_epsilon_one_run")):
-            claimed = f"spent {r['epsilon']:.2f}" if _is_number(r.get("epsilon")) else "not DP"
-            above = _present(r.get("audit_consistent")) and not bool(r["audit_consistent"])
-            parts.append(f"audit epsilon >= {r['audit_epsilon_one_run']:.2f} ({claimed})"
-                         + (": ABOVE what it spent, a privacy bug" if above else ""))
-        lines.extend(wrap(f"{head}: " + "; ".join(parts)))
+        lines.extend(wrap(f"{head}: " + "; ".join(r["_parts"])))
     return lines
-
-
-def _present(x) -> bool:
-    return x is not None and not (isinstance(x, float) and math.isnan(x)) and x is not pd.NA
 
 
 def privacy_lines(results: pd.DataFrame, summary: dict) -> list[str]:

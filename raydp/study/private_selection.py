@@ -66,7 +66,8 @@ from raydp.strategies.registry import strategy_class
 from raydp.runner.run import run_training
 from raydp.runner.task import Task
 from raydp.run_directory import CONFIG, LEDGER, RunDirectory
-from raydp.study.config import PrivateSelectionSettings, SearchDimension, StudyConfig, draw_in_range, trial_config
+from raydp.study.config import PrivateSelectionSettings, SearchDimension, StudyConfig
+from raydp.study.grid import draw_in_range, trial_config
 from raydp.study.trial import Trial
 from raydp.study.selection_release import (ALL_CELLS_NOTE, OWNER_REPORT, PRIVATE_SELECTION_NOTE,  # noqa: F401
                                           RELEASED_CELL_NOTE, RELEASED_SUMMARY_KEYS, all_cells_line, cell_key,

@@ -95,6 +95,11 @@ class SearchRoute:
     #: whether the ``search`` value it serves searches a ``search_space`` (a study file's search_space is refused
     #: under a search that none of its routes take it)
     takes_search_space: bool = False
+    #: what ``raydp study --check`` says the route will run in ``study`` beside the grid (None: its ``summary``)
+    planned: Callable[[StudyConfig], str] | None = None
+
+    def planned_line(self, study: StudyConfig) -> str:
+        return self.planned(study) if self.planned else f"the {self.name} route: {self.summary}"
 
     def fit(self, context: FitContext) -> FitOutcome:
         if self.fit_target is None:
@@ -115,6 +120,16 @@ def _source_and_grid(study) -> list[str]:
     return [f"{study.name}-source", study.name]
 
 
+def _sampled(by: str, samples: Callable[[StudyConfig], int]) -> Callable[[StudyConfig], str]:
+    """``planned`` of a route that draws ``samples(study)`` trials in each search cell."""
+    def planned(study) -> str:
+        from raydp.study.grid import search_cells  # the registry itself imports no study planning
+
+        cells = len(search_cells(study))
+        return f"{samples(study) * cells} {by} in {cells} search cell(s)"
+    return planned
+
+
 def _search_cells(study) -> list[str]:
     from raydp.study.grid import search_cells  # the registry itself imports no study planning
     from raydp.study.searches import search_run_name
@@ -128,11 +143,12 @@ _ROUTES = (
                 experiments=_source_and_grid, planned_before_run=True),
     SearchRoute("optuna", "optuna", "a controller's SAC cell (T_RL, B_SAC, K) sampled by Optuna",
                 applies=lambda s: s.search == "optuna" and not s.search_space,
-                fit_target="raydp.study.searches:fit_optuna", experiments=lambda s: [f"{s.name}-optuna"]),
+                fit_target="raydp.study.searches:fit_optuna", experiments=lambda s: [f"{s.name}-optuna"],
+                planned=_sampled("sampled by Optuna", lambda s: s.optuna.num_samples)),
     SearchRoute("bandit", "bandit", "the episode-level contextual bandit over one strategy's search_space, on public "
                 "episodes", applies=lambda s: s.search == "bandit", fit_target="raydp.study.searches:fit_bandit",
                 experiments=lambda s: [f"{s.name}-bandit"], search_best="raydp.study.bandit:bandit_best",
-                takes_search_space=True),
+                takes_search_space=True, planned=_sampled("chosen by the bandit", lambda s: s.bandit.num_samples)),
     SearchRoute("pbt", "pbt", "Population Based Training of the population strategy's members",
                 applies=lambda s: s.search == "pbt", fit_target="raydp.study.pbt:fit",
                 experiments=lambda s: [f"{s.name}-pbt"],
@@ -142,7 +158,7 @@ _ROUTES = (
     SearchRoute("search-space", "optuna", "one Optuna search per (strategy, model, epsilon) cell over a search_space",
                 applies=lambda s: s.search == "optuna" and bool(s.search_space),
                 fit_target="raydp.study.searches:fit_search_cells", experiments=_search_cells,
-                takes_search_space=True),
+                takes_search_space=True, planned=_sampled("sampled by Optuna", lambda s: s.optuna.num_samples)),
     SearchRoute("private-dp", "random", "private selection: a secret number of independent draws per cell, the best "
                 "released with one end-to-end epsilon", applies=lambda s: s.selection == "private-dp",
                 runs_study="raydp.study.runner:_run_private_selection", takes_search_space=True),

@@ -41,25 +41,13 @@ from raydp.run_directory import RunDirectory
 from raydp.study.config import StudyConfig, load_study
 from raydp.study.grid import TUNING_FORMAT, TUNING_RECORD, trial_config, trial_grid
 from raydp.study.params import TrialParams
-from raydp.study.prepare import (LIFETIME_NONCE, RESUMABLE_CHANGES, build_study_models, check_resumed_study,
-                                 lock_study_dir, prepare_study, study_lifetime_nonce, write_lifetime_nonce)
+from raydp.study.prepare import (build_study_models, check_resumed_study, lock_study_dir, prepare_study,
+                                 study_lifetime_nonce, write_lifetime_nonce)
 from raydp.study.private_selection import SECRET_STATE, run_private_selection
 from raydp.study.results import collect_results
 from raydp.study.routes import FitContext, experiment_names, study_routes
-from raydp.study.searches import (CHECKPOINTS_KEPT, TUNE_VERBOSE_ENV, TuneStorage, _param_space, fetch_trial_outputs,
-                                  search_run_name, study_filesystem, tune_verbosity, unfinished_in, upload_dataset)
-from raydp.study.trainable import (CHECKPOINT_LOGGER, CHECKPOINT_STATE, PROFILE_ENV, _Reporter, evaluation_metrics,
-                                   node_local_dataset, privacy_label_of, run_trial, wandb_target)
-
-#: names that moved out of this module and are still read from it (the CLI, tests, benchmarks): the preparation
-#: (:mod:`raydp.study.prepare`), the trainable (:mod:`raydp.study.trainable`) and Tune's side
-#: (:mod:`raydp.study.searches`); PBT's scheduler is :mod:`raydp.study.pbt`'s (it imports Ray)
-__all__ = ["CHECKPOINTS_KEPT", "CHECKPOINT_LOGGER", "CHECKPOINT_STATE", "LIFETIME_NONCE", "PROFILE_ENV",
-           "RESUMABLE_CHANGES", "STUDY_PRIVACY_NOTE", "TUNE_VERBOSE_ENV", "TuneStorage", "_Reporter", "_param_space",
-           "build_study_models", "check_resumed_study", "evaluation_metrics", "experiment_names",
-           "fetch_trial_outputs", "lock_study_dir", "node_local_dataset", "prepare_study", "privacy_label_of",
-           "run_study", "run_trial", "search_run_name", "study_filesystem", "study_lifetime_nonce", "tune_verbosity",
-           "unfinished_in", "upload_dataset", "wandb_target", "write_lifetime_nonce"]
+from raydp.study.searches import TuneStorage, fetch_trial_outputs, upload_dataset
+from raydp.study.trainable import run_trial, wandb_target
 
 
 STUDY_PRIVACY_NOTE = """What in this study directory is private (ERRATA E11-E15):
