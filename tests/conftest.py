@@ -156,11 +156,13 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     return path
 
 
-#: the wall-clock budget of each tier on CI's 2 cores: the fast tier (`-m "not slow"`, what CI runs) must finish well
-#: inside 20 minutes (issue 30); the slow tier (`-m slow`, long tests whose features the fast tier covers too) within
-#: an hour. Slow tests are marked one way, `@pytest.mark.slow` (pyproject's --strict-markers refuses any other
-#: marker name). Checked at the end of the session, never per test: a test asserts no time.
-TIER_BUDGETS_S = {"not slow": 20 * 60, "slow": 60 * 60}
+#: the wall-clock budget of each tier on CI's 2 cores: the fast tier (`-m "not slow"`, what CI runs) is built to run in
+#: about 10 minutes (one Ray and one dataset for the session, library logic tested by calling the library,
+#: docs/testing.md) and must finish within 12, a fifth above that for a slower or busier machine; the slow tier
+#: (`-m slow`, long tests whose features the fast tier covers too) within an hour. Slow tests are marked one way,
+#: `@pytest.mark.slow` (pyproject's --strict-markers refuses any other marker name). Checked at the end of the
+#: session, never per test: a test asserts no time.
+TIER_BUDGETS_S = {"not slow": 12 * 60, "slow": 60 * 60}
 FAST_TIER_BUDGET_S = TIER_BUDGETS_S["not slow"]
 
 
