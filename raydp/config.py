@@ -174,9 +174,9 @@ class TrainConfig(StrictModel):
         "a CSV of PUBLIC records in the diabetic_data.csv schema to validate and select on, instead of the synthetic "
         "public population (which says nothing about a real dataset's task)"))
     recipe: Literal["auto", "none"] = Field("auto", description=(
-        "auto: every recipe setting left unset (batch_size, epochs, lr, lr_decay, lr_end, warmup_steps, clip) takes "
-        "the package's recipe for this model, strategy and epsilon, searched on PUBLIC data (raydp.recipe; no "
-        "budget), where the table has one; none: today's defaults"))
+        "auto: every recipe setting left unset (batch_size, epochs, lr, lr_decay, lr_end, warmup_steps, weight_decay, "
+        "clip) takes the package's recipe for this model, strategy and epsilon, searched on PUBLIC data "
+        "(raydp.recipe; no budget), where the table has one; none: today's defaults"))
     #: what the recipe filled: written by validation, kept in config.json (the summary names it too)
     recipe_applied: dict | None = Field(None, description=(
         "the recipe entry this config took and the fields it filled (None: none); written by validation"),
@@ -191,6 +191,9 @@ class TrainConfig(StrictModel):
         "constant", description="after the warm-up: constant (the paper's), or a linear or cosine decay to lr_end x lr "
                                 "at the last planned step")
     lr_end: float = Field(0.0, ge=0, le=1, description="the decay's final learning rate, as a fraction of lr")
+    weight_decay: float = Field(0.0, ge=0, description=(
+        "AdamW's decoupled weight decay (Loshchilov & Hutter, ICLR 2019) on the trained parameters; under DP it is "
+        "post-processing (it reads the parameters, not the data); 0: the paper's setting (RLDP Sec. 3.1)"))
     rescale_moments: bool = Field(False, description=(
         "when a strategy changes a pair's clip by a factor k, scale that pair's AdamW moments by k and k^2 (the step "
         "size follows the clip instead of freezing or jumping for hundreds of steps)"))

@@ -29,7 +29,8 @@ PAIRWISE = {"strategy": "static-pairwise", "epsilon": 2.0}  # the embedded model
 #: a flag value for every recipe field, none of them the recipe's or today's default
 FLAGS = {"batch_size": ("--batch-size", "32", 32), "epochs": ("--epochs", "2", 2.0), "lr": ("--lr", "0.002", 0.002),
          "lr_decay": ("--lr-decay", "linear", "linear"), "lr_end": ("--lr-end", "0.1", 0.1),
-         "warmup_steps": ("--warmup-steps", "5", 5), "clip": ("--clip", "0.2", 0.2)}
+         "warmup_steps": ("--warmup-steps", "5", 5), "weight_decay": ("--weight-decay", "0.01", 0.01),
+         "clip": ("--clip", "0.2", 0.2)}
 
 
 def _defaults() -> dict:
@@ -39,7 +40,10 @@ def _defaults() -> dict:
 def _table(points: list[dict], model: str = "m", strategy: str = "static-pairwise") -> RecipeTable:
     """A table of one entry for ``model`` and ``strategy`` with ``points`` (epsilon, settings)."""
     shipped = json.loads(RECIPES_FILE.read_text())
-    entry = {**shipped["entries"][0], "model": model, "strategy": strategy,
+    provenance, fields = shipped["entries"][0]["provenance"], set(points[0][1])  # what these points set, said
+    provenance = {**provenance, "searched": [k for k in provenance["searched"] if k in fields],
+                  "not_searched": {k: v for k, v in provenance["not_searched"].items() if k in fields}}
+    entry = {**shipped["entries"][0], "model": model, "strategy": strategy, "provenance": provenance,
              "points": [{"epsilon": eps, "settings": settings} for eps, settings in points]}
     return RecipeTable.model_validate({**shipped, "entries": [entry]})
 
@@ -64,7 +68,7 @@ def own_table(tmp_path, monkeypatch):
 
 def test_the_shipped_table_loads_and_every_point_is_a_valid_run():
     table = shipped_table()
-    assert table.format == "raydp-recipes" and table.format_version == 1 and table.version == "v0"
+    assert table.format == "raydp-recipes" and table.format_version == 1 and table.version == "v0.1"
     assert [e.key for e in table.entries] == ["embedded/static-pairwise/default"]  # no non-private entry yet
     for entry in table.entries:
         assert all(i.startswith("public:") for i in entry.provenance.dataset_ids)
@@ -169,11 +173,11 @@ def test_auto_fills_every_unset_field_and_records_the_entry():
     assert {k: getattr(config, k) for k in RECIPE_FIELDS} == point.settings.model_dump()
     assert config.strategy_settings().clip == point.settings.clip  # where --clip lands: the strategy's clip
     applied = config.recipe_applied
-    assert applied["entry"] == "embedded/static-pairwise/default" and applied["table"] == "raydp-recipes v0"
+    assert applied["entry"] == "embedded/static-pairwise/default" and applied["table"] == "raydp-recipes v0.1"
     assert applied["how"] == "at epsilon 2" and not applied["clamped"] and applied["compute_tier"] == "default"
     assert list(applied["filled"]) == list(RECIPE_FIELDS)
     assert sorted(applied["searched"]) == ["clip", "lr", "lr_decay"]
-    assert sorted(applied["not_searched"]) == ["batch_size", "epochs", "lr_end", "warmup_steps"]
+    assert sorted(applied["not_searched"]) == ["batch_size", "epochs", "lr_end", "warmup_steps", "weight_decay"]
     assert "trials/schedule-search.yaml" in applied["source"]
 
 
@@ -257,7 +261,7 @@ def test_a_studys_values_count_as_set(tmp_path):
     trial = Trial(model="embedded", epsilon=2.0, seed=0, strategy="static-pairwise", grid={"clip": 0.05, "lr": 0.001})
     config = trial_config(study, trial)
     assert (config.lr, config.warmup_steps, config.strategy_settings().clip) == (0.001, 7, 0.05)
-    assert set(config.recipe_applied["filled"]) == {"batch_size", "epochs", "lr_decay", "lr_end"}
+    assert set(config.recipe_applied["filled"]) == {"batch_size", "epochs", "lr_decay", "lr_end", "weight_decay"}
     searched = trial_config(study, Trial(model="embedded", epsilon=2.0, seed=0, strategy="static-pairwise",
                                          search={"lr": 0.02, "lr_decay": "linear"}))
     assert (searched.lr, searched.lr_decay) == (0.02, "linear") and "lr" not in searched.recipe_applied["filled"]
@@ -275,7 +279,7 @@ def test_tuned_from_values_count_as_set(tmp_path):
     study = load_study(path)
     trial = next(t for t in trial_grid(study) if t.strategy == "static-pairwise")
     config = trial_config(study, trial)
-    assert set(config.recipe_applied["filled"]) == {"batch_size", "lr_end", "warmup_steps"}  # epochs: base sets 3
+    assert set(config.recipe_applied["filled"]) == {"batch_size", "lr_end", "warmup_steps", "weight_decay"}  # base sets epochs
     assert config.strategy_settings().clip == trial.tuned["clip"] and config.lr == trial.tuned["lr"]
 
 

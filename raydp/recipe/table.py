@@ -10,9 +10,10 @@ which were not (those keep the values they had in the search, today's defaults).
 :func:`resolve` gives a run's recipe from public config values only (model, strategy, epsilon): it reads this
 package's table and nothing else, never a dataset, so using a recipe is post-processing of public data and costs no
 privacy budget. Between two points an epsilon is interpolated in log epsilon: log-linear for the continuous settings
-(``lr``, ``clip``), linear for ``lr_end`` (it may be 0), the nearer point's value for the categorical and integer ones
-(``batch_size``, ``epochs``, ``warmup_steps``, ``lr_decay``; a tie takes the smaller epsilon's). Outside the
-searched range the nearest point's settings are taken, and the resolved record says the epsilon was clamped.
+(``lr``, ``clip``), linear for ``lr_end`` and ``weight_decay`` (they may be 0), the nearer point's value for the
+categorical and integer ones (``batch_size``, ``epochs``, ``warmup_steps``, ``lr_decay``; a tie takes the smaller
+epsilon's). Outside the searched range the nearest point's settings are taken, and the resolved record says the
+epsilon was clamped.
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ TABLE_FORMAT = "raydp-recipes"
 FORMAT_VERSIONS = (1,)
 
 #: the TrainConfig fields a recipe may fill, in the order a record lists them
-RECIPE_FIELDS = ("batch_size", "epochs", "lr", "lr_decay", "lr_end", "warmup_steps", "clip")
+RECIPE_FIELDS = ("batch_size", "epochs", "lr", "lr_decay", "lr_end", "warmup_steps", "weight_decay", "clip")
 #: interpolated log-linearly in log epsilon (positive by their constraints)
 LOG_LINEAR = ("lr", "clip")
 #: interpolated linearly in log epsilon (0 allowed)
-LINEAR = ("lr_end",)
+LINEAR = ("lr_end", "weight_decay")
 #: the settings whose value is the nearer point's
 NEAREST = ("batch_size", "epochs", "warmup_steps", "lr_decay")
 
@@ -57,6 +58,7 @@ class RecipeSettings(StrictModel):
     lr_decay: Literal["constant", "linear", "cosine"] | None = None
     lr_end: float | None = Field(None, ge=0, le=1)
     warmup_steps: int | None = Field(None, ge=0)
+    weight_decay: float | None = Field(None, ge=0)
     clip: float | None = Field(None, gt=0)
 
 

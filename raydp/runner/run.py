@@ -346,7 +346,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
             loaded.device,
             optimizer=OptimizerSettings(lr=config.lr, warmup_steps=config.warmup_steps, decay=config.lr_decay,
                                         lr_end=config.lr_end, total_steps=total_steps,
-                                        rescale_moments=config.rescale_moments),
+                                        rescale_moments=config.rescale_moments, weight_decay=config.weight_decay),
             eval_every=config.eval_every or 0,
             eval_max_sequences=config.eval_max_records,
             progress=progress,
