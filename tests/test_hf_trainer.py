@@ -473,3 +473,34 @@ def test_the_trainers_memory_metrics_are_labelled_unprotected(tmp_path, texts):
     metrics = trainer.train().metrics
     memory = [k for k in metrics if "_mem_" in k]
     assert memory and all(k.startswith("unprotected_") for k in memory), metrics
+
+
+def test_a_recipe_builds_dptraining_and_the_trainers_arguments(tmp_path, texts):
+    """TrainerRecipe splits a recipe entry between DPTraining (batch, epochs, clip) and TrainingArguments (lr, its
+    schedule, warm-up, weight decay; max_steps from the plan; no Trainer clipping), a keyword winning over either
+    half; the Trainer's learning rate after the warm-up follows raydp's own schedule (lr_multiplier)."""
+    from raydp.integrations.trainer_recipe import TrainerRecipe
+    from raydp.runner.loop import OptimizerSettings, lr_multiplier
+
+    recipe = TrainerRecipe.of("embedded", "static-pairwise", epsilon=2.0)
+    s = recipe.settings
+    fields = recipe.dp_fields(epochs=1, max_steps=4)
+    assert fields["batch_size"] == s["batch_size"] and fields["clip"] == s["clip"] and fields["epochs"] == 1
+    loaded = fresh_model()
+    train_dataset = tokenised(loaded.tokenizer, texts)
+    dp = DPTraining(loaded.model, train_dataset, loaded.tokenizer, strategy="static-pairwise", epsilon=2.0,
+                    delta=1e-4, max_length=MAX_LENGTH, **fields)
+    assert dp.config.clip == s["clip"] and dp.config.batch_size == s["batch_size"]
+    args = recipe.training_arguments(dp, str(tmp_path / "run"), warmup_steps=1, save_strategy="no", report_to=[],
+                                     disable_tqdm=True)
+    assert args.max_steps == dp.planned_steps == 4 and args.max_grad_norm == 0.0
+    assert args.learning_rate == s["lr"] and args.lr_scheduler_type.value == "cosine" and args.warmup_steps == 1
+    trainer = Trainer(model=loaded.model, args=args, train_dataset=train_dataset, callbacks=[dp.callback])
+    dp.attach(trainer)
+    trainer.create_optimizer_and_scheduler(num_training_steps=args.max_steps)
+    seen = [s["lr"] * trainer.lr_scheduler.lr_lambdas[0](step) for step in range(args.max_steps)]  # update step
+    ours = lr_multiplier(OptimizerSettings(lr=s["lr"], warmup_steps=1, decay="cosine", lr_end=s.get("lr_end", 0.0),
+                                           total_steps=4))
+    assert seen[1:] == pytest.approx([s["lr"] * ours(step) for step in range(1, 4)], rel=1e-6)
+    with pytest.raises(ConfigError, match="no entry for model 'gpt2'"):
+        TrainerRecipe.of("gpt2", "static-pairwise", 2.0)
