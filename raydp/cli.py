@@ -421,18 +421,24 @@ def cmd_study(args) -> int:
             from raydp.study.private_selection import plan_study  # lazy: `raydp --help` loads no torch
 
             with tempfile.TemporaryDirectory() as tmp:
-                _, plans = plan_study(study, Path(tmp), progress=False)
+                dataset, plans = plan_study(study, Path(tmp), progress=False)
+                route = _selection_route(study, dataset)
             print(f"study {study.name}: private selection over {len(plans)} cell(s), all configs valid")
+            if route:
+                print(f"  {route}")
             for plan in plans.values():
                 print(f"  {plan.key}: each trial at epsilon {plan.trial_epsilon:.4g}; the released best at "
                       f"{plan.end_to_end_epsilon:.4g}")
             return 0
         with tempfile.TemporaryDirectory() as tmp:
-            _, trials = prepare_study(study, Path(tmp), progress=False)
+            dataset, trials = prepare_study(study, Path(tmp), progress=False)
+            route = _selection_route(study, dataset)
         from raydp.study.routes import study_routes  # lazy: as above
 
         searched = "".join(f" and {route.planned_line(study)}" for route in study_routes(study) if route.name != "grid")
         print(f"study {study.name}: {len(trials)} grid trials{searched}, all configs valid and every budget reachable")
+        if route:
+            print(f"  {route}")
         for t in trials[:20]:
             print(f"  {t.name}")
         if len(trials) > 20:
@@ -465,6 +471,14 @@ def cmd_study(args) -> int:
               f"--resume --results-dir {args.results_dir}", file=sys.stderr)
         return 130
     return 0
+
+
+def _selection_route(study, dataset: str) -> str | None:
+    """What a study says before it runs about the records it selects on (:mod:`raydp.study.selection_route`)."""
+    from raydp.data import load_manifest
+    from raydp.study.selection_route import selection_route
+
+    return selection_route(study, study.base.get("public_validation"), load_manifest(dataset))
 
 
 @contextlib.contextmanager

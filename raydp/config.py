@@ -171,8 +171,10 @@ class TrainConfig(StrictModel):
     public_eval_records: int = Field(2000, gt=0, description="PUBLIC validation records evaluated beside the "
                                      "private eval split (selection uses them, ERRATA E15)")
     public_validation: str | None = Field(None, description=(
-        "a CSV of PUBLIC records in the diabetic_data.csv schema to validate and select on, instead of the synthetic "
-        "public population (which says nothing about a real dataset's task)"))
+        "a file of PUBLIC records from the private data's domain to validate and select on, instead of the synthetic "
+        "public population (which says nothing about a real dataset's task): a CSV in the diabetic_data.csv schema "
+        "for Diabetes data, a table with the same text and unit columns for a free-text dataset; refused when it "
+        "shares a unit with the private data"), json_schema_extra={"metavar": "FILE"})
     recipe: Literal["auto", "none"] = Field("auto", description=(
         "auto: every recipe setting left unset (batch_size, epochs, lr, lr_decay, lr_end, warmup_steps, weight_decay, "
         "clip) takes the package's recipe for this model, strategy and epsilon, searched on PUBLIC data "

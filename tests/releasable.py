@@ -154,7 +154,7 @@ RESULTS = {
         "best_public_perplexity", "planned_steps", "enforcing_accountant", "privacy_mode", "privacy_label",
         "privacy_labels", "guarantee", "privacy_unit", "rdp_curve_source", "selection_split", "steps_to_target",
         "selection_metric", "initial_public_value_nll", "final_public_value_nll", "best_public_value_nll",
-        "tuned")},  # tuned: a PUBLIC search's chosen values (tuned_from refuses a search on private data)
+        "tuned", "public_validation")},  # tuned: a PUBLIC search's chosen values (tuned_from refuses a search on private data)
     # search: Optuna's sampled values, chosen from earlier trials' public-validation scores of DP-trained models
     # (post-processing; a search on private data runs one trial at a time, so no timing decides them)
     "search": DP,

@@ -406,3 +406,21 @@ def test_a_registered_attacks_part_of_the_trial_line_comes_from_its_spec(monkeyp
     assert len(lines) == 3 and "seed 0: membership AUC 0.51 (calibrated 0.50); mine 3.2" in lines[1]
     assert "seed 2: evaluation failed: boom" in lines[2]
     assert outcome.attack_lines(results.iloc[[1]], {}) == []
+
+
+def test_an_audit_bound_above_the_spent_epsilon_is_flagged_on_its_trials_line():
+    """The one-run audit's lower bound beside the epsilon the trial spent; above it, the line says it is a privacy
+    bug (an audit bound above the claim is never hidden); a non-private trial's bound says 'not DP'."""
+    from raydp.study.outcome import attack_lines
+
+    results = pd.DataFrame([
+        {"model": "m", "epsilon_target": 2.0, "strategy": "static", "seed": 0, "status": "TERMINATED",
+         "audit_epsilon_one_run": 2.7, "audit_consistent": False, "epsilon": 2.0},
+        {"model": "m", "epsilon_target": 2.0, "strategy": "static", "seed": 1, "status": "TERMINATED",
+         "audit_epsilon_one_run": 0.3, "audit_consistent": True, "epsilon": 1.98},
+        {"model": "m", "epsilon_target": None, "strategy": "nonprivate", "seed": 0, "status": "TERMINATED",
+         "audit_epsilon_one_run": 4.1, "audit_consistent": None, "epsilon": None}])
+    lines = attack_lines(results, {})
+    assert any("seed 0: audit epsilon >= 2.70 (spent 2.00): ABOVE what it spent, a privacy bug" in l for l in lines)
+    assert any("seed 1: audit epsilon >= 0.30 (spent 1.98)" in l and "ABOVE" not in l for l in lines)
+    assert any("nonprivate" in l and "audit epsilon >= 4.10 (not DP)" in l for l in lines)

@@ -82,11 +82,12 @@ def evaluate_perplexity(
 
 @torch.no_grad()
 def value_nll_per_sequence(model: torch.nn.Module, split: TokenizedSplit, device: torch.device,
-                           batch_size: int = 32) -> np.ndarray:
+                           batch_size: int = 32, whole_text: bool = False) -> np.ndarray:
     """Each sequence's summed value-token NLL (nats), in split order: the per-record terms whose mean is
     :attr:`PerplexityResult.value_nll_per_record` (a private score bounds each one: :mod:`raydp.study.
-    private_selection`)."""
-    if split.value_masks is None:
+    private_selection`). ``whole_text``: every token's NLL instead (nats per text, for free text, which has no value
+    spans): the per-text terms whose mean is :attr:`PerplexityResult.nll_per_record`."""
+    if split.value_masks is None and not whole_text:
         raise ValueError("the split has no value spans: the value-token NLL needs them")
     out = np.zeros(len(split), dtype=np.float64)
     with evaluation_mode(model):
@@ -94,5 +95,6 @@ def value_nll_per_sequence(model: torch.nn.Module, split: TokenizedSplit, device
             batch = split.collate(indices, device)
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
             nll, _ = token_nll(logits, batch.input_ids, batch.attention_mask)
-            out[indices] = (nll * batch.value_mask[:, 1:]).sum(dim=1).double().cpu().numpy()
+            mask = batch.attention_mask[:, 1:] if whole_text else batch.value_mask[:, 1:]
+            out[indices] = (nll * mask).sum(dim=1).double().cpu().numpy()
     return out

@@ -21,7 +21,7 @@ MAX_DIALS = 24
 
 def utility(r: Report, colours: dict[str, str]) -> str:
     res = r.results
-    ylabel = f"{'public validation' if r.public else 'private eval'} {r.metric}"
+    ylabel = f"{r.split_label} {r.metric}"
     panels, notes = [], []
     nonprivate = res[res["epsilon_target"].isna()]
     only_nonprivate = nonprivate.shape[0] == res.shape[0]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 
 from raydp.data.identity import identity_of
+from raydp.data.public_records import SYNTHETIC_PUBLIC
 from raydp.errors import ConfigError
 from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
 from raydp.report.markup import _missing
@@ -53,8 +54,23 @@ class Report:
         return self.column.replace("_public_", "_eval_")
 
     @property
+    def public_records(self) -> str | None:
+        """The user's public records the trials validated on (their file names), None for raydp's synthetic ones."""
+        if "public_validation" not in self.results:
+            return None
+        names = [str(n) for n in self.results["public_validation"].dropna().unique() if n != SYNTHETIC_PUBLIC]
+        return ", ".join(names) or None
+
+    @property
+    def split_label(self) -> str:
+        """The selection split's short name, naming the user's public records where they were used."""
+        if not self.public:
+            return "private eval"
+        return f"public validation ({self.public_records})" if self.public_records else "public validation"
+
+    @property
     def split_name(self) -> str:
-        return "public validation" if self.public else "private eval (unprotected, E15)"
+        return self.split_label if self.public else "private eval (unprotected, E15)"
 
     def run_dir(self, row) -> Path | None:
         if self.kind == "run":

@@ -21,7 +21,6 @@ are private too and live outside the run directory.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import sys
@@ -35,11 +34,10 @@ from raydp import __version__
 from raydp.config import TrainConfig
 from raydp.control.policies import trained_on
 from raydp.data import load_manifest, load_texts, manifest_id, public_corpus, resolve_dataset
-from raydp.data.csv_source import load_diabetes_csv
-from raydp.data.splits import ALL_SPLITS, UNIT_COLUMN, load_units, load_value_spans
-from raydp.data.verbalise import verbalise_records
+from raydp.data.public_records import SYNTHETIC_PUBLIC, PublicRecords
+from raydp.data.splits import load_value_spans
 from raydp.data.synthetic import DEFAULT_GENERATOR
-from raydp.errors import ConfigError, DataError
+from raydp.errors import ConfigError
 from raydp.model import LoraSettings, disable_dropout, load_model
 from raydp.model.batches import TokenizedSplit
 from raydp.model.loading import check_model_name
@@ -157,44 +155,31 @@ def dp_batch_width(configured: int | None, max_length: int, public_eval, public_
 
 
 def public_validation_split(tokenizer, max_length: int, n_records: int, task: Task | None = None,
-                            generator: str = DEFAULT_GENERATOR, source: str | None = None) -> TokenizedSplit:
-    """PUBLIC validation records with their value spans: the first ``n_records`` rows of ``source`` (a CSV of public
-    records the user supplies), else the public population of ``generator`` (drawn apart from the probe and
-    pre-training)."""
+                            generator: str = DEFAULT_GENERATOR, source: str | None = None,
+                            manifest: dict | None = None) -> TokenizedSplit:
+    """PUBLIC validation records (with their value spans where the records have fields): the first ``n_records`` of
+    ``source``, the user's public records in the form of the private dataset of ``manifest``
+    (:class:`raydp.data.public_records.PublicRecords`), else the public population of ``generator`` (drawn apart from
+    the probe and pre-training)."""
     if source is not None:
-        records, _ = load_diabetes_csv(Path(source).expanduser())
-        texts, spans = verbalise_records(records.iloc[:n_records], progress=False, spans=True)
+        texts, spans = PublicRecords.of(source, manifest or {}).texts(n_records)
     else:
         texts, spans = public_corpus(n_records, seed=PUBLIC_EVAL_SEED, generator=generator, spans=True)
     return (task or Task()).split(texts, tokenizer, max_length, spans=spans)
 
 
 def check_public_validation(source: str | None, dataset_dir: Path, manifest: dict) -> None:
-    """Refuse a ``public_validation`` CSV that is not apart from the private dataset: the dataset's own source file,
-    or one sharing a patient with any of its splits. Its records steer selection and, with RLDP's public-validation
-    reward, the clips (which assume public data: they are charged nothing). Run before anything is charged."""
-    if source is None:
-        return
-    path = Path(source).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"public_validation: {source} is not a file")
-    if manifest.get("source_sha256") == hashlib.sha256(path.read_bytes()).hexdigest():
-        raise ConfigError(f"public_validation: {source} is the private dataset's own source file")
-    records, _ = load_diabetes_csv(path)
-    public_ids = set(records[UNIT_COLUMN].astype("int64").tolist())
-    for split in ALL_SPLITS:
-        try:
-            units = load_units(dataset_dir, split)
-        except (DataError, FileNotFoundError, OSError):
-            continue  # a split the dataset does not have
-        if public_ids.intersection(units.tolist()):
-            raise ConfigError(f"public_validation: {source} shares patients with the private dataset's {split} split: "
-                              "its records are not public")
+    """Refuse a ``public_validation`` file that is not apart from the private dataset: the dataset's own source file,
+    or one sharing a privacy unit with any of its splits (:meth:`PublicRecords.check_apart`). Its records steer
+    selection and, with RLDP's public-validation reward, the clips (which assume public data: they are charged
+    nothing). Run before anything is charged."""
+    if source is not None:
+        PublicRecords.of(source, manifest).check_apart(dataset_dir, manifest)
 
 
 SYNTHETIC_VALIDATION_NOTE = ("the public validation records are synthetic (raydp's public population): they say "
                              "nothing about this real dataset's task, so selecting on them may choose wrongly; supply "
-                             "public records of the same schema with public_validation")
+                             "public records of the same kind with public_validation")
 
 
 def policy_provenance(private, config: TrainConfig, manifest: dict, privacy: dict) -> dict:
@@ -301,11 +286,12 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
         generator = manifest.get("generator") or ("independent" if manifest.get("synthetic") else DEFAULT_GENERATOR)
         public_eval = public_validation_split(  # the public population of the dataset's generator (E15)
             loaded.tokenizer, max_length, config.public_eval_records, task, generator=generator,
-            source=config.public_validation)
+            source=config.public_validation, manifest=manifest)
         width = None
         if config.is_private:  # every DP batch as wide as a public constant; longer training records cut to it
             width = dp_batch_width(config.dp_width, max_length, public_eval, lambda n: public_validation_split(
-                loaded.tokenizer, max_length, n, task, generator=generator, source=config.public_validation))
+                loaded.tokenizer, max_length, n, task, generator=generator, source=config.public_validation,
+                manifest=manifest))
         train = task.split(train_texts, loaded.tokenizer, width or max_length, units=units.ids if units else None,
                            require_all=True)
         evaluation = task.split(load_texts(dataset_dir, "eval"), loaded.tokenizer, max_length,
@@ -437,7 +423,7 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
                 "best_public_accuracy": max(row["public_accuracy"] for row in history.eval_rows)}
                if task.is_classification else {}),
             "eval_note": EVAL_NOTE,
-            "public_validation": config.public_validation or "synthetic public population",
+            "public_validation": config.public_validation or SYNTHETIC_PUBLIC,
             **({"public_validation_note": SYNTHETIC_VALIDATION_NOTE}
                if not manifest.get("synthetic") and config.public_validation is None else {}),
             "train_loop_seconds": round(trainer.train_seconds, 2),

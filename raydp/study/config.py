@@ -185,8 +185,9 @@ class PrivateSelectionSettings(StrictModel):
     mean: float = Field(4.0, ge=1.0, description="E[K], the expected number of trials per cell")
     shape: float | None = Field(None, ge=0.0, description="eta of a truncated-negative-binomial (not for the others)")
     score_range: tuple[float, float] = Field((30.0, 110.0), description=(
-        "each validation record's value-token NLL (nats) is clipped to [low, high]; a patient contributes the mean "
-        "of its records', so one patient moves the summed score by at most high - low"))
+        "each validation record's value-token NLL (nats; a free-text record's whole-text NLL) is clipped to "
+        "[low, high]; a patient contributes the mean of its records', so one patient moves the summed score by at "
+        "most high - low"))
     score_noise: float = Field(6.0, gt=0, description=(
         "the score's noise multiplier: Gaussian noise of std score_noise x (high - low) on the summed score "
         "(RDP order a: a / (2 score_noise^2))"))
@@ -291,12 +292,14 @@ class StudyConfig(StrictModel):
     evaluate: EvalConfig | None = Field(None, description=(
         "attack and audit every trial after it trains (raydp.evaluation: membership inference, canary "
         "extraction, exposure, epsilon audit); the results are for the data owner, never selection (E15)"))
-    selection: Literal["public", "private", "private-dp"] = Field(
+    selection: Literal["public", "private", "private-dp", "none"] = Field(
         "public", description="the perplexity that picks trials, drives Optuna, steps-to-target and the report: "
-                              "on the PUBLIC validation split (default), or on the private eval split, which no "
-                              "accountant covers (ERRATA E15; labelled in results and reports); private-dp: a "
-                              "DP score on the private validation split, one end-to-end epsilon "
-                              "(private_selection)")
+                              "on the PUBLIC validation split (default: base.public_validation, the user's public "
+                              "records, else raydp's synthetic public population), or on the private eval split, "
+                              "which no accountant covers (ERRATA E15; labelled in results and reports); private-dp: "
+                              "a DP score on the private validation split, one end-to-end epsilon "
+                              "(private_selection); none: the recipe alone, nothing chosen on any split (one DP arm; "
+                              "the trial released in each cell is its first seed's)")
     private_selection: PrivateSelectionSettings | None = Field(None, description=(
         "selection: private-dp: the law of the number of trials and the score release (defaults if omitted)"))
 
@@ -323,6 +326,8 @@ class StudyConfig(StrictModel):
                              "or evaluate: {audit: false}")
         if self.selection == "private-dp" or self.search == "random" or self.private_selection is not None:
             self._check_private_selection()
+        if self.selection == "none":
+            self._check_no_selection()
         if self.search_space:
             self._check_search_space()
         elif self.search == "bandit":
@@ -442,6 +447,17 @@ class StudyConfig(StrictModel):
         if self.wandb.resolved()[0] != "disabled":
             raise ValueError("selection: private-dp releases the best trial only: wandb would log every trial (and "
                              "so how many ran); set wandb: {mode: disabled}")
+
+    def _check_no_selection(self) -> None:
+        """``selection: none`` chooses nothing on any split: one DP arm (the recipe's, or the settings the file
+        gives), no search and no grid of settings to choose among."""
+        dp = [s for s in self.strategies if get_spec(s).private]
+        grid = self.sac_grid
+        one_cell = not dp or not get_spec(dp[0]).controller or len(grid.t_rl) * len(grid.b_sac) * len(grid.k) == 1
+        if len(dp) != 1 or self.search != "grid" or self.search_space or self.settings_grid.get(dp[0]) \
+                or not one_cell:
+            raise ValueError("selection: none runs one DP arm and chooses nothing: give one DP strategy (beside "
+                             "nonprivate, if any) and no search, search_space or settings_grid")
 
     @property
     def selection_settings(self) -> PrivateSelectionSettings:

@@ -20,10 +20,11 @@ import textwrap
 
 import pandas as pd
 
+from raydp.data.public_records import SYNTHETIC_PUBLIC
 from raydp.evaluation.base import present
 from raydp.evaluation.registry import ATTACKS
 from raydp.study.arms import NONPRIVATE_ARMS, arms
-from raydp.study.results import would_release
+from raydp.study.results import fixed_release, would_release
 
 #: the widest line the study's output prints (wider ones are wrapped)
 WIDTH = 160
@@ -71,9 +72,10 @@ def short_names(labels) -> dict[str, str]:
     return names
 
 
-def outcome_cells(results: pd.DataFrame, column: str) -> list[dict]:
+def outcome_cells(results: pd.DataFrame, column: str, selection: str = "public") -> list[dict]:
     """The compact table's cells (module docstring), figures rounded as printed. ``column``: the study's final
-    selection column (public validation unless the study selects on the private eval split)."""
+    selection column (public validation unless the study selects on the private eval split); ``selection``: the
+    study file's (``none``: the trial released is :func:`raydp.study.results.fixed_release`'s)."""
     if column not in results or "strategy" not in results:
         return []
     decimals = metric_decimals(column)
@@ -85,7 +87,8 @@ def outcome_cells(results: pd.DataFrame, column: str) -> list[dict]:
     if done.empty:
         return []
     done = done.assign(_arm=arms(done, cell=True))
-    released = would_release(done, public_col) if split == "public" and public_col in done else pd.DataFrame()
+    released = fixed_release(results, column) if selection == "none" else \
+        would_release(done, public_col) if split == "public" and public_col in done else pd.DataFrame()
     cells = []
     for model, group in done.groupby("model", sort=True):
         nonprivate = group[group["strategy"].isin(NONPRIVATE_ARMS)]
@@ -125,7 +128,8 @@ def outcome_cells(results: pd.DataFrame, column: str) -> list[dict]:
             rows.sort(key=lambda r: (r[split] is None, r[split] if r[split] is not None else 0.0, r["arm"]))
             out = {"model": model, "epsilon": None if eps is None else float(eps), "arms": rows,
                    "would_release": None if release is None else
-                   {"trial": release["trial"], "arm": release["arm"], "seed": release["seed"]}}
+                   {"trial": release["trial"], "arm": release["arm"], "seed": release["seed"]},
+                   **({"fixed_release": True} if selection == "none" else {})}
             if len(nonprivate):
                 out["nonprivate"] = {"arm": arms(nonprivate.iloc[:1], cell=True).iloc[0], **figures(nonprivate)}
             if _is_number(initial[split]):
@@ -182,7 +186,10 @@ def format_outcome(cells: list[dict], column: str, names: dict[str, str]) -> lis
         for row in [header] + table:
             lines.append("  " + "  ".join(row[i].ljust(widths[i]) if i < keep[-1] else row[i]
                                           for i in keep).rstrip())
-        if cell["would_release"]:
+        if cell["would_release"] and cell.get("fixed_release"):
+            lines.extend(wrap(f"  * the trial this study would release: {cell['would_release']['trial']} (selection: "
+                              "none: the one DP arm's first seed, fixed before it ran)"))
+        elif cell["would_release"]:
             lines.extend(wrap(f"  * the trial this study would release: {cell['would_release']['trial']} (of the DP "
                               "arm with the best mean on public validation, its best seed)"))
         elif cell["arms"] and split == "private":
@@ -200,6 +207,16 @@ def format_outcome(cells: list[dict], column: str, names: dict[str, str]) -> lis
 
 def _pct(x) -> str:
     return "" if x is None else f"{x:.0f}%"
+
+
+def public_records_lines(results: pd.DataFrame, column: str) -> list[str]:
+    """A line naming the user's public records where the study's trials validated and selected on them (nothing
+    where they used raydp's synthetic public population, the default)."""
+    if "_public_" not in column or "public_validation" not in results:
+        return []
+    names = [n for n in results["public_validation"].dropna().unique() if n != SYNTHETIC_PUBLIC]
+    return [f"NOTE: public validation records: yours ({', '.join(map(str, names))}), not raydp's synthetic ones"] \
+        if names else []
 
 
 def attack_lines(results: pd.DataFrame, names: dict[str, str]) -> list[str]:

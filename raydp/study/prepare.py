@@ -18,6 +18,7 @@ from pathlib import Path
 from raydp.control.policies import check_policy_privacy
 from raydp.data import load_manifest, load_texts, manifest_id, resolve_dataset
 from raydp.data.build import is_public_dataset
+from raydp.data.public_records import PublicRecords
 from raydp.data.tasks import classification_spec
 from raydp.errors import ConfigError
 from raydp.files import atomic_write, locked
@@ -30,6 +31,7 @@ from raydp.runner.privacy_setup import charge_lifetime as charge_lifetime_budget
 from raydp.study.config import StudyConfig, upgrade_study_values
 from raydp.study.grid import search_cells, search_trial, trial_config, trial_grid
 from raydp.study.routes import study_routes
+from raydp.study.selection_route import selection_route
 from raydp.study.trial import Trial
 
 
@@ -61,8 +63,14 @@ def prepare_study(study: StudyConfig, study_dir: Path, progress: bool = True,
         if not is_public_dataset(dataset):
             raise ConfigError(f"the study declares its data public (private_data: false, a shared policy or "
                               f"save_policy), but {dataset} is not raydp's public population")
+    manifest = load_manifest(dataset)
+    if probe.public_validation:  # the user's public records: apart from the private ones, before anything is charged
+        PublicRecords.of(probe.public_validation, manifest).check_apart(Path(dataset), manifest)
+    route = selection_route(study, probe.public_validation, manifest)  # refuses public selection it cannot serve
+    if route and progress:
+        print(f"raydp: {route}", flush=True)
     n_train = len(load_texts(dataset, "train"))
-    dataset_id = manifest_id(load_manifest(dataset))  # each DP trial's plan names the dataset it is charged on
+    dataset_id = manifest_id(manifest)  # each DP trial's plan names the dataset it is charged on
     trials, plans, trial_plans, trial_units = [], {}, {}, {}
     for trial in trial_grid(study) + corners:
         config = trial_config(study, trial, dataset)

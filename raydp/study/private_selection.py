@@ -68,6 +68,8 @@ from raydp.runner.task import Task
 from raydp.run_directory import CONFIG, LEDGER, RunDirectory
 from raydp.study.config import PrivateSelectionSettings, SearchDimension, StudyConfig
 from raydp.study.grid import draw_in_range, trial_config
+from raydp.study.selection_route import selection_route
+from raydp.data.public_records import PublicRecords
 from raydp.study.trial import Trial
 from raydp.study.selection_release import (ALL_CELLS_NOTE, OWNER_REPORT, PRIVATE_SELECTION_NOTE,  # noqa: F401
                                           RELEASED_CELL_NOTE, RELEASED_SUMMARY_KEYS, all_cells_line, cell_key,
@@ -329,11 +331,13 @@ def score_release(values: np.ndarray, units: np.ndarray, score_range: tuple[floa
 
 
 def record_values(model, split, device) -> np.ndarray:
-    """Each record's value-token NLL for the score, one record per forward pass, so that a record's value depends on
-    that record and the model alone. Batched, a record is padded to its batch's longest and the kernels' shapes
-    follow the other records: removing one record moved other records' values by up to 7.6e-6 nats (1 removal in
-    40, embedded model, 300 validation records), beyond the high - low that bounds one unit's contribution."""
-    return value_nll_per_sequence(model, split, device, batch_size=1)
+    """Each record's value-token NLL for the score (a free-text record, which has no value spans: its whole text's
+    NLL, nats per text), one record per forward pass, so that a record's value depends on that record and the model
+    alone; clipped to ``score_range`` either way, so a unit's bound does not depend on which. Batched, a record is
+    padded to its batch's longest and the kernels' shapes follow the other records: removing one record moved other
+    records' values by up to 7.6e-6 nats (1 removal in 40, embedded model, 300 validation records), beyond the
+    high - low that bounds one unit's contribution."""
+    return value_nll_per_sequence(model, split, device, batch_size=1, whole_text=split.value_masks is None)
 
 
 def trial_score(run_dir: Path, config, dataset: str, settings: PrivateSelectionSettings) -> float:
@@ -388,6 +392,17 @@ def plan_study(study: StudyConfig, study_dir: Path, progress: bool = True) -> tu
     dataset = str(resolve_dataset(probe.data, Path(study_dir) / "dataset", progress=progress))
     if not has_split(dataset, "validation"):
         raise ConfigError(f"dataset {dataset} has no private validation split: set base.data.fractions.validation")
+    manifest = load_manifest(dataset)
+    if probe.public_validation:  # apart from the private records, before the lifetime charge (raydp.data.public_records)
+        PublicRecords.of(probe.public_validation, manifest).check_apart(Path(dataset), manifest)
+    if manifest.get("text_source") and "score_range" not in study.selection_settings.model_fields_set:
+        raise ConfigError("private selection on free text scores each validation text's whole NLL (nats per text), "
+                          "which the default score_range (30, 110), set for the value-token NLL of a record, would "
+                          "clip flat: set private_selection.score_range for texts like yours, from public texts or "
+                          "public knowledge, never from the private ones")
+    route = selection_route(study, probe.public_validation, manifest)
+    if route and progress:
+        print(f"raydp: {route}", flush=True)
     return dataset, plan_cells(study, dataset)
 
 

@@ -126,6 +126,8 @@ def study_metric(table: pd.DataFrame) -> str:
     return "value_nll" if finished.any() and table.loc[finished, columns].notna().all().all() else "perplexity"
 SELECTION_PUBLIC_NOTE = "selection used the public validation split (E15)"
 SELECTION_PRIVATE_NOTE = "selection used the private eval split: unprotected (E15)"
+SELECTION_NONE_NOTE = ("selection: none: nothing was chosen on any split; each cell releases its one DP arm's first "
+                       "seed, fixed before the study ran (the recipe alone: nothing charged beyond the runs)")
 SELECTION_FALLBACK_NOTE = ("selection asked for the public validation split but the runs report none: "
                            "selection used the private eval split: unprotected (E15)")
 PAPER_POLICY_LABEL = ("a policy trained in paper mode drove a run: its controller saw unprivatized statistics "
@@ -164,6 +166,33 @@ def would_release(table: pd.DataFrame, column: str) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=out_columns)
 
 
+def fixed_release(table: pd.DataFrame, column: str) -> pd.DataFrame:
+    """The trial a ``selection: none`` study releases, one row per (model, epsilon) cell: its one DP arm's trial at
+    the lowest seed the study planned, a choice fixed before any trial ran, and released only if that trial finished
+    (a cell whose planned trial did not finish releases nothing: taking the next seed would let whether a trial
+    finished, which may depend on the private data, choose). Nothing measured chooses; ``column`` is only shown.
+    Columns as :func:`would_release`'s."""
+    out_columns = ["model", "epsilon", "arm", "trial", "seed", "value", "arm_mean", "seeds"]
+    if "epsilon_target" not in table or "seed" not in table:
+        return pd.DataFrame(columns=out_columns)
+    planned = table[table["epsilon_target"].notna() & ~table["strategy"].isin(NONPRIVATE_ARMS)]
+    planned = planned.assign(_arm=arms(planned, cell=True))
+    rows = []
+    for (model, eps), cell in planned.groupby(["model", "epsilon_target"], sort=True):
+        if cell["_arm"].nunique() != 1:
+            continue  # a study file that gives one DP arm has one here (StudyConfig refuses more)
+        first = cell.sort_values(["seed", "trial"], kind="stable").iloc[0]
+        if "status" in cell and first["status"] != "TERMINATED":
+            continue
+        if "status" in cell:
+            cell = cell[cell["status"] == "TERMINATED"]
+        value = first.get(column)
+        rows.append({"model": model, "epsilon": float(eps), "arm": first["_arm"], "trial": first["trial"],
+                     "seed": int(first["seed"]), "value": None if value is None or pd.isna(value) else float(value),
+                     "arm_mean": float(cell[column].mean()) if column in cell else None, "seeds": int(len(cell))})
+    return pd.DataFrame(rows, columns=out_columns)
+
+
 def search_best(table: pd.DataFrame, split: str, metric: str) -> list[dict]:
     """Per search cell (strategy, model, epsilon): the finished Optuna trial with the lowest final selection
     metric on ``split``, its sampled values and how many trials the cell finished (what a deciding study
@@ -186,8 +215,9 @@ def search_best(table: pd.DataFrame, split: str, metric: str) -> list[dict]:
 # -- selection ------------------------------------------------------------------------------------
 def selection_value(private: float | None, public: float | None, selection: str) -> tuple[float | None, str]:
     """The figure that selects (ERRATA E15) and the split it came from: the public one unless the study selects
-    on the private split or the run has no public figure (then: 'private', labelled)."""
-    if selection == "public" and public is not None and not _isnan(public):
+    on the private split or the run has no public figure (then: 'private', labelled). ``selection: none`` chooses
+    nothing, and its Tune metric (shown, and Tune's best result, which nothing releases) is the public one too."""
+    if selection in ("public", "none") and public is not None and not _isnan(public):
         return float(public), "public"
     return (None if private is None else float(private)), "private"
 
@@ -201,6 +231,8 @@ def selection_split(table: pd.DataFrame, selection: str) -> tuple[str, str]:
     perplexity, else 'private' (ERRATA E15: labelled, never silent)."""
     if selection == "private":
         return "private", SELECTION_PRIVATE_NOTE
+    if selection == "none":  # the public figures are shown, and select nothing
+        return "public", SELECTION_NONE_NOTE
     if "final_eval_perplexity" not in table:
         return "public", SELECTION_PUBLIC_NOTE
     finished = table["final_eval_perplexity"].notna()

@@ -22,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 
 from raydp.study.outcome import (attack_lines, format_outcome, header_line, outcome_cells, outcome_record,
-                                 privacy_lines, short_names, trial_counts, wrap)
+                                 privacy_lines, public_records_lines, short_names, trial_counts, wrap)
 from raydp.study.results import CHALLENGERS, CONTROLLERS
 from raydp.study.statistics import (BASELINES_EXCLUDED, NO_TEST, VERDICT_ALPHA, _final_column, _one_dataset,
                                     _read_summary, _study_datasets, accuracy_table, cell_arm_keys, challenge,
@@ -142,7 +142,7 @@ def format_study(study_dir: str | Path) -> str:
 def study_outcome(results: pd.DataFrame, summary: dict) -> tuple[str, list[dict], dict[str, str]]:
     """(selection column, :func:`raydp.study.outcome.outcome_cells`, short arm names) of a study's results."""
     column = _final_column(results, summary)
-    cells = outcome_cells(results, column)
+    cells = outcome_cells(results, column, (summary.get("selection") or {}).get("requested") or "public")
     labels = [r["arm"] for c in cells for r in c["arms"]] + [c["nonprivate"]["arm"] for c in cells
                                                                  if c.get("nonprivate")]
     if "strategy" in results:  # arms of no cell (an unfinished one) keep a name too, numbered after
@@ -183,6 +183,7 @@ def _format_tables(results: pd.DataFrame, summary: dict, brief: bool = False) ->
     note = selection.get("note") or ("selection used the public validation split (E15)" if column_split(column) ==
                                      "public" else "selection used the private eval split: unprotected (E15)")
     lines.append(f"NOTE: {note}")
+    lines += public_records_lines(results, column)
     lines += format_outcome(cells, column, names)
     lines += attack_lines(results, names)
     split = f"{split_label(column)} {metric_label(column)}"

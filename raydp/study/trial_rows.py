@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from raydp.data.identity import identity_of
+from raydp.data.public_records import SYNTHETIC_PUBLIC
 from raydp.evaluation.results import flat_metrics
 from raydp.privacy.accounting import REPORTED_ACCOUNTANTS
 from raydp.run_directory import RunDirectory
@@ -71,6 +72,7 @@ def _trial_row(trial: Trial, run_dir: Path, status: str, result: dict, s: dict |
                              if privacy.get("filter") is not None else "ledger")
         if privacy.get("epsilon") is not None else None,
         "wall_seconds": s["wall_seconds"],
+        "public_validation": public_records_name(s.get("public_validation")),
         **{k: s[k] for k in ("final_eval_accuracy", "final_public_accuracy", "best_public_accuracy") if k in s},
         **_phase_one_columns(s.get("phase_one")),
     })
@@ -89,6 +91,14 @@ def _phase_one_columns(phase: dict | None) -> dict:
     return {"phase1_data": phase["data"], "phase1_steps": phase.get("steps"),
             "phase1_public_perplexity": phase.get("public_perplexity_after"),
             "detector_canary_recall": canary.get("recall"), "detector_field_recall": fields.get("recall")}
+
+
+def public_records_name(value: str | None) -> str | None:
+    """What a trial validated and selected on, as its results row names it: raydp's synthetic public population, or
+    the file name (not the path) of the user's public records."""
+    if value is None or value == SYNTHETIC_PUBLIC:
+        return value
+    return Path(value).name
 
 
 def _float_or_nan(x) -> float:
