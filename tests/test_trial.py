@@ -160,3 +160,32 @@ def test_a_trial_is_read_by_attribute_only():
         trial["name"]  # no dict reads left
     with pytest.raises(Exception):
         trial.seed = 1  # frozen
+
+
+def test_a_non_private_arms_run_fields_are_searched_on_public_data_in_one_cell_per_model():
+    """search_space may name the non-private arm (its run fields: lr, schedule, warm-up, weight decay) on public
+    data, searched by Optuna: one cell per model without an epsilon, its best values keyed by epsilon None, which a
+    study's non-private trials take through tuned_from. On private data it is refused (trained without DP, its
+    choice would be an unaccounted release)."""
+    from raydp.study.results import search_best
+    from raydp.study.searches import search_run_name
+
+    space = {"nonprivate": {"lr": {"low": 1e-4, "high": 1e-2, "log": True}, "weight_decay": {"low": 0.0, "high": 0.1}}}
+    public = {"name": "np", "models": ["embedded-tiny"], "epsilons": [0.5, 2.0], "seeds": [0],
+              "strategies": ["nonprivate"], "search": "optuna", "search_space": space, "private_data": False,
+              "base": {"data": {"source": "public"}}, "wandb": {"mode": "disabled"}}
+    study = StudyConfig(**public)
+    cells = search_cells(study)
+    assert [(c.strategy, c.model, c.epsilon) for c in cells] == [("nonprivate", "embedded-tiny", None)]
+    assert search_run_name(study, cells[0]) == "np-search-nonprivate-embedded-tiny" and trial_grid(study) == []
+    sampled = trial_config(study, search_trial(cells[0], {"lr": 0.002, "weight_decay": 0.05}, "ab12"))
+    assert (sampled.strategy, sampled.lr, sampled.weight_decay) == ("nonprivate", 0.002, 0.05)
+    with pytest.raises(ValueError, match="non-private arm's run fields are searched by Optuna on public data only"):
+        StudyConfig(**{**public, "private_data": True, "base": {}})
+    table = pd.DataFrame([{"trial": f"t{i}", "strategy": "nonprivate", "model": "embedded-tiny",
+                           "epsilon_target": np.nan, "status": "TERMINATED", "search": json.dumps({"lr": lr}),
+                           "final_public_value_nll": value} for i, (lr, value) in enumerate(((1e-3, 60.0),
+                                                                                             (2e-3, 58.5)))])
+    best = search_best(table, "public", "value_nll")
+    assert best == [{"strategy": "nonprivate", "model": "embedded-tiny", "epsilon": None, "trials": 2,
+                     "best": {"lr": 2e-3}, "final_public_value_nll": 58.5, "trial": "t1"}]

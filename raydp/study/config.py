@@ -480,12 +480,16 @@ class StudyConfig(StrictModel):
                              "numbers on public data): give one seed, and run the chosen values on more seeds after")
         for strategy, space in self.search_space.items():
             spec = get_spec(strategy)
-            if strategy not in self.strategies or not spec.private or spec.controller or spec.population:
+            if strategy not in self.strategies or spec.controller or spec.population:
                 raise ValueError(f"search_space.{strategy}: not a strategy of this study with settings to search "
                                  "(strategies; a controller's SAC cell is searched without a search_space)")
+            if not spec.private and (self.private_data or self.search != "optuna"):
+                raise ValueError(f"search_space.{strategy}: a non-private arm's run fields are searched by Optuna on "
+                                 "public data only (search: optuna, private_data: false): trained without DP, its "
+                                 "choices on private data would be a release no accountant covers")
             if not space:
                 raise ValueError(f"search_space.{strategy}: name at least one setting to search")
-            model = strategy_class(strategy).settings_model
+            model = strategy_class(strategy).settings_model if spec.private else None  # non-private: run fields only
             fields = set(model.model_fields) if model is not None else set()
             for name in space:
                 if name not in fields and name not in SEARCHABLE_RUN_FIELDS:

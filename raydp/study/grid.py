@@ -115,8 +115,9 @@ def tuning_record(root: Path) -> dict:
             "search_best": summary.get("search_best") or []}
 
 
-def tuned_values(study: StudyConfig) -> dict[tuple[str, str, float], dict]:
-    """The ``tuned_from`` search's best values per (strategy, model, epsilon): ConfigError when the search is
+def tuned_values(study: StudyConfig) -> dict[tuple[str, str, float | None], dict]:
+    """The ``tuned_from`` search's best values per (strategy, model, epsilon; None for a non-private strategy):
+    ConfigError when the search is
     missing, unfinished, or did not run on public data (its choices would then be a release of the private
     data that this study does not account for, ERRATA E7)."""
     if study.tuned_from is None:
@@ -130,23 +131,27 @@ def tuned_values(study: StudyConfig) -> dict[tuple[str, str, float], dict]:
     if not ids or any(not str(i).startswith("public:") for i in ids):
         raise ConfigError(f"tuned_from: study {name!r} did not run on public data (its results name "
                           "datasets that are not public:...): its choices are not free to reuse")
-    best = {(b["strategy"], b["model"], float(b["epsilon"])): dict(b["best"]) for b in record.get("search_best") or []}
+    best = {(b["strategy"], b["model"], None if b["epsilon"] is None else float(b["epsilon"])): dict(b["best"])
+            for b in record.get("search_best") or []}
     if not best:
         raise ConfigError(f"tuned_from: study {name!r} has no finished search (search_best)")
     searched_strategies = {k[0] for k in best}
     for strategy in set(study.strategies) & searched_strategies:
         for model in study.models:
-            for eps in study.epsilons:
-                if (strategy, model, float(eps)) not in best:
-                    raise ConfigError(f"tuned_from: study {name!r} searched {strategy} but not on "
-                                      f"{model} at epsilon {eps:g}")
+            for eps in (study.epsilons if get_spec(strategy).private else [None]):
+                if (strategy, model, None if eps is None else float(eps)) not in best:
+                    raise ConfigError(f"tuned_from: study {name!r} searched {strategy} but not on {model}"
+                                      + ("" if eps is None else f" at epsilon {eps:g}"))
     return best
 
 
 def search_cells(study: StudyConfig) -> list[Trial]:
-    """One Optuna search per (searched strategy, model, epsilon) at the study's seed: the cell's fixed fields."""
-    return [Trial.plan(study, model=model, epsilon=eps, seed=study.seeds[0], strategy=strategy)
-            for strategy in study.search_space for model in study.models for eps in study.epsilons]
+    """One Optuna search per (searched strategy, model, epsilon) at the study's seed: the cell's fixed fields (a
+    non-private strategy: one per model, without an epsilon)."""
+    return [Trial.plan(study, model=model, epsilon=eps if get_spec(strategy).private else None, seed=study.seeds[0],
+                       strategy=strategy)
+            for strategy in study.search_space for model in study.models
+            for eps in (study.epsilons if get_spec(strategy).private else [None])]
 
 
 def search_trial(cell: Trial, values: dict, trial_id: str) -> Trial:
@@ -162,7 +167,8 @@ def _grid(study: StudyConfig, models: list[str]) -> list[Trial]:
         if not spec.private:
             if (model, seed) in {(t.model, t.seed) for t in trials if t.strategy == strategy}:
                 continue  # no epsilon: one non-private trial per model and seed
-            trials.append(Trial.plan(study, model=model, epsilon=None, seed=seed, strategy=strategy))
+            trials.append(Trial.plan(study, model=model, epsilon=None, seed=seed, strategy=strategy,
+                                     tuned=tuned.get((strategy, model, None))))  # tuned_from's best values
             continue
         sac = itertools.product(study.sac_grid.t_rl, study.sac_grid.b_sac, study.sac_grid.k) if spec.controller \
             else [(None, None, None)]

@@ -202,12 +202,14 @@ def search_best(table: pd.DataFrame, split: str, metric: str) -> list[dict]:
     if column not in done:
         return []
     out = []
-    for (strategy, model, eps), cell in done.groupby(["strategy", "model", "epsilon_target"], sort=True):
+    for (strategy, model, eps), cell in done.groupby(["strategy", "model", "epsilon_target"], sort=True,
+                                                     dropna=False):  # a non-private cell: no epsilon
         cell = cell[cell[column].notna()]
         if cell.empty:
             continue
         best = cell.loc[cell[column].idxmin()]
-        out.append({"strategy": strategy, "model": model, "epsilon": float(eps), "trials": int(len(cell)),
+        out.append({"strategy": strategy, "model": model, "epsilon": None if pd.isna(eps) else float(eps),
+                    "trials": int(len(cell)),
                     "best": json.loads(best["search"]), column: float(best[column]), "trial": best["trial"]})
     return out
 

@@ -185,7 +185,8 @@ def fetch_trial_outputs(results, trials_dir: Path) -> None:
 
 def search_run_name(study: StudyConfig, cell: Trial) -> str:
     """The Tune experiment (and Optuna study) of one search cell."""
-    return f"{study.name}-search-{cell.strategy}-{cell.model.replace('/', '_')}-eps{cell.epsilon:g}"
+    eps = "" if cell.epsilon is None else f"-eps{cell.epsilon:g}"  # a non-private cell has none
+    return f"{study.name}-search-{cell.strategy}-{cell.model.replace('/', '_')}{eps}"
 
 
 def _search_space(space: dict) -> dict:
