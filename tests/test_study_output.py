@@ -319,6 +319,9 @@ def test_trial_lines(capsys):
     TrialLines(lines=False).on_trial_complete(0, [done, trial], trial)
     TrialLines().experiment_started("x", "/tmp/x", "s", "f", 3)
     assert capsys.readouterr().err == "[2/3] static-pairwise embedded eps2 seed0: value NLL 65.31 (public), 41 s\n"
+    # a search's searcher makes its trials one by one: the count is out of its samples, not the trials made so far
+    TrialLines(total=16).on_trial_complete(0, [done, trial, SimpleNamespace(status="PENDING")], trial)
+    assert capsys.readouterr().err.startswith("[2/16] static-pairwise")
 
 
 class _Collect(logging.Handler):

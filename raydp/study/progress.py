@@ -98,10 +98,11 @@ class TrialLines(TuneProgressReporter):
     _heartbeat_threshold = _start_end_verbosity = AirVerbosity.DEFAULT  # what Tune's own reporters print at: never
     _intermediate_result_verbosity = AirVerbosity.VERBOSE
 
-    def __init__(self, lines: bool = True):
+    def __init__(self, lines: bool = True, total: int | None = None):
         keep_reporters_start_time()  # Tune's own reporter beside this one must survive a trial's failure
         super().__init__(AirVerbosity.SILENT)
         self.lines = lines
+        self.total = total  # a search's samples (its searcher creates trials as it goes); None: the trials Tune has
 
     def experiment_started(self, *args, **kwargs) -> None:
         pass
@@ -113,7 +114,8 @@ class TrialLines(TuneProgressReporter):
         if not self.lines:
             return
         ended = sum(1 for t in trials if t is not trial and t.status in ("TERMINATED", "ERROR")) + 1
-        line = trial_line(ended, len(trials), trial_label(_spec(trial), str(trial)), trial.last_result, failed)
+        total = max(self.total or 0, len(trials))
+        line = trial_line(ended, total, trial_label(_spec(trial), str(trial)), trial.last_result, failed)
         print(line, file=sys.stderr, flush=True)
 
     def on_trial_complete(self, iteration: int, trials: list, trial, **info) -> None:

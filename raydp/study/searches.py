@@ -80,11 +80,13 @@ def study_filesystem(uri: str):
         raise ConfigError(f"storage: cannot open {uri!r}: {' '.join(str(exc).split())[:200]}") from None
 
 
-def _run_config(name: str, storage: TuneStorage, study: StudyConfig, progress: bool, keep: int | None = CHECKPOINTS_KEPT):
+def _run_config(name: str, storage: TuneStorage, study: StudyConfig, progress: bool,
+                keep: int | None = CHECKPOINTS_KEPT, total: int | None = None):
     """Every Tuner's RunConfig: its experiment under ``storage``, retries, a bounded number of checkpoints
     (``keep``; PBT keeps all: an exploit copies a donor's checkpoint, which a bound could delete first), and its
     console: Tune's reporter at :func:`tune_verbosity`, else :class:`raydp.study.progress.TrialLines` (with
-    ``progress`` a line per finished trial; without, nothing: not even Tune's announcement of the experiment)."""
+    ``progress`` a line per finished trial, counted out of ``total``, a search's samples, which its searcher creates
+    as trials one by one; without, nothing: not even Tune's announcement of the experiment)."""
     from ray import tune  # lazy: `raydp study --check` loads no Ray
 
     from raydp.notices import quiet_library_notices
@@ -95,7 +97,7 @@ def _run_config(name: str, storage: TuneStorage, study: StudyConfig, progress: b
     return tune.RunConfig(name=name, storage_path=storage.path, storage_filesystem=storage.filesystem,
                           failure_config=tune.FailureConfig(max_failures=study.max_failures),
                           checkpoint_config=tune.CheckpointConfig(num_to_keep=keep),
-                          verbose=verbose, callbacks=None if verbose else [TrialLines(lines=progress)])
+                          verbose=verbose, callbacks=None if verbose else [TrialLines(lines=progress, total=total)])
 
 
 
@@ -157,7 +159,7 @@ def _fit_optuna(trainable, study: StudyConfig, common: dict, storage: TuneStorag
                                                             seed=study.optuna.seed),
                                     num_samples=study.optuna.num_samples,
                                     max_concurrent_trials=_search_concurrency(study)),
-        run_config=_run_config(f"{study.name}-optuna", storage, study, progress),
+        run_config=_run_config(f"{study.name}-optuna", storage, study, progress, total=study.optuna.num_samples),
     )
     return tuner.fit()
 
@@ -234,7 +236,7 @@ def _fit_search(trainable, study: StudyConfig, cell: Trial, common: dict, storag
                      "search": _search_space(study.search_space[cell.strategy])},
         tune_config=tune.TuneConfig(search_alg=searcher, num_samples=study.optuna.num_samples,
                                     max_concurrent_trials=_search_concurrency(study)),
-        run_config=_run_config(name, storage, study, progress),
+        run_config=_run_config(name, storage, study, progress, total=study.optuna.num_samples),
     )
     return tuner.fit()
 
@@ -250,13 +252,13 @@ def _fit_bandit(trainable, study: StudyConfig, common: dict, storage: TuneStorag
     name = f"{study.name}-bandit"
     if resume and storage.can_restore(name):
         return storage.restore(name, trainable, resume_errored=True).fit()
+    samples = study.bandit.num_samples * len(search_cells(study))
     tuner = tune.Tuner(
         trainable,
         param_space=dict(common),
-        tune_config=tune.TuneConfig(search_alg=BanditSearch(study),
-                                    num_samples=study.bandit.num_samples * len(search_cells(study)),
+        tune_config=tune.TuneConfig(search_alg=BanditSearch(study), num_samples=samples,
                                     max_concurrent_trials=_search_concurrency(study)),
-        run_config=_run_config(name, storage, study, progress),
+        run_config=_run_config(name, storage, study, progress, total=samples),
     )
     return tuner.fit()
 
