@@ -143,3 +143,22 @@ def test_unwritable_output(tmp_path, capsys):
     assert main(["train", "--output", str(occupied), "--quiet"]) == 2
     assert "not empty" in capsys.readouterr().err
     assert [p.name for p in occupied.iterdir()] == ["keep.txt"]
+
+
+def test_a_runs_cpus_sets_its_threads_in_process(small_dataset, tmp_path):
+    """`raydp train --cpus N` runs an uncontrolled strategy in this process: the run takes N threads (it ignored
+    them, so two runs side by side on 2 cores each ran torch's 2 threads and took about 10x longer per step)."""
+    import torch
+
+    from raydp.config import TrainConfig
+    from raydp.runner.run import run_training
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        config = TrainConfig(model="embedded-tiny", strategy="nonprivate", cpus=1, max_steps=1, eval_max_records=4,
+                             public_eval_records=4, data={"source": str(small_dataset)}, recipe="none")
+        run_training(config, tmp_path / "run", progress=False)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

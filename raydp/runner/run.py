@@ -235,6 +235,8 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
     the privacy units included: a plan charged on one dataset does not run on another of the same size). None: not
     compared (a plain run; a study's searched trial, which the driver did not plan)."""
     started = time.perf_counter()
+    if config.cpus:  # the run's CPU threads (a study's trainable sets them too); unset: torch's default, every core
+        torch.set_num_threads(config.cpus)
     check_model_name(config.model)  # fail on a bad model before building anything
     keep_freed_memory()  # every step reuses the last step's pages (raydp.runner.allocator; nothing computed changes)
     if config.is_controlled and client is None:
