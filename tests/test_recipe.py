@@ -68,14 +68,14 @@ def own_table(tmp_path, monkeypatch):
 
 def test_the_shipped_table_loads_and_every_point_is_a_valid_run():
     table = shipped_table()
-    assert table.format == "raydp-recipes" and table.format_version == 1 and table.version == "v0.1"
-    assert [e.key for e in table.entries] == ["embedded/static-pairwise/default"]  # no non-private entry yet
+    assert table.format == "raydp-recipes" and table.format_version == 1 and table.version == "v0.2"
+    assert [e.key for e in table.entries] == ["embedded/static-pairwise/default", "embedded/nonprivate/default"]
     for entry in table.entries:
         assert all(i.startswith("public:") for i in entry.provenance.dataset_ids)
         assert (REPO / entry.provenance.study_file).is_file() and (REPO / entry.provenance.tuning_record).is_file()
         for point in entry.points:
             settings = point.settings.model_dump(exclude_none=True)
-            assert set(settings) == set(RECIPE_FIELDS)
+            assert set(settings) == set(RECIPE_FIELDS) - ({"clip"} if entry.strategy == "nonprivate" else set())
             config = validate_config(TrainConfig, {"model": entry.model, "strategy": entry.strategy,
                                                    "epsilon": point.epsilon, "recipe": "none", **settings})
             assert {k: getattr(config, k) for k in settings} == settings
@@ -157,8 +157,8 @@ def test_a_clamped_epsilon_says_so_in_the_run_record():
 
 def test_only_the_exact_model_and_strategy_have_a_recipe():
     assert resolve("embedded", "static-pairwise", 2.0) is not None
-    for model, strategy in (("embedded-tiny", "static-pairwise"), ("embedded", "static"), ("embedded", "nonprivate"),
-                            ("gpt2", "static-pairwise")):
+    for model, strategy in (("embedded-tiny", "static-pairwise"), ("embedded", "static"),
+                            ("embedded-tiny", "nonprivate"), ("gpt2", "static-pairwise")):
         assert resolve(model, strategy, 2.0) is None
         config = TrainConfig(model=model, strategy=strategy, epsilon=None if strategy == "nonprivate" else 2.0)
         assert config.recipe_applied is None and {k: getattr(config, k) for k in RECIPE_FIELDS} == _defaults()
@@ -173,7 +173,7 @@ def test_auto_fills_every_unset_field_and_records_the_entry():
     assert {k: getattr(config, k) for k in RECIPE_FIELDS} == point.settings.model_dump()
     assert config.strategy_settings().clip == point.settings.clip  # where --clip lands: the strategy's clip
     applied = config.recipe_applied
-    assert applied["entry"] == "embedded/static-pairwise/default" and applied["table"] == "raydp-recipes v0.1"
+    assert applied["entry"] == "embedded/static-pairwise/default" and applied["table"] == "raydp-recipes v0.2"
     assert applied["how"] == "at epsilon 2" and not applied["clamped"] and applied["compute_tier"] == "default"
     assert list(applied["filled"]) == list(RECIPE_FIELDS)
     assert sorted(applied["searched"]) == ["clip", "lr", "lr_decay"]
@@ -416,3 +416,23 @@ def test_a_resumed_study_runs_under_the_recipe_it_started_with(tmp_path):
         study_recipe(study, tmp_path, resume=True)
     pinned = study.model_copy(update={"base": {"recipe": "none"}})
     assert study_recipe(pinned, tmp_path, resume=True) is pinned  # named in the file: compared by check_resumed_study
+
+
+def test_the_non_private_entry_is_its_searchs_choice_and_a_non_private_run_takes_it():
+    """The non-private arm's own entry (the tuned reference every share of the gain is measured against): its searched
+    values are trials/recipe/search-nonprivate.yaml's search_best, the rest today's defaults; a non-private run with
+    no flag takes it, at no epsilon, and each flag still wins."""
+    entry = next(e for e in shipped_table().entries if e.strategy == "nonprivate")
+    record = json.loads((REPO / entry.provenance.tuning_record).read_text())
+    best = next(b for b in record["search_best"] if b["strategy"] == "nonprivate")
+    (point,) = entry.points
+    settings = point.settings.model_dump(exclude_none=True)
+    assert point.epsilon is None and best["epsilon"] is None and entry.provenance.dataset_ids == record["dataset_ids"]
+    assert {k: settings[k] for k in entry.provenance.searched} == best["best"]
+    assert {k: settings[k] for k in entry.provenance.not_searched} == \
+        {k: v for k, v in _defaults().items() if k in entry.provenance.not_searched}
+    config = validate_config(TrainConfig, {"model": "embedded", "strategy": "nonprivate"})
+    assert (config.lr, config.lr_decay, config.weight_decay) == (best["best"]["lr"], best["best"]["lr_decay"],
+                                                                 best["best"]["weight_decay"])
+    assert config.recipe_applied["entry"] == "embedded/nonprivate/default" and config.recipe_applied["epsilon"] is None
+    assert validate_config(TrainConfig, {"model": "embedded", "strategy": "nonprivate", "lr": 1e-3}).lr == 1e-3
