@@ -427,3 +427,16 @@ def test_an_audit_bound_above_the_spent_epsilon_is_flagged_on_its_trials_line():
     assert any("seed 0: audit epsilon >= 2.70 (spent 2.00): ABOVE what it spent, a privacy bug" in l for l in lines)
     assert any("seed 1: audit epsilon >= 0.30 (spent 1.98)" in l and "ABOVE" not in l for l in lines)
     assert any("nonprivate" in l and "audit epsilon >= 4.10 (not DP)" in l for l in lines)
+
+
+def test_a_searchs_candidates_are_counted_as_searched_trials_not_seeds():
+    """A search's trials share an arm but not a seed: the table says how many candidates its mean is over."""
+    from raydp.study.outcome import format_outcome, outcome_cells
+
+    rows = [{"trial": f"np_{i}", "status": "TERMINATED", "model": "m", "strategy": "nonprivate", "seed": 0,
+             "epsilon_target": None, "search": json.dumps({"lr": lr}), "initial_public_value_nll": 72.0,
+             "final_public_value_nll": value, "final_eval_value_nll": value + 0.3}
+            for i, (lr, value) in enumerate(((1e-3, 64.0), (2e-3, 63.5), (1e-2, 63.1)))]
+    cells = outcome_cells(pd.DataFrame(rows), "final_public_value_nll")
+    printed = "\n".join(format_outcome(cells, "final_public_value_nll", {}))
+    assert "(3 searched trials)" in printed and "3 seeds" not in printed

@@ -104,8 +104,9 @@ def outcome_cells(results: pd.DataFrame, column: str, selection: str = "public")
 
         def figures(g: pd.DataFrame) -> dict:
             sel = g[column]
-            row = {"seeds": int(len(g)), split: _round(sel.mean(), decimals),
-                   f"{split}_sd": _round(sel.std(ddof=1), decimals) if len(g) > 1 else None}
+            searched = "search" in g and g["search"].notna().any()  # a search's candidates: one seed, many settings
+            row = {"seeds": int(len(g)), **({"searched": True} if searched else {}),
+                   split: _round(sel.mean(), decimals), f"{split}_sd": _round(sel.std(ddof=1), decimals) if len(g) > 1 else None}
             other, other_col = ("private", private_col) if split == "public" else ("public", public_col)
             row[other] = _round(g[other_col].mean(), decimals) if other_col in g else None
             row["gain_share_pct"] = share(float(sel.mean()))
@@ -141,7 +142,10 @@ def outcome_cells(results: pd.DataFrame, column: str, selection: str = "public")
     return cells
 
 
-def _seeds(n: int) -> str:
+def _seeds(n: int, searched: bool = False) -> str:
+    """How many trials a row's mean is over: seeds, or a search's candidates (settings sampled at one seed)."""
+    if searched:
+        return f"{n} searched trial{'s' if n != 1 else ''}"
     return "1 seed" if n == 1 else f"{n} seeds"
 
 
@@ -166,15 +170,17 @@ def format_outcome(cells: list[dict], column: str, names: dict[str, str]) -> lis
         with_share = any(r.get("gain_share_pct") is not None for r in cell["arms"] + [cell.get("nonprivate") or {}])
         table = []
         for r in cell["arms"]:
-            sel = _num(r[split], decimals) + (f" ± {_num(r[f'{split}_sd'], decimals)} ({_seeds(r['seeds'])})"
-                                              if r[f"{split}_sd"] is not None else f" ({_seeds(r['seeds'])})")
+            n = _seeds(r["seeds"], r.get("searched", False))
+            sel = _num(r[split], decimals) + (f" ± {_num(r[f'{split}_sd'], decimals)} ({n})"
+                                              if r[f"{split}_sd"] is not None else f" ({n})")
             table.append(["*" if r["would_release"] else "", names.get(r["arm"], r["arm"]), sel,
                           _num(r[other], decimals), _pct(r.get("gain_share_pct")), _num(r["epsilon_spent"], 2)])
         np_row = cell.get("nonprivate")
         if np_row:
             sel = _num(np_row[split], decimals) + (f" ± {_num(np_row[f'{split}_sd'], decimals)}"
                                                    if np_row[f"{split}_sd"] is not None else "")
-            table.append(["", names.get(np_row["arm"], np_row["arm"]), f"{sel} ({_seeds(np_row['seeds'])})",
+            table.append(["", names.get(np_row["arm"], np_row["arm"]),
+                          f"{sel} ({_seeds(np_row['seeds'], np_row.get('searched', False))})",
                           _num(np_row[other], decimals), _pct(np_row.get("gain_share_pct")), "not DP"])
         untrained = cell.get("untrained")
         if untrained:
