@@ -211,6 +211,13 @@ STUDY_SUMMARY = {
         "cells[].nonprivate.private_sd", "cells[].nonprivate.gain_share_pct", "cells[].untrained.private")},
     **{f"would_release[].{k}": PUBLIC for k in ("model", "epsilon")},
     **{f"would_release[].{k}": DP for k in ("trial", "arm", "seed")},
+    # a search's candidates counted as such; selection: none's fixed release (the lowest planned seed)
+    **{f"results_table.{k}": PUBLIC for k in ("cells[].arms[].searched", "cells[].nonprivate.searched",
+                                              "cells[].fixed_release")},
+    # which trials were attacked (attack: released): the released trials (chosen on DP-trained runs' public figures)
+    # and every trial of the strategies the study file names
+    **{f"attacked.{k}": PUBLIC for k in ("rule", "strategies[]")},
+    "attacked.trials[]": DP,
 }
 
 TRAIN_METRICS_DP = {**{k: DP for k in ("sigma", "sigma_eff", "clamped", "clip_mean", "noisy_grad_norm")},

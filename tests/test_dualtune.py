@@ -114,6 +114,7 @@ def test_a_study_runs_both_dualtune_variants_beside_static_dp_sgd_on_ray(local_r
              "settings_grid": {"dualtune": {"phase1": ["public", "redacted"]}},
              "strategy_settings": {"dualtune": {"phase1_records": 200}},
              "evaluate": {"generations": 10, "exposure_candidates": 20, "membership_records": 8, "audit": False},
+             "attack": "all",
              "base": {"data": {"n_records": 300, "n_canary": 4}, "epochs": 1, "max_length": 64,
                       "eval_max_records": 32, "public_eval_records": 32}}
     path = tmp_path / "dualtune.yaml"

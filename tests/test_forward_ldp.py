@@ -207,6 +207,7 @@ def test_a_classification_study_runs_a_local_strategy_beside_dp_sgd_on_ray(local
     study = {"name": "cls", "models": ["embedded-tiny"], "epsilons": [8.0], "seeds": [0],
              "strategies": ["ewft", "static"], "resources": {"cpus_per_trial": 1}, "wandb": {"mode": "disabled"},
              "evaluate": {"generations": 10, "exposure_candidates": 20, "membership_records": 8, "audit": False},
+             "attack": "all",
              "base": {"task": {"kind": "classification"}, "data": {"n_records": 300}, "epochs": 2,
                       "max_length": 64, "eval_max_records": 32, "public_eval_records": 32}}
     path = tmp_path / "cls.yaml"

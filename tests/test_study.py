@@ -54,6 +54,8 @@ def write_study(tmp_path, **changes):
     ({"strategy_settings": {"rldp": {"frozen": True}}}, "frozen policy needs"),
     ({"name": "bad name!"}, "name"),
     ({"evaluate": {}}, "evaluate.audit needs audit canaries in the data"),
+    ({"attack_strategies": ["static"]}, "attack_strategies names arms attacked beside the released trials"),
+    ({"evaluate": {"audit": False}, "attack_strategies": ["nonprivate"]}, "'nonprivate' is not one of this study's"),
     ({"policy": "shared", "sac_grid": {"t_rl": [4], "b_sac": [4, 8], "k": [2]}}, "a shared policy has one B_SAC"),
     ({"settings_grid": {"quantile": {"clip": [0.1]}}}, "settings_grid.quantile: not a DP strategy of this study"),
     ({"settings_grid": {"static": {"clip": []}}}, "settings_grid.static: give each setting a non-empty list"),
@@ -182,7 +184,7 @@ def tiny_study(local_ray, tmp_path_factory):
     root = tmp_path_factory.mktemp("study")
     base = {**TINY_STUDY["base"], "data": {"n_records": 400, "n_audit": 20}}  # audit canaries for `evaluate`
     path = write_study(root, base=base, evaluate={"generations": 20, "exposure_candidates": 50,
-                                                  "membership_records": 16})
+                                                  "membership_records": 16}, attack="all")
     study_dir = run_study(path, root / "out", progress=False)
     yield study_dir
 

@@ -39,6 +39,7 @@ OUTPUT_STUDY = {
     "base": {"data": {"n_records": 400, "n_audit": 20}, "max_steps": 16, "eval_every": 8, "eval_max_records": 16,
              "warmup_steps": 4},
     "evaluate": {"generations": 20, "exposure_candidates": 50, "membership_records": 16},
+    "attack_strategies": ["nonprivate"],  # attack: released (the default): the released trial, and the non-private
 }
 MAX_LINES, MAX_WIDTH = 120, 160
 ARM = "rldp T_RL=4 B_SAC=4 K=2"  # the DP arm's full label
@@ -166,6 +167,12 @@ def test_attacks_audit_and_privacy_are_one_line_each(printed):
     stdout, _, _ = printed
     attacks = [line for line in stdout.splitlines() if "membership AUC" in line]
     assert len(attacks) == 2 and all("canaries" in a and "audit epsilon >=" in a for a in attacks)
+    # attack: released (the default) after the trials: the released trial and, named, the non-private one
+    assert "attacked: the trial this study would release in each cell, and every nonprivate trial" in stdout
+    summary = json.loads((printed[2] / "study_summary.json").read_text())
+    assert summary["attacked"]["rule"] == "released" and len(summary["attacked"]["trials"]) == 2
+    assert "attacked: the trial this study would release in each (model, epsilon) cell" in \
+        (printed[2] / "report.html").read_text()
     assert any(a.lstrip().startswith("rldp [1] eps 2 seed 0:") and "(spent " in a for a in attacks)
     assert re.search(r"tuning-aware epsilon \d+\.\d{3} at delta 1e-05", stdout)
     assert "Table 2 analogue" in stdout and "Table 3 analogue" in stdout  # the study has an RLDP trial
@@ -440,3 +447,39 @@ def test_a_searchs_candidates_are_counted_as_searched_trials_not_seeds():
     cells = outcome_cells(pd.DataFrame(rows), "final_public_value_nll")
     printed = "\n".join(format_outcome(cells, "final_public_value_nll", {}))
     assert "(3 searched trials)" in printed and "3 seeds" not in printed
+
+
+def test_attack_released_picks_each_cells_released_trial_and_the_named_strategies():
+    """attack: released attacks the trial the study would release in each cell (would_release: the best DP arm's
+    best seed on public validation; selection: none's fixed trial) and every finished trial of attack_strategies;
+    nothing else, and nothing under selection: private (which marks no release)."""
+    from types import SimpleNamespace
+
+    from raydp.study.attack_phase import released_trials
+
+    rows = []
+    for strategy, eps, seed, public in (("static", 2.0, 0, 66.0), ("static", 2.0, 1, 65.5),
+                                        ("static-pairwise", 2.0, 0, 64.0), ("static-pairwise", 2.0, 1, 64.5),
+                                        ("static-pairwise", 8.0, 0, 63.0), ("nonprivate", None, 0, 60.0),
+                                        ("nonprivate", None, 1, 60.1)):
+        rows.append({"trial": f"{strategy}_eps{eps}_seed{seed}", "status": "TERMINATED", "model": "m",
+                     "strategy": strategy, "epsilon_target": eps, "seed": seed, "final_public_value_nll": public,
+                     "final_eval_value_nll": public + 0.3, "final_public_perplexity": 4.0,
+                     "final_eval_perplexity": 4.0, "initial_public_value_nll": 72.0,
+                     "initial_eval_value_nll": 72.0})
+    table = pd.DataFrame(rows)
+    study = SimpleNamespace(selection="public", attack_strategies=[])
+    assert released_trials(study, table) == ["static-pairwise_eps2.0_seed0", "static-pairwise_eps8.0_seed0"]
+    study = SimpleNamespace(selection="public", attack_strategies=["nonprivate"])
+    assert released_trials(study, table)[-2:] == ["nonprivate_epsNone_seed0", "nonprivate_epsNone_seed1"]
+    assert released_trials(SimpleNamespace(selection="private", attack_strategies=[]), table) == []
+
+
+def test_the_attacked_trials_are_said_before_their_lines():
+    from raydp.study.outcome import attack_lines
+
+    results = pd.DataFrame([{"model": "m", "epsilon_target": 2.0, "strategy": "static", "seed": 0,
+                             "status": "TERMINATED", "mia_auc": 0.5, "epsilon": 2.0}])
+    lines = attack_lines(results, {}, {"rule": "released", "strategies": ["nonprivate"], "trials": ["x"]})
+    assert "attacked: the trial this study would release in each cell, and every nonprivate trial" in lines[1]
+    assert attack_lines(results, {}, {"rule": "all", "trials": ["x"]})[1] == "  attacked: every trial (attack: all)"

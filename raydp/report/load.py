@@ -298,8 +298,15 @@ def _evaluated(r: Report) -> list[tuple[pd.Series, dict]]:
 
 def _missing_evaluation_note(r: Report, evaluated: list) -> str | None:
     missing = len(r.results) - len(evaluated)
+    attacked = (r.summary or {}).get("attacked") or {}
     if not evaluated:
         return NO_EVALUATION
+    if attacked.get("rule") == "released":
+        also = attacked.get("strategies") or []
+        return (f"attacked: the trial this study would release in each (model, epsilon) cell"
+                + (f" and every {', '.join(also)} trial" if also else "")
+                + f" ({len(evaluated)} of {len(r.results)} trials; attack: released, the default; attack: all "
+                  "attacks every trial)")
     if missing:
         return f"{missing} of {len(r.results)} trials have no {EVALUATION} (not shown)"
     return None

@@ -290,8 +290,15 @@ class StudyConfig(StrictModel):
     wandb: WandbSettings = WandbSettings()
     target_baseline: Literal["best"] = "best"
     evaluate: EvalConfig | None = Field(None, description=(
-        "attack and audit every trial after it trains (raydp.evaluation: membership inference, canary "
-        "extraction, exposure, epsilon audit); the results are for the data owner, never selection (E15)"))
+        "attack and audit trials after they train (raydp.evaluation: membership inference, canary extraction, "
+        "exposure, epsilon audit; which trials: attack); the results are for the data owner, never selection (E15)"))
+    attack: Literal["released", "all"] = Field("released", description=(
+        "with evaluate: which trials are attacked. released: after the trials, the trial the study would release in "
+        "each (model, epsilon) cell (raydp.study.results.would_release), and every trial of attack_strategies; all: "
+        "every trial as it finishes, to compare the leakage of every arm"))
+    attack_strategies: list[str] = Field(default_factory=list, description=(
+        "with evaluate and attack: released, strategies whose every trial is attacked too (e.g. nonprivate, the "
+        "leakage of a model trained without DP)"))
     selection: Literal["public", "private", "private-dp", "none"] = Field(
         "public", description="the perplexity that picks trials, drives Optuna, steps-to-target and the report: "
                               "on the PUBLIC validation split (default: base.public_validation, the user's public "
@@ -321,6 +328,12 @@ class StudyConfig(StrictModel):
             if key in self.base:
                 raise ValueError(f"base.{key} is set by the study's grid ({key}s); remove it from base")
         self._check_controller()
+        if self.attack_strategies and (self.evaluate is None or self.attack != "released"):
+            raise ValueError("attack_strategies names arms attacked beside the released trials: it needs evaluate "
+                             "and attack: released")
+        unknown = [s for s in self.attack_strategies if s not in self.strategies]
+        if unknown:
+            raise ValueError(f"attack_strategies: {unknown[0]!r} is not one of this study's strategies")
         if self.evaluate is not None and self.evaluate.audit and not (self.base.get("data") or {}).get("n_audit"):
             raise ValueError("evaluate.audit needs audit canaries in the data: set base.data.n_audit (e.g. 100) "
                              "or evaluate: {audit: false}")

@@ -225,10 +225,11 @@ def public_records_lines(results: pd.DataFrame, column: str) -> list[str]:
         if names else []
 
 
-def attack_lines(results: pd.DataFrame, names: dict[str, str]) -> list[str]:
+def attack_lines(results: pd.DataFrame, names: dict[str, str], attacked_rule: dict | None = None) -> list[str]:
     """One line per attacked trial, each registered attack's part of it (``AttackSpec.line``: membership inference
     AUC, canaries extracted, exposure, the one-run audit's epsilon lower bound beside the epsilon the trial spent),
-    or the evaluation's error. Computed on the private records: for the data owner, not a DP release (E15)."""
+    or the evaluation's error, after a line saying which trials were attacked (``attacked_rule``: the study
+    summary's ``attacked``). Computed on the private records: for the data owner, not a DP release (E15)."""
     records = results.to_dict("records")
     parts = [[part for spec in ATTACKS if (part := spec.line(r)) is not None] for r in records]
     attacked = [bool(p) or present(r.get("evaluation_error")) for r, p in zip(records, parts)]
@@ -237,6 +238,13 @@ def attack_lines(results: pd.DataFrame, names: dict[str, str]) -> list[str]:
     rows = results.assign(_parts=parts)[attacked]
     rows = rows.assign(_arm=arms(rows, cell=True))
     lines = ["\nAttacks and audit (on the private records: for the data owner, not a DP release, E15)"]
+    if attacked_rule and attacked_rule.get("rule") == "released":
+        also = attacked_rule.get("strategies") or []
+        lines.extend(wrap("  attacked: the trial this study would release in each cell" +
+                          (f", and every {', '.join(also)} trial" if also else "") +
+                          " (attack: released; attack: all attacks every trial)"))
+    elif attacked_rule and attacked_rule.get("rule") == "all":
+        lines.append("  attacked: every trial (attack: all)")
     for r in rows.sort_values(["model", "epsilon_target", "_arm", "seed"], na_position="last").to_dict("records"):
         eps = "" if not _is_number(r.get("epsilon_target")) else f" eps {r['epsilon_target']:g}"
         head = f"  {names.get(r['_arm'], r['_arm'])}{eps} seed {r.get('seed')}"

@@ -606,12 +606,13 @@ def _reported(metrics: dict) -> bool:
     return "step" in metrics or bool(metrics.get("done"))
 
 
-def collect_results(study, study_dir: Path, trials: list[Trial], grid, dataset_dir: str | Path | None = None
-                    ) -> pd.DataFrame:
+def collect_results(study, study_dir: Path, trials: list[Trial], grid, dataset_dir: str | Path | None = None,
+                    evaluation_errors: dict[str, str] | None = None) -> pd.DataFrame:
     """Write ``results.parquet`` and return the table; ``table.attrs`` carries the tuning-aware epsilon
     of each dataset (``tuning_aware_epsilon``: {dataset_id: figure}, ERRATA E7/E14) and the
     selection split (``selection``, E15). ``dataset_dir``: the study's built dataset (default
-    ``study_dir/dataset``), whose id identifies runs whose summary names no dataset."""
+    ``study_dir/dataset``), whose id identifies runs whose summary names no dataset. ``evaluation_errors``: the
+    error line of each trial whose attack after the trials failed (:mod:`raydp.study.attack_phase`)."""
     statuses, unfinished = {}, {}
     trials = list(trials)
     selection = getattr(study, "selection", "public")
@@ -643,6 +644,8 @@ def collect_results(study, study_dir: Path, trials: list[Trial], grid, dataset_d
     rows = []
     for trial in trials:
         status, metrics = statuses.get(trial.name, ("NOT_RUN", {}))
+        if trial.name in (evaluation_errors or {}):  # its attack after the trials failed (the trial stands)
+            metrics = {**metrics, "evaluation_error": evaluation_errors[trial.name]}
         rows.append(_trial_row(trial, study_dir / "trials" / trial.name, status, metrics))
     table = pd.DataFrame(rows)
     split, note = selection_split(table, selection)

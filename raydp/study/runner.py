@@ -38,6 +38,7 @@ from raydp.data import load_manifest, manifest_id
 from raydp.errors import ConfigError
 from raydp.files import atomic_write, owner_only, private_dir
 from raydp.run_directory import RunDirectory
+from raydp.study.attack_phase import attack_released
 from raydp.study.config import StudyConfig, load_study
 from raydp.study.grid import TUNING_FORMAT, TUNING_RECORD, trial_config, trial_grid
 from raydp.study.params import TrialParams
@@ -193,6 +194,13 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     if study.storage is not None:  # the trials' run directories come back from the storage they were saved to
         fetch_trial_outputs(results, trials_dir)
     table = collect_results(study, study_dir, trials, results, dataset_dir=dataset)
+    attacked = None
+    if study.evaluate is not None and study.attack == "released" and not stopped:  # after the trials, on the driver
+        chosen, errors = attack_released(study, study_dir, table, progress)
+        table = collect_results(study, study_dir, trials, results, dataset_dir=dataset, evaluation_errors=errors)
+        attacked = {"rule": "released", "strategies": list(study.attack_strategies), "trials": chosen}
+    elif study.evaluate is not None:
+        attacked = {"rule": "all", "trials": [t for t in table["trial"]] if "trial" in table else []}
     summary = {"study": study.name, "trials": len(trials), "wall_seconds": round(wall, 1),
                "results": str(study_dir / "results.parquet"), **_overheads(results, fit_started)}
     summary.update(table.attrs if hasattr(table, "attrs") else {})
@@ -203,6 +211,8 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
         summary.update(route.summary_for(study_dir))  # e.g. PBT: the population's epsilon
     if shared_counters is not None:
         summary["shared_policy"] = shared_counters
+    if attacked is not None:
+        summary["attacked"] = attacked
     unfinished = int(table["status"].isin(("INTERRUPTED", "NOT_RUN")).sum()) if "status" in table else 0
     unfinished = max(unfinished, stopped)  # a stopped search cell's trials not yet sampled are in no table
     if summary.get("search_best") and not study.private_data and not unfinished:  # a finished public search's record

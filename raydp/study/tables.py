@@ -185,7 +185,7 @@ def _format_tables(results: pd.DataFrame, summary: dict, brief: bool = False) ->
     lines.append(f"NOTE: {note}")
     lines += public_records_lines(results, column)
     lines += format_outcome(cells, column, names)
-    lines += attack_lines(results, names)
+    lines += attack_lines(results, names, summary.get("attacked"))
     split = f"{split_label(column)} {metric_label(column)}"
     named = names if brief else {}
     head = headroom(results, column)

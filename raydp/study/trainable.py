@@ -401,7 +401,8 @@ def _run_trial(config: dict) -> None:
             session.close()
     attacks = {}
     try:
-        if study.evaluate is not None:  # attacks and audit: for the data owner, never Tune's metric (E15)
+        if study.evaluate is not None and study.attack == "all":  # attacks and audit: for the data owner, never
+            # Tune's metric (E15); under attack: released they run after the trials (raydp.study.attack_phase)
             started_eval = time.perf_counter()
             try:  # a failed evaluation must not fail (and retrain) a trained trial: it is recorded instead
                 attacks = flat_metrics(evaluate_run(out, study.evaluate.model_copy(update={"device": run_config.device}),
