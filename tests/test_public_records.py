@@ -43,7 +43,8 @@ def text_data(tmp_path_factory):
     respelled.loc[5, "mrn"] = " mrn-00007 "  # the same patient as another export spells it
     respelled.to_csv(root / "respelled.csv", index=False)
     renamed = public.copy()
-    renamed.loc[2, "note"] = notes(range(0, 200))["note"].iloc[11]  # a private note under a new id
+    renamed.loc[2, "note"] = "  " + notes(range(0, 200))["note"].iloc[11].replace(" ", "\n ")  # a private note,
+    # re-wrapped, under a new id
     renamed.to_csv(root / "renamed.csv", index=False)
     return root
 

@@ -56,6 +56,7 @@ def write_study(tmp_path, **changes):
     ({"evaluate": {}}, "evaluate.audit needs audit canaries in the data"),
     ({"attack_strategies": ["static"]}, "attack_strategies names arms attacked beside the released trials"),
     ({"evaluate": {"audit": False}, "attack_strategies": ["nonprivate"]}, "'nonprivate' is not one of this study's"),
+    ({"evaluate": {"audit": False}, "selection": "private"}, "selection: private marks no trial for release"),
     ({"policy": "shared", "sac_grid": {"t_rl": [4], "b_sac": [4, 8], "k": [2]}}, "a shared policy has one B_SAC"),
     ({"settings_grid": {"quantile": {"clip": [0.1]}}}, "settings_grid.quantile: not a DP strategy of this study"),
     ({"settings_grid": {"static": {"clip": []}}}, "settings_grid.static: give each setting a non-empty list"),
@@ -930,3 +931,21 @@ def test_ctrl_c_during_a_study_leaves_a_reportable_directory_and_a_resume_hint(t
     report = subprocess.run([sys.executable, "-m", "raydp", "report", str(out / "stopped-by-user")],
                             capture_output=True, text=True, cwd=tmp_path)
     assert report.returncode == 0, report.stderr[-2000:]
+
+
+def test_a_study_started_before_attack_resumes_attacking_every_trial(tmp_path):
+    """A study.json from before `attack` (its trials attacked as they finished) resumes under attack: all when its
+    file names no attack, so its finished and remaining trials are attacked alike; the resume check accepts it."""
+    from raydp.study.prepare import check_resumed_study, resumed_attack_rule
+
+    study = load_study(write_study(tmp_path, base={**TINY_STUDY["base"], "data": {"n_records": 400, "n_audit": 20}},
+                                   evaluate={"generations": 4}))
+    assert study.attack == "released"
+    saved = study.model_dump(mode="json")
+    del saved["attack"], saved["attack_strategies"]
+    (tmp_path / "study.json").write_text(json.dumps(saved))
+    resumed = resumed_attack_rule(study, tmp_path, resume=True)
+    assert resumed.attack == "all" and resumed_attack_rule(study, tmp_path, resume=False).attack == "released"
+    check_resumed_study(resumed, tmp_path)
+    with pytest.raises(ConfigError, match="the study file changed .*attack"):
+        check_resumed_study(study, tmp_path)

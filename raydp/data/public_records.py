@@ -10,9 +10,12 @@ The records must be apart from the private ones. Refused: a file whose bytes are
 one holding a text of any split of the private dataset (the same record under another or a pseudonymised id, ERRATA
 E16); one sharing a privacy unit (a patient, a note's patient, a message's user) with any split. Units are compared
 the way the dataset stores them (Diabetes ``patient_nbr`` as is; a free-text unit as its 62-bit digest,
-:func:`raydp.data.text_source.unit_digest`, of the id as the source spelled it, so a public id is also compared in
+:func:`raydp.data.text_source.unit_digest`, of the id as the private source spelled it; a public id is compared in
 the spellings another file format or a tidier export gives it: stripped, upper or lower case, an integer without
-leading zeros or a trailing ``.0``). A dataset whose splits cannot be read is an error, never a pass. Whatever passes
+leading zeros or a trailing ``.0``). The private side keeps its spelling only (its ids are stored as digests), so a
+private ``"0042"`` and a public ``42`` still match, but a private ``" 42"`` or ``"42.0"`` and a public ``42`` do not:
+the check refuses what it can see, and an owner who exports ids differently must compare them. Texts are compared
+after collapsing whitespace. A dataset whose splits cannot be read is an error, never a pass. Whatever passes
 is treated as public: its records steer selection and charge nothing (ERRATA E15), so the owner vouches that they
 are public; raydp refuses what it can see is not.
 """
@@ -99,7 +102,8 @@ class PublicRecords:
 
 
 def _digest(text: str) -> bytes:
-    return hashlib.sha256(str(text).encode()).digest()
+    """A text's digest after collapsing whitespace (a copy re-wrapped or re-indented is the same record)."""
+    return hashlib.sha256(" ".join(str(text).split()).encode()).digest()
 
 
 def spellings(unit) -> set[str]:

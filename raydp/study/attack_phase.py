@@ -9,8 +9,10 @@ plus every trial of the strategies the study file names in ``attack_strategies``
 a model trained without DP). ``attack: all`` keeps attacking every trial as it finishes, inside its Tune trial, for
 studies that compare the leakage of every arm.
 
-Each attacked trial's audit is Bonferroni-corrected over the attacked trials (``audits_in_family``). A resumed study
-attacks only the chosen trials without an ``evaluation.json``. What the attacks compute comes from private records:
+Each attacked trial's audit is Bonferroni-corrected over every trial of the study (``audits_in_family``: the trials
+it planned, fixed before any trained), not over the attacked ones: which trials are attacked depends on the trained
+models through the public metric, and a union bound over a subset chosen that way holds only at the size of the set
+it was chosen from. A resumed study attacks only the chosen trials without an ``evaluation.json``. What the attacks compute comes from private records:
 for the data owner, not a DP release, and it chooses nothing (ERRATA E15); choosing which trials to attack reads the
 public selection metric only.
 """
@@ -62,7 +64,7 @@ def attack_released(study, study_dir: Path, table: pd.DataFrame, progress: bool)
         try:
             device = (run.read_config() or {}).get("device", "auto")
             evaluate_run(run.root, study.evaluate.model_copy(update={"device": device}), progress=False,
-                         audits_in_family=len(chosen))
+                         audits_in_family=max(len(table), len(chosen)))
         except Exception as exc:  # noqa: BLE001 - recorded in the results, not raised
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             errors[name] = f"{type(exc).__name__}: {first}"

@@ -331,6 +331,10 @@ class StudyConfig(StrictModel):
         if self.attack_strategies and (self.evaluate is None or self.attack != "released"):
             raise ValueError("attack_strategies names arms attacked beside the released trials: it needs evaluate "
                              "and attack: released")
+        if self.evaluate is not None and self.attack == "released" and self.selection == "private" \
+                and not self.attack_strategies:
+            raise ValueError("selection: private marks no trial for release, so attack: released would attack none: "
+                             "set attack: all, or name attack_strategies")
         unknown = [s for s in self.attack_strategies if s not in self.strategies]
         if unknown:
             raise ValueError(f"attack_strategies: {unknown[0]!r} is not one of this study's strategies")

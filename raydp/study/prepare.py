@@ -166,6 +166,23 @@ def lock_study_dir(study_dir: Path) -> contextlib.ExitStack:
 RESUMABLE_CHANGES = ("description", "resources", "wandb", "max_failures")
 
 
+def attack_rule_of(saved: dict) -> dict:
+    """A saved study.json's ``attack`` and ``attack_strategies``: a study that ran before they existed attacked
+    every trial as it finished (``attack: all`` where it had ``evaluate:``)."""
+    if "attack" in saved:
+        return {"attack": saved["attack"], "attack_strategies": saved.get("attack_strategies") or []}
+    return {"attack": "all" if saved.get("evaluate") is not None else "released", "attack_strategies": []}
+
+
+def resumed_attack_rule(study: StudyConfig, study_dir: Path, resume: bool) -> StudyConfig:
+    """A resumed study whose file does not name ``attack`` attacks as it started (a study started before the
+    setting attacked every trial), so its finished and its remaining trials are attacked alike."""
+    saved_path = Path(study_dir) / "study.json"
+    if not resume or "attack" in study.model_fields_set or not saved_path.is_file():
+        return study
+    return study.model_copy(update=attack_rule_of(json.loads(saved_path.read_text())))
+
+
 def check_resumed_study(study: StudyConfig, study_dir: Path) -> None:
     """A resumed study must be the study that ran: its trials were charged (and Tune restores them) under their
     names, so a plan changed under the same names would run trials that no charge covers."""
@@ -173,6 +190,7 @@ def check_resumed_study(study: StudyConfig, study_dir: Path) -> None:
     if not saved_path.is_file():
         raise ConfigError(f"{study_dir} has no study.json: it cannot be resumed (nothing says which study ran there)")
     saved = upgrade_study_values(json.loads(saved_path.read_text()))  # an older study.json may carry base.rldp
+    saved = {**saved, **attack_rule_of(saved)}  # a study.json from before `attack`: it attacked every trial
     now = json.loads(json.dumps(study.model_dump(mode="json")))
     changed = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
     if changed:

@@ -43,7 +43,7 @@ from raydp.study.config import StudyConfig, load_study
 from raydp.study.grid import TUNING_FORMAT, TUNING_RECORD, trial_config, trial_grid
 from raydp.study.params import TrialParams
 from raydp.study.prepare import (build_study_models, check_resumed_study, lock_study_dir, prepare_study,
-                                 study_lifetime_nonce, write_lifetime_nonce)
+                                 resumed_attack_rule, study_lifetime_nonce, write_lifetime_nonce)
 from raydp.study.private_selection import SECRET_STATE, run_private_selection
 from raydp.study.results import collect_results
 from raydp.study.routes import FitContext, experiment_names, study_routes
@@ -126,7 +126,7 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
         raise ConfigError(f"policy {saved_policy} already exists: remove it or set another save_policy")
     # Validate everything before anything stays on disk: a study directory that did not exist is removed again
     # when preparing fails (a bad trial, an unreachable budget, too many CPUs per trial)
-    study = study_recipe(study, study_dir, resume)
+    study = resumed_attack_rule(study_recipe(study, study_dir, resume), study_dir, resume)
     if resume:
         check_resumed_study(study, study_dir)
     created = not study_dir.exists()
