@@ -178,9 +178,11 @@ def pytest_sessionfinish(session, exitstatus):
     elapsed, budget = time.monotonic() - started, TIER_BUDGETS_S[tier]
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     name = "fast" if tier == "not slow" else "slow"
+    measured = os.environ.get("COVERAGE_RUN") == "true"  # under `coverage run` (about 1.5x slower): not a timing
     if reporter is not None:
-        reporter.write_line(f"{name} tier: {elapsed:.0f} s of its {budget} s budget")
-    if elapsed > budget and session.exitstatus == 0:
+        reporter.write_line(f"{name} tier: {elapsed:.0f} s of its {budget} s budget"
+                            + (" (under coverage: not checked)" if measured else ""))
+    if elapsed > budget and session.exitstatus == 0 and not measured:
         if reporter is not None:
             reporter.write_line(f"FAIL: the {name} tier is over its budget: move a test to the slow tier or make it "
                                 "cheaper")
