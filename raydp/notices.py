@@ -8,6 +8,7 @@ raydp's own messages and every other library message pass.
 from __future__ import annotations
 
 import logging
+import sys
 
 #: third-party log messages that are not the user's to act on, by the logger that emits them and the start of the
 #: message: Ray's notice that token authentication is on (raydp requires it: the notice's opt-out would be refused);
@@ -51,3 +52,21 @@ def quiet_library_notices() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, LibraryNoticeFilter) for f in logger.filters):
             logger.addFilter(LibraryNoticeFilter(starts))
+
+
+def quiet_exit_tracebacks() -> None:
+    """In this process, drop the 'Exception ignored' traceback of a SystemExit raised inside a weakref or finalizer
+    callback (idempotent). Ray ends a finished Tune trial's worker with SIGTERM, and its handler raises SystemExit
+    wherever the worker is: inside such a callback Python prints it as a traceback, which the study's driver forwards
+    with the worker's output although nothing failed. Every other unraisable exception is printed as before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_raydp_quiet_exit", False):
+        return
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, SystemExit):
+            return
+        previous(unraisable)
+
+    hook._raydp_quiet_exit = True
+    sys.unraisablehook = hook

@@ -483,3 +483,20 @@ def test_the_attacked_trials_are_said_before_their_lines():
     lines = attack_lines(results, {}, {"rule": "released", "strategies": ["nonprivate"], "trials": ["x"]})
     assert "attacked: the trial this study would release in each cell, and every nonprivate trial" in lines[1]
     assert attack_lines(results, {}, {"rule": "all", "trials": ["x"]})[1] == "  attacked: every trial (attack: all)"
+
+
+def test_a_system_exit_in_a_callback_prints_no_traceback_and_other_errors_still_do(monkeypatch):
+    """A trial's worker ended by Ray's SIGTERM raises SystemExit wherever it is; inside a weakref callback Python
+    printed it as an 'Exception ignored' traceback that the driver forwarded. The hook drops only that."""
+    import sys
+    from types import SimpleNamespace
+
+    from raydp.notices import quiet_exit_tracebacks
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(type(u.exc_value).__name__))
+    quiet_exit_tracebacks()
+    quiet_exit_tracebacks()  # idempotent: one hook
+    sys.unraisablehook(SimpleNamespace(exc_value=SystemExit(1)))
+    sys.unraisablehook(SimpleNamespace(exc_value=ValueError("x")))
+    assert seen == ["ValueError"]

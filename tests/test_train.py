@@ -146,8 +146,9 @@ def test_unwritable_output(tmp_path, capsys):
 
 
 def test_a_runs_cpus_sets_its_threads_in_process(small_dataset, tmp_path):
-    """`raydp train --cpus N` runs an uncontrolled strategy in this process: the run takes N threads (it ignored
-    them, so two runs side by side on 2 cores each ran torch's 2 threads and took about 10x longer per step)."""
+    """`raydp train --cpus N` runs an uncontrolled strategy in this process: the run takes N threads while it runs (it
+    ignored them, so two runs side by side on 2 cores each ran torch's 2 threads and took about 10x longer per step),
+    and gives the caller back its own count."""
     import torch
 
     from raydp.config import TrainConfig
@@ -156,9 +157,12 @@ def test_a_runs_cpus_sets_its_threads_in_process(small_dataset, tmp_path):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
+        seen = []
         config = TrainConfig(model="embedded-tiny", strategy="nonprivate", cpus=1, max_steps=1, eval_max_records=4,
                              public_eval_records=4, data={"source": str(small_dataset)}, recipe="none")
-        run_training(config, tmp_path / "run", progress=False)
-        assert torch.get_num_threads() == 1
+        run_training(config, tmp_path / "run", progress=False,
+                     on_evaluation=lambda *a, **k: seen.append(torch.get_num_threads()))
+        assert seen and set(seen) == {1}  # the run's threads while it ran
+        assert torch.get_num_threads() == 2  # and the caller's again after it (later work's float order unchanged)
     finally:
         torch.set_num_threads(before)

@@ -21,6 +21,7 @@ are private too and live outside the run directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -40,6 +41,7 @@ from raydp.data.synthetic import DEFAULT_GENERATOR
 from raydp.errors import ConfigError
 from raydp.model import LoraSettings, disable_dropout, load_model
 from raydp.model.batches import TokenizedSplit
+from raydp.model.embedded import ensure_embedded_model, is_embedded_name
 from raydp.model.loading import check_model_name
 from raydp.run_directory import RunDirectory
 from raydp.runner.allocator import keep_freed_memory
@@ -235,8 +237,32 @@ def run_training(config: TrainConfig, output: str | Path, overwrite: bool = Fals
     the privacy units included: a plan charged on one dataset does not run on another of the same size). None: not
     compared (a plain run; a study's searched trial, which the driver did not plan)."""
     started = time.perf_counter()
-    if config.cpus:  # the run's CPU threads (a study's trainable sets them too); unset: torch's default, every core
-        torch.set_num_threads(config.cpus)
+    if is_embedded_name(config.model):  # built (once, cached) at the caller's threads, as before: the float order of
+        ensure_embedded_model(config.model, progress=progress)  # the cached model's build is not the run's to change
+    with run_threads(config.cpus):  # the run's CPU threads, for the run only
+        return _run_training(config, output, overwrite, progress, client, on_evaluation, on_checkpoint,
+                             checkpoint_every, resume, population_admit, charge_lifetime, _charged_by,
+                             expected_plan, started)
+
+
+@contextlib.contextmanager
+def run_threads(cpus: int | None):
+    """``cpus`` torch threads within the block (a run's ``cpus``; None: as they are, torch's default being every
+    core), the caller's count restored after it: a run in a process that goes on (a test session, a notebook) leaves
+    its thread count, and so the float order of later work, as it found them."""
+    before = torch.get_num_threads()
+    if cpus:
+        torch.set_num_threads(cpus)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_training(config: TrainConfig, output, overwrite, progress, client, on_evaluation, on_checkpoint,
+                  checkpoint_every, resume, population_admit, charge_lifetime, _charged_by, expected_plan,
+                  started) -> dict:
+    """:func:`run_training`'s body, under the run's threads."""
     check_model_name(config.model)  # fail on a bad model before building anything
     keep_freed_memory()  # every step reuses the last step's pages (raydp.runner.allocator; nothing computed changes)
     if config.is_controlled and client is None:

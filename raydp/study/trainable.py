@@ -38,6 +38,7 @@ from raydp.errors import ConfigError, RaydpError
 from raydp.files import atomic_replace, atomic_write, locked, tighten_umask, user_scratch
 from raydp.privacy.accounting.rdp import epsilon_over_steps
 from raydp.privacy.lifetime import LifetimeReceipt
+from raydp.notices import quiet_exit_tracebacks
 from raydp.run_directory import RunDirectory
 from raydp.runner.privacy_setup import has_lifetime_budget
 from raydp.runner.run import run_training
@@ -298,6 +299,7 @@ def run_trial(params: dict) -> None:
     The statistics are written also when the trial fails; a failure to write them is a warning, never the trial's
     failure. (cProfile profiles the calling thread, Tune's runner thread, on Python 3.11; from 3.12 it may see every
     thread of the process.)"""
+    quiet_exit_tracebacks()  # Ray's SIGTERM of a finished trial's worker is no error to print
     directory = os.environ.get(PROFILE_ENV)
     if not directory:
         return _run_trial(params)
