@@ -84,7 +84,7 @@ class PublicRecords:
             raise ConfigError(f"public_validation: {self.path} is the private dataset's own source file")
         rows, units = self._table()
         public_units = set(int(u) for u in units)
-        texts = rows if self.text_source else self.texts(len(rows))[0]
+        texts = rows if self.text_source else verbalise_records(rows, progress=False)  # the file read once
         public_texts = {_digest(t) for t in texts}
         what = "units (the text table's unit column)" if self.text_source else "patients"
         for split in ALL_SPLITS:

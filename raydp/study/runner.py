@@ -197,7 +197,8 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
     attacked = None
     if study.evaluate is not None and study.attack == "released" and not stopped:  # after the trials, on the driver
         chosen, errors = attack_released(study, study_dir, table, progress)
-        table = collect_results(study, study_dir, trials, results, dataset_dir=dataset, evaluation_errors=errors)
+        if chosen:  # read again: the attacked trials' evaluation.json (and any failure) join their rows
+            table = collect_results(study, study_dir, trials, results, dataset_dir=dataset, evaluation_errors=errors)
         attacked = {"rule": "released", "strategies": list(study.attack_strategies), "trials": chosen}
     elif study.evaluate is not None:
         attacked = {"rule": "all", "trials": [t for t in table["trial"]] if "trial" in table else []}
