@@ -418,6 +418,34 @@ def test_a_resumed_study_runs_under_the_recipe_it_started_with(tmp_path):
     assert study_recipe(pinned, tmp_path, resume=True) is pinned  # named in the file: compared by check_resumed_study
 
 
+def test_a_study_resumes_only_under_the_recipe_table_it_started_with(tmp_path):
+    """Under recipe: auto a study's trials take their unset settings from the shipped table, so study.json records the
+    table's version and a resume under another version (a newer raydp) or an unrecorded one is refused with one line;
+    under recipe: none no table is recorded or checked."""
+    from raydp.errors import ConfigError
+    from raydp.study.config import StudyConfig
+    from raydp.study.prepare import check_resumed_study, study_record
+
+    values = {"name": "s", "models": ["embedded-tiny"], "epsilons": [2.0], "strategies": ["static-pairwise"],
+              "seeds": [0]}
+    auto = StudyConfig.model_validate({**values, "base": {"recipe": "auto"}})
+    saved = tmp_path / "study.json"
+    saved.write_text(study_record(auto))
+    assert json.loads(saved.read_text())["recipe_table"] == shipped_table().version
+    check_resumed_study(auto, tmp_path)  # the same table: resumed
+    for recorded in ("v0.0-older", None):
+        written = json.loads(study_record(auto))
+        written["recipe_table"] = recorded
+        saved.write_text(json.dumps(written))
+        with pytest.raises(ConfigError, match=f"ran under the .*this raydp ships {shipped_table().version}") as error:
+            check_resumed_study(auto, tmp_path)
+        assert "\n" not in str(error.value)
+    none = StudyConfig.model_validate({**values, "base": {"recipe": "none"}})
+    saved.write_text(study_record(none))
+    assert "recipe_table" not in json.loads(saved.read_text())
+    check_resumed_study(none, tmp_path)
+
+
 def test_the_non_private_entry_is_its_searchs_choice_and_a_non_private_run_takes_it():
     """The non-private arm's own entry (the tuned reference every share of the gain is measured against): its searched
     values are trials/recipe/search-nonprivate.yaml's search_best, the rest today's defaults; a non-private run with

@@ -936,12 +936,12 @@ def test_ctrl_c_during_a_study_leaves_a_reportable_directory_and_a_resume_hint(t
 def test_a_study_started_before_attack_resumes_attacking_every_trial(tmp_path):
     """A study.json from before `attack` (its trials attacked as they finished) resumes under attack: all when its
     file names no attack, so its finished and remaining trials are attacked alike; the resume check accepts it."""
-    from raydp.study.prepare import check_resumed_study, resumed_attack_rule
+    from raydp.study.prepare import check_resumed_study, resumed_attack_rule, study_record
 
     study = load_study(write_study(tmp_path, base={**TINY_STUDY["base"], "data": {"n_records": 400, "n_audit": 20}},
                                    evaluate={"generations": 4}))
     assert study.attack == "released"
-    saved = study.model_dump(mode="json")
+    saved = json.loads(study_record(study))
     del saved["attack"], saved["attack_strategies"]
     (tmp_path / "study.json").write_text(json.dumps(saved))
     resumed = resumed_attack_rule(study, tmp_path, resume=True)

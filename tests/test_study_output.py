@@ -164,13 +164,15 @@ def test_the_summary_holds_only_classified_fields(printed):
 
 
 def test_attacks_audit_and_privacy_are_one_line_each(printed):
-    stdout, _, _ = printed
+    stdout, stderr, _ = printed
     attacks = [line for line in stdout.splitlines() if "membership AUC" in line]
     assert len(attacks) == 2 and all("canaries" in a and "audit epsilon >=" in a for a in attacks)
     # attack: released (the default) after the trials: the released trial and, named, the non-private one
     assert "attacked: the trial this study would release in each cell, and every nonprivate trial" in stdout
     summary = json.loads((printed[2] / "study_summary.json").read_text())
     assert summary["attacked"]["rule"] == "released" and len(summary["attacked"]["trials"]) == 2
+    # both after the trials, on the driver, each announced on stderr
+    assert sum(line.startswith("raydp: attacking ") for line in stderr.splitlines()) == 2
     assert "attacked: the trial this study would release in each (model, epsilon) cell" in \
         (printed[2] / "report.html").read_text()
     assert any(a.lstrip().startswith("rldp [1] eps 2 seed 0:") and "(spent " in a for a in attacks)

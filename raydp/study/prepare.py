@@ -24,6 +24,7 @@ from raydp.errors import ConfigError
 from raydp.files import atomic_write, locked
 from raydp.model.embedded import ensure_embedded_model, is_embedded_name
 from raydp.privacy.lifetime import read_budget
+from raydp.recipe import shipped_table
 from raydp.runner.local_setup import is_local, plan_local_run
 from raydp.runner.privacy_setup import (LifetimeCharge, build_strategy, plan_key, plan_private_run, plan_record,
                                         training_units)
@@ -164,6 +165,17 @@ def lock_study_dir(study_dir: Path) -> contextlib.ExitStack:
 
 #: study-file fields a resume may change: none of them changes what a trial runs or spends
 RESUMABLE_CHANGES = ("description", "resources", "wandb", "max_failures")
+#: study.json's record of the recipe table version whose entries filled the trials' unset settings (``recipe: auto``)
+RECIPE_TABLE_KEY = "recipe_table"
+
+
+def study_record(study: StudyConfig) -> str:
+    """study.json: the study's values, and under ``recipe: auto`` the version of the recipe table its trials take
+    their unset settings from (:func:`check_resumed_study` refuses a resume under another table)."""
+    values = study.model_dump(mode="json")
+    if (study.base or {}).get("recipe", "auto") == "auto":
+        values[RECIPE_TABLE_KEY] = shipped_table().version
+    return json.dumps(values, indent=2)
 
 
 def attack_rule_of(saved: dict) -> dict:
@@ -191,6 +203,12 @@ def check_resumed_study(study: StudyConfig, study_dir: Path) -> None:
         raise ConfigError(f"{study_dir} has no study.json: it cannot be resumed (nothing says which study ran there)")
     saved = upgrade_study_values(json.loads(saved_path.read_text()))  # an older study.json may carry base.rldp
     saved = {**saved, **attack_rule_of(saved)}  # a study.json from before `attack`: it attacked every trial
+    table = saved.pop(RECIPE_TABLE_KEY, None)
+    if (study.base or {}).get("recipe", "auto") == "auto" and table != shipped_table().version:
+        ran = f"recipe table {table}" if table else "a recipe table it did not record"
+        raise ConfigError(f"{study_dir} ran under the {ran}, and this raydp ships {shipped_table().version}: resumed, "
+                          "its trials would take other settings; resume it with the raydp it started with, or run it "
+                          "again into another --results-dir")
     now = json.loads(json.dumps(study.model_dump(mode="json")))
     changed = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
     if changed:

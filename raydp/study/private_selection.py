@@ -68,6 +68,7 @@ from raydp.runner.task import Task
 from raydp.run_directory import CONFIG, LEDGER, RunDirectory
 from raydp.study.config import PrivateSelectionSettings, SearchDimension, StudyConfig
 from raydp.study.grid import draw_in_range, trial_config
+from raydp.study.prepare import study_record
 from raydp.study.selection_route import selection_route
 from raydp.data.public_records import PublicRecords
 from raydp.study.trial import Trial
@@ -446,7 +447,7 @@ def run_private_selection(study: StudyConfig, study_dir: Path, progress: bool, r
             (study_dir / SECRET_STATE).unlink(missing_ok=True)
         raise
     atomic_write(study_dir / "PRIVACY.txt", study_privacy_note(total))
-    atomic_write(study_dir / "study.json", json.dumps(study.model_dump(mode="json"), indent=2))
+    atomic_write(study_dir / "study.json", study_record(study))
 
     if state.get("released"):  # a finished selection is released once: its trials are never run again
         say("this selection was released already: its released files are rewritten from its kept trials")

@@ -43,7 +43,8 @@ from raydp.study.config import StudyConfig, load_study
 from raydp.study.grid import TUNING_FORMAT, TUNING_RECORD, trial_config, trial_grid
 from raydp.study.params import TrialParams
 from raydp.study.prepare import (build_study_models, check_resumed_study, lock_study_dir, prepare_study,
-                                 resumed_attack_rule, study_lifetime_nonce, write_lifetime_nonce)
+                                 resumed_attack_rule, study_lifetime_nonce, study_record,
+                                 write_lifetime_nonce)
 from raydp.study.private_selection import SECRET_STATE, run_private_selection
 from raydp.study.results import collect_results
 from raydp.study.routes import FitContext, experiment_names, study_routes
@@ -147,7 +148,7 @@ def _run_study(path: str | Path, results_dir: str | Path, progress: bool, resume
             shutil.rmtree(study_dir, ignore_errors=True)
         raise
     atomic_write(study_dir / "PRIVACY.txt", STUDY_PRIVACY_NOTE)
-    atomic_write(study_dir / "study.json", json.dumps(study.model_dump(mode="json"), indent=2))
+    atomic_write(study_dir / "study.json", study_record(study))
     write_lifetime_nonce(study_dir, nonce)  # a resume here is not charged twice (private: work/)
     session = None
     shared = TrialParams(study=study, dataset=dataset, study_dir=str(study_dir), wandb=wandb_target(study, study_dir),
