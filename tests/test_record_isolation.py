@@ -129,6 +129,31 @@ def test_batched_passes_are_refused_off_the_cpu(model_and_split):
         GhostClippingComputer(meta, [])
 
 
+def test_per_sample_gradients_of_a_compiled_model_are_refused(model_and_split):
+    """torch.compile may run a graph traced without the per-sample hooks (every gradient then zero, silently):
+    per-sample and ghost gradients of a model with a compiled module are refused with one line, before any pass."""
+    from raydp.model import load_model
+    from raydp.privacy.clipping import PerSampleGradientComputer
+    from raydp.privacy.ghost import GhostClippingComputer
+
+    _, split = model_and_split
+    loaded = load_model("embedded", device="cpu", progress=False)  # a copy of its own: compiling marks the module
+    batch = split.collate(list(range(2)), "cpu", width=64)
+    computer = PerSampleGradientComputer(loaded.model, loaded.pairs)
+    ghost = GhostClippingComputer(loaded.model, loaded.pairs)
+    try:
+        computer.compute(batch.input_ids, batch.attention_mask)  # eager: computed
+        next(m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)).compile()  # one inner module
+        with pytest.raises(ValueError, match="torch.compile'd model are refused") as error:
+            computer.compute(batch.input_ids, batch.attention_mask)
+        assert "\n" not in str(error.value)
+        with pytest.raises(ValueError, match="torch.compile'd model are refused"):
+            ghost.contributions(batch)
+    finally:
+        computer.remove()
+    assert all(p.a.grad is None and p.b.grad is None for p in loaded.pairs)
+
+
 def _ids_mask(split, indices):
     batch = split.collate(indices, "cpu", width=64)
     return batch.input_ids, batch.attention_mask

@@ -232,3 +232,27 @@ def test_every_profiled_phase_names_a_function_of_its_file():
         tree = ast.parse((root / module).read_text())
         defined = {node.name for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
         assert function in defined, f"{phase}: {module} defines no {function}"
+
+
+def test_a_study_bench_arm_changes_the_study_file_it_names(tmp_path):
+    """bench/bench_study.py's arms: NAME[@DIR][:KEY=VALUE;...] changes top-level keys (an empty value removes one), and
+    the written copy resolves the file's relative paths as `raydp study` does, so it runs from any directory."""
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "bench"))
+    try:
+        import bench_study
+    finally:
+        sys.path.remove(str(root / "bench"))
+    name, changes = bench_study.parse_arm("all@/tmp/old:attack=all;attack_strategies=")
+    assert (name, changes) == ("all@/tmp/old", {"attack": "all", "attack_strategies": None})
+    assert bench_study.parse_arm("released") == ("released", {})
+    written = yaml.safe_load(bench_study.arm_file(root / "trials" / "quickstart.yaml", changes, tmp_path).read_text())
+    assert written["attack"] == "all" and "attack_strategies" not in written
+    assert written["tuned_from"] == str(root / "trials" / "tuned" / "schedule-search.json")
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        bench_study.parse_arm("x:attack")

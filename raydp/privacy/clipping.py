@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import sys
 import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -385,6 +386,20 @@ class RecordGraph:
         return PerSampleGrads(flat, self.layout, losses)
 
 
+def refuse_compiled(model: torch.nn.Module) -> None:
+    """A model (or a module in it) compiled by ``torch.compile`` is refused: dynamo may run a graph traced without
+    the per-sample hooks (measured: a model compiled like another one, hooks added before its first call, ran the
+    other's graph and every per-sample gradient came out zero, silently), and it buys nothing on a CPU here
+    (bench/bench_compile.py: the compiled step was 1.02-1.04x the eager one; docs/throughput.md)."""
+    frames = sys.modules.get("torch._dynamo.eval_frame")
+    if frames is None:  # torch.compile was never called in this process (and importing dynamo takes a while)
+        return
+    if isinstance(model, frames.OptimizedModule) or any(
+            getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()):
+        raise ValueError("per-sample gradients of a torch.compile'd model are refused: its compiled graph may skip the "
+                         "per-sample hooks; pass the eager model")
+
+
 class PerSampleGradientComputer:
     """Exact per-sample gradients of the LoRA matrices, by one forward hook per adapter matrix.
 
@@ -456,6 +471,7 @@ class PerSampleGradientComputer:
                 labels: torch.Tensor | None = None) -> PerSampleGrads:
         """Forward, backward of the summed per-sequence losses; returns the per-sample LoRA gradients (the
         parameters' own ``.grad`` is left empty). Isolated records: one pass per record, concatenated."""
+        refuse_compiled(self.model)
         device = input_ids.device
         if self.isolate is False and isolates_records(device):
             raise ValueError(f"per-sample gradients in batches on {device.type}: one record changes the others' "

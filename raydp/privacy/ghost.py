@@ -57,7 +57,7 @@ from opacus.grad_sample.linear import compute_linear_norm_sample
 
 from raydp.model.adapters import AdapterPair
 from raydp.model.loss import per_sequence_nll
-from raydp.privacy.clipping import isolates_records
+from raydp.privacy.clipping import isolates_records, refuse_compiled
 from raydp.privacy.mechanism import flatten_pairs
 
 
@@ -189,6 +189,7 @@ class GhostClippingComputer:
     def contributions(self, batch) -> GhostContributions:
         """The one pass: forward, backward of the summed losses with the hooks on (per-unit norms; each LoRA
         layer's activations and output gradients kept for the clipped sum)."""
+        refuse_compiled(self.module)
         self._reset()
         rows = batch.input_ids.shape[0]
         unit_index = batch.unit_index
