@@ -464,3 +464,36 @@ def test_the_non_private_entry_is_its_searchs_choice_and_a_non_private_run_takes
                                                                  best["best"]["weight_decay"])
     assert config.recipe_applied["entry"] == "embedded/nonprivate/default" and config.recipe_applied["epsilon"] is None
     assert validate_config(TrainConfig, {"model": "embedded", "strategy": "nonprivate", "lr": 1e-3}).lr == 1e-3
+
+
+def test_the_proof_data_builds_as_a_users_tables(tmp_path):
+    """experiments/recipe-proof/make_data.py writes the unseen hospital's CSV and the progress letters as a user would
+    bring them: deterministic in the seed, each building as a private dataset (records; free text with its unit), a
+    patient's letters sharing their injury and therapist with pain that never rises from one session to the next."""
+    import re
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    from raydp.data import build_dataset, load_manifest
+    from raydp.data.text_source import build_text_dataset
+
+    script = REPO / "experiments" / "recipe-proof" / "make_data.py"
+    for out in ("a", "b"):
+        subprocess.run([sys.executable, str(script), str(tmp_path / out), "--records", "400", "--patients", "60"],
+                       check=True, capture_output=True)
+    for name in ("unseen.csv", "letters.csv"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    letters = pd.read_csv(tmp_path / "a" / "letters.csv")
+    assert letters["patient"].nunique() == 60 and len(letters) > 60
+    for _, own in letters.groupby("patient"):
+        parsed = [re.match(r"Session (\d+) with (\w+) for .* after (.*)\. Pain today (\d+) out of 10", t).groups()
+                  for t in own["letter"]]
+        parsed.sort(key=lambda g: int(g[0]))
+        assert len({(g[1], g[2]) for g in parsed}) == 1
+        assert all(int(a[3]) >= int(b[3]) for a, b in zip(parsed, parsed[1:]))
+    build_dataset(tmp_path / "records", source=str(tmp_path / "a" / "unseen.csv"), progress=False)
+    build_text_dataset(tmp_path / "texts", source=tmp_path / "a" / "letters.csv", text_column="letter",
+                       unit_column="patient")
+    assert load_manifest(tmp_path / "records")["dataset_id"] != load_manifest(tmp_path / "texts")["dataset_id"]

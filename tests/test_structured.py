@@ -152,6 +152,27 @@ def test_the_benchmark_holds_structure_and_a_private_shift_to_learn():
     assert cramers_v(structured) > 2 * cramers_v(independent)
 
 
+def test_the_unseen_population_is_another_hospital_with_other_people():
+    """The recipe's proof data (experiments/recipe-proof/): its records are far from the public population the recipe
+    was searched on (farther than the private one is, which the public population proxies), its patients share no id
+    with the other populations' draws, and a draw is the same for the same seed."""
+    n = 3000
+    unseen = generate_records(n, 0, population="unseen", progress=False)
+    assert unseen.equals(generate_records(n, 0, population="unseen", progress=False))
+    private = generate_records(n, 0, population="private", progress=False)
+
+    def kl(frame, p, q):  # KL(p || q) per record, Monte Carlo over frame (drawn from p)
+        return float(np.mean(population(p).log_prob(frame) - population(q).log_prob(frame)))
+
+    assert kl(unseen, "unseen", "public") > 2 * kl(private, "private", "public") > 0
+    assert kl(unseen, "unseen", "private") > 5.0  # not the benchmark's hospital either
+    others = pd.concat([generate_records(n, 0, population=name, progress=False)["patient_nbr"]
+                        for name in ("private", "public", "pretraining", "audit", "canary")])
+    assert not set(unseen["patient_nbr"]) & set(others)
+    with pytest.raises(Exception, match="structured generator"):
+        generate_records(10, 0, population="unseen", generator="independent", progress=False)
+
+
 def test_the_verbalisers_spans_hold_the_field_values(sample):
     for record in sample.iloc[:200].to_dict("records"):
         text, spans = verbalise_spans(record)

@@ -6,6 +6,7 @@ PRIVATE_STREAM = 0x50524956  # "PRIV"
 PUBLIC_STREAM = 0x5055424C  # "PUBL"
 AUDIT_STREAM = 0x41554454  # "AUDT"
 PRETRAINING_STREAM = 0x50524554  # "PRET"
+UNSEEN_STREAM = 0x554E534E  # "UNSN"
 # Id ranges: private ids start near the real file's smallest ids and grow by < 200 per record, so
 # they stay below the public base for any n < 4.5e7; public ids start at 9e9 (the real file's
 # largest is 4.4e8).
@@ -18,4 +19,7 @@ _ID_BASES = {
     "canary": (0x43414E52, 5_500_000_000, 5_000_000_000),  # "CANR"
     # the generic pre-training corpus of the structured generator (raydp.data.structured); ids from 11e9/10e9
     "pretraining": (PRETRAINING_STREAM, 11_000_000_000, 10_000_000_000),
+    # another hospital of the structured generator, for proofs on unseen data (raydp.data.structured); ids from
+    # 13e9/12e9
+    "unseen": (UNSEEN_STREAM, 13_000_000_000, 12_000_000_000),
 }

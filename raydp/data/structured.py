@@ -22,7 +22,7 @@ them, and each field given the fields drawn before it::
 
 A patient's encounters share the latent condition, severity and demographics, so they resemble each other.
 Every table is built from a base (roughly the real table's marginals, with the dependencies above) and then
-shifted per population by seeded log-normal tilts of each row (:data:`POPULATION_SHIFTS`). Three populations,
+shifted per population by seeded log-normal tilts of each row (:data:`POPULATION_SHIFTS`). Four populations,
 the same structure with other parameters and other people, as three sources of records would be:
 
 * ``private``: the hospital whose records are split into train/eval/attack/validation (and the audit canaries);
@@ -31,7 +31,10 @@ the same structure with other parameters and other people, as three sources of r
   validation, the public probe, public episodes (policy pre-training, baseline tuning) and DualTune's public
   phase 1 use it: it points the same way as the private task;
 * ``pretraining``: the generic corpus a base model is pre-trained on (the embedded model's tokenizer and
-  pre-training): the base tilted independently and as strongly as the private population, far from it.
+  pre-training): the base tilted independently and as strongly as the private population, far from it;
+* ``unseen``: another hospital, for proofs on data that no search or default was ever chosen on (the recipe's,
+  ``experiments/recipe-proof/``): the base tilted independently again, as strongly, by a tilt no other population
+  uses. Nothing in raydp reads it by default; ``generate_records(population="unseen")`` draws it.
 
 What only the private records teach a model pre-trained on the ``pretraining`` population is
 KL(private || pretraining) per record; :func:`population_report` measures it, the entropy per record and the
@@ -60,7 +63,8 @@ C, S = len(CONDITIONS), len(SEVERITIES)
 #: condition prior's scale)
 POPULATION_SHIFTS = {"private": ((101, 1.25, 0.8),),
                      "public": ((101, 1.25, 0.8), (303, 0.75, 0.5)),
-                     "pretraining": ((202, 1.25, 0.8),)}
+                     "pretraining": ((202, 1.25, 0.8),),
+                     "unseen": ((404, 1.25, 0.8),)}
 
 _RACE = {"Caucasian": 0.748, "AfricanAmerican": 0.189, "?": 0.022, "Hispanic": 0.020, "Other": 0.015,
          "Asian": 0.006}

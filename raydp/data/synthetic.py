@@ -166,9 +166,9 @@ def generate_records(
 ) -> pd.DataFrame:
     """``n`` synthetic encounters (rows in :data:`schema.COLUMNS` order), deterministic per seed.
 
-    ``population`` is ``'private'``, ``'public'``, ``'audit'`` or ``'pretraining'`` (disjoint seed streams and id
-    ranges; audit records follow the private parameters; the independent generator has one public population,
-    which ``'pretraining'`` then draws from too). ``generator``: ``'structured'`` (default) or
+    ``population`` is ``'private'``, ``'public'``, ``'audit'``, ``'pretraining'`` or ``'unseen'`` (disjoint seed
+    streams and id ranges; audit records follow the private parameters; the independent generator has one public
+    population, which ``'pretraining'`` then draws from too, and no ``'unseen'`` one). ``generator``: ``'structured'`` (default) or
     ``'independent'`` (module docstring). Integer columns are ``int64``; all other columns hold the CSV's strings.
     """
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
@@ -177,6 +177,8 @@ def generate_records(
         raise DataError(f"population must be one of {', '.join(_ID_BASES)}, got {population!r}")
     if generator not in GENERATORS:
         raise DataError(f"generator must be one of {', '.join(GENERATORS)}, got {generator!r}")
+    if population == "unseen" and generator != "structured":
+        raise DataError("the unseen population is the structured generator's (generator='structured')")
     n = int(n)
     stream, encounter_base, patient_base = _ID_BASES[population]
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), stream]))
