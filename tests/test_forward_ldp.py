@@ -280,6 +280,36 @@ def test_a_resumed_local_step_keeps_its_released_labels_and_will_not_re_release_
         resumed.compute(model, Batch([0, 1], ids, torch.ones_like(ids), labels=torch.tensor([0, 1])))
 
 
+def test_a_local_step_refuses_a_pass_that_skipped_its_noise_layer():
+    """A compiled model may run a graph without the noise hook: its embeddings would reach training un-noised while
+    the ledger charged a release. The step refuses a compiled model, and a pass that never went through the layer
+    (here the hook taken off, as a compiled block's graph would skip it), before any gradient."""
+    from raydp.model.batches import Batch
+    from raydp.privacy.forward import ForwardLDPStep
+    from raydp.privacy.ledger import PrivacyLedger
+
+    def loss(logits, input_ids, attention_mask, labels):
+        return per_example_cross_entropy(logits, labels, (7, 11))
+
+    model, _ = tiny_model()
+    layer = ForwardNoiseLayer(1.0, noise=PrivateRandomness.fresh().noise("cpu"))
+    handle, _ = install_noise_layer(model, 0, layer)
+    step = ForwardLDPStep(layer, (2.0, 1.0), 1, PrivacyLedger(delta=1e-5), 3, loss, "ewft")
+    ids = torch.randint(1, 50, (2, 8))
+    batch = Batch([0, 1], ids, torch.ones_like(ids), labels=torch.tensor([0, 1]))
+    step.compute(model, batch)
+    assert layer.calls == 1
+    handle.remove()
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(ValueError, match="did not go through the noise layer"):
+        step.compute(model, batch)
+    assert all(p.grad is None for p in model.parameters())  # refused before the backward pass
+    install_noise_layer(model, 0, layer)
+    next(m for m in model.modules() if isinstance(m, torch.nn.Linear)).compile()
+    with pytest.raises(ValueError, match="torch.compile'd model is refused"):
+        step.compute(model, batch)
+
+
 def test_nothing_trainable_may_sit_before_the_noise_or_outside_the_clipped_pairs(tmp_path):
     model, _ = tiny_model()
     model.get_input_embeddings().weight.requires_grad_(True)  # e.g. LoRA on the embeddings

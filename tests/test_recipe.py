@@ -420,30 +420,45 @@ def test_a_resumed_study_runs_under_the_recipe_it_started_with(tmp_path):
 
 def test_a_study_resumes_only_under_the_recipe_table_it_started_with(tmp_path):
     """Under recipe: auto a study's trials take their unset settings from the shipped table, so study.json records the
-    table's version and a resume under another version (a newer raydp) or an unrecorded one is refused with one line;
-    under recipe: none no table is recorded or checked."""
+    table (its version and a digest of its entries) and a resume under another version, or an edited table that kept
+    its version, is refused with one line. A study.json from before the record resumes when no trial took another
+    table's settings; under recipe: none no table is recorded or checked."""
     from raydp.errors import ConfigError
     from raydp.study.config import StudyConfig
-    from raydp.study.prepare import check_resumed_study, study_record
+    from raydp.study.prepare import check_resumed_study, recipe_table_id, study_record
 
     values = {"name": "s", "models": ["embedded-tiny"], "epsilons": [2.0], "strategies": ["static-pairwise"],
               "seeds": [0]}
     auto = StudyConfig.model_validate({**values, "base": {"recipe": "auto"}})
     saved = tmp_path / "study.json"
     saved.write_text(study_record(auto))
-    assert json.loads(saved.read_text())["recipe_table"] == shipped_table().version
+    assert json.loads(saved.read_text())["recipe_table"] == recipe_table_id()
+    assert recipe_table_id().startswith(shipped_table().version + " sha256:")
     check_resumed_study(auto, tmp_path)  # the same table: resumed
-    for recorded in ("v0.0-older", None):
+    for recorded in ("v0.0-older sha256:0123456789abcdef", f"{shipped_table().version} sha256:0000000000000000"):
         written = json.loads(study_record(auto))
         written["recipe_table"] = recorded
         saved.write_text(json.dumps(written))
-        with pytest.raises(ConfigError, match=f"ran under the .*this raydp ships {shipped_table().version}") as error:
+        with pytest.raises(ConfigError, match=f"ran under the recipe table {recorded}, and this raydp ships") as error:
             check_resumed_study(auto, tmp_path)
         assert "\n" not in str(error.value)
+    legacy = json.loads(study_record(auto))
+    del legacy["recipe_table"]
+    saved.write_text(json.dumps(legacy))
+    check_resumed_study(auto, tmp_path)  # before the record, and no trial took another table's settings
+    trial = tmp_path / "trials" / "t0"
+    trial.mkdir(parents=True)
+    (trial / "config.json").write_text(json.dumps({"recipe_applied": {"table": "raydp-recipes v0.1"}}))
+    with pytest.raises(ConfigError, match="ran under a recipe table it did not record, and this raydp ships"):
+        check_resumed_study(auto, tmp_path)
+    (trial / "config.json").write_text(json.dumps({"recipe_applied": {"table": f"raydp-recipes {shipped_table().version}"}}))
+    check_resumed_study(auto, tmp_path)
     none = StudyConfig.model_validate({**values, "base": {"recipe": "none"}})
     saved.write_text(study_record(none))
     assert "recipe_table" not in json.loads(saved.read_text())
     check_resumed_study(none, tmp_path)
+    with pytest.raises(ConfigError, match=r"the study file changed .*\(base\)"):  # none -> auto: the file's change
+        check_resumed_study(auto, tmp_path)
 
 
 def test_the_non_private_entry_is_its_searchs_choice_and_a_non_private_run_takes_it():

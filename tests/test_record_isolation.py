@@ -131,27 +131,62 @@ def test_batched_passes_are_refused_off_the_cpu(model_and_split):
 
 def test_per_sample_gradients_of_a_compiled_model_are_refused(model_and_split):
     """torch.compile may run a graph traced without the per-sample hooks (every gradient then zero, silently):
-    per-sample and ghost gradients of a model with a compiled module are refused with one line, before any pass."""
+    per-sample and ghost gradients of a model with a compiled module in any form are refused with one line, and a
+    pass in which a LoRA layer ran without its hook (a compiled forward the module check cannot see) is refused
+    before its backward pass."""
+    import copy
+
     from raydp.model import load_model
     from raydp.privacy.clipping import PerSampleGradientComputer
     from raydp.privacy.ghost import GhostClippingComputer
 
     _, split = model_and_split
-    loaded = load_model("embedded", device="cpu", progress=False)  # a copy of its own: compiling marks the module
     batch = split.collate(list(range(2)), "cpu", width=64)
+
+    def fresh():  # a copy of its own: compiling marks the module
+        loaded = load_model("embedded", device="cpu", progress=False)
+        loaded.model = copy.deepcopy(loaded.model)
+        from raydp.model.adapters import discover_adapter_pairs
+        loaded.pairs = discover_adapter_pairs(loaded.model)
+        return loaded
+
+    def linears(model):
+        return [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+    def compile_in_place(model):
+        linears(model)[0][1].compile()
+
+    def wrap_a_submodule(model):  # a submodule replaced by torch.compile(submodule)
+        name, module = linears(model)[0]
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, torch.compile(module))
+
+    for compile_ in (compile_in_place, wrap_a_submodule):
+        loaded = fresh()
+        computer = PerSampleGradientComputer(loaded.model, loaded.pairs)
+        try:
+            computer.compute(batch.input_ids, batch.attention_mask)  # eager: computed
+            compile_(loaded.model)
+            with pytest.raises(ValueError, match="torch.compile'd model is refused") as error:
+                computer.compute(batch.input_ids, batch.attention_mask)
+            assert "\n" not in str(error.value)
+        finally:
+            computer.remove()
+    loaded = fresh()
+    with pytest.raises(ValueError, match="torch.compile'd model is refused"):  # the whole model wrapped
+        GhostClippingComputer(torch.compile(loaded.model), loaded.pairs).contributions(batch)
+
+    loaded = fresh()  # a LoRA layer whose hook does not run in the pass (as a compiled forward would skip it)
     computer = PerSampleGradientComputer(loaded.model, loaded.pairs)
-    ghost = GhostClippingComputer(loaded.model, loaded.pairs)
     try:
-        computer.compute(batch.input_ids, batch.attention_mask)  # eager: computed
-        next(m for m in loaded.model.modules() if isinstance(m, torch.nn.Linear)).compile()  # one inner module
-        with pytest.raises(ValueError, match="torch.compile'd model are refused") as error:
+        computer._handles.pop().remove()
+        computer._handles.append(None)  # still counted as hooked: the pass must show it ran
+        with pytest.raises(ValueError, match="1 of .* LoRA layers ran without their per-sample hook"):
             computer.compute(batch.input_ids, batch.attention_mask)
-        assert "\n" not in str(error.value)
-        with pytest.raises(ValueError, match="torch.compile'd model are refused"):
-            ghost.contributions(batch)
+        assert all(p.a.grad is None and p.b.grad is None for p in loaded.pairs)  # no backward pass ran
     finally:
+        computer._handles.pop()
         computer.remove()
-    assert all(p.a.grad is None and p.b.grad is None for p in loaded.pairs)
 
 
 def _ids_mask(split, indices):

@@ -166,9 +166,18 @@ def test_the_unseen_population_is_another_hospital_with_other_people():
 
     assert kl(unseen, "unseen", "public") > 2 * kl(private, "private", "public") > 0
     assert kl(unseen, "unseen", "private") > 5.0  # not the benchmark's hospital either
-    others = pd.concat([generate_records(n, 0, population=name, progress=False)["patient_nbr"]
+    others = pd.concat([generate_records(n, 0, population=name, progress=False)
                         for name in ("private", "public", "pretraining", "audit", "canary")])
-    assert not set(unseen["patient_nbr"]) & set(others)
+    for column in ("patient_nbr", "encounter_id"):
+        assert not set(unseen[column]) & set(others[column])
+    from raydp.data.streams import _ID_BASES
+
+    # the id ranges: ids grow by < 200 (encounters) and < 50 (patients) per draw, and unseen's range is the highest,
+    # so 10 million encounters of the population below it (pre-training) stay below unseen's first ids
+    _, encounter, patient = _ID_BASES["unseen"]
+    assert all((e, p) < (encounter, patient) for name, (_, e, p) in _ID_BASES.items() if name != "unseen")
+    _, below_e, below_p = _ID_BASES["pretraining"]
+    assert below_e + 200 * 10_000_000 <= encounter and below_p + 50 * 10_000_000 <= patient
     with pytest.raises(Exception, match="structured generator"):
         generate_records(10, 0, population="unseen", generator="independent", progress=False)
 

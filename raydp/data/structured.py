@@ -23,7 +23,7 @@ them, and each field given the fields drawn before it::
 A patient's encounters share the latent condition, severity and demographics, so they resemble each other.
 Every table is built from a base (roughly the real table's marginals, with the dependencies above) and then
 shifted per population by seeded log-normal tilts of each row (:data:`POPULATION_SHIFTS`). Four populations,
-the same structure with other parameters and other people, as three sources of records would be:
+the same structure with other parameters and other people, as four sources of records would be:
 
 * ``private``: the hospital whose records are split into train/eval/attack/validation (and the audit canaries);
 * ``public``: a related public release (an earlier period of similar hospitals, as the UCI table itself is for

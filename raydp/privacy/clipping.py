@@ -387,17 +387,20 @@ class RecordGraph:
 
 
 def refuse_compiled(model: torch.nn.Module) -> None:
-    """A model (or a module in it) compiled by ``torch.compile`` is refused: dynamo may run a graph traced without
-    the per-sample hooks (measured: a model compiled like another one, hooks added before its first call, ran the
-    other's graph and every per-sample gradient came out zero, silently), and it buys nothing on a CPU here
-    (bench/bench_compile.py: the compiled step was 1.02-1.04x the eager one; docs/throughput.md)."""
+    """A model with a module compiled by ``torch.compile`` (``module.compile()``, or a ``torch.compile(module)``
+    wrapper anywhere in it) is refused: dynamo may run a graph traced without the hooks a DP step relies on (measured:
+    a model compiled like another one, hooks added before its first call, ran the other's graph and every per-sample
+    gradient came out zero, silently; dynamo does not guard on hooks added after a compiled call), and compiling buys
+    nothing on a CPU here (bench/bench_compile.py: 1.02-1.04x the eager step; docs/throughput.md). Compiled forms
+    this cannot see (a compiled ``forward`` assigned to a module) are caught by the steps' own checks that their
+    hooks ran (:meth:`PerSampleGradientComputer._compute`, ``ForwardLDPStep.compute``)."""
     frames = sys.modules.get("torch._dynamo.eval_frame")
     if frames is None:  # torch.compile was never called in this process (and importing dynamo takes a while)
         return
-    if isinstance(model, frames.OptimizedModule) or any(
-            getattr(m, "_compiled_call_impl", None) is not None for m in model.modules()):
-        raise ValueError("per-sample gradients of a torch.compile'd model are refused: its compiled graph may skip the "
-                         "per-sample hooks; pass the eager model")
+    if any(isinstance(m, frames.OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+           for m in model.modules()):
+        raise ValueError("a torch.compile'd model is refused by the DP step: its compiled graph may skip the hooks "
+                         "that compute per-sample gradients or add noise; pass the eager model")
 
 
 class PerSampleGradientComputer:
@@ -450,11 +453,15 @@ class PerSampleGradientComputer:
                 raise ValueError("a LoRA matrix with a trainable bias (lora_bias) has no per-sample rule here")
         self._store: dict[int, torch.Tensor] | None = None  # weight id -> [batch, out, in], while computing
         self._rows = 0
+        self._fired: set[int] = set()  # the LoRA layers whose forward hook ran in the current pass
         self._handles = [m.register_forward_hook(self._forward_hook) for m in modules]
 
     def _forward_hook(self, module: torch.nn.Linear, inputs, output: torch.Tensor) -> None:
         store, rows = self._store, self._rows
-        if store is None or not output.requires_grad:
+        if store is None:
+            return
+        self._fired.add(id(module))
+        if not output.requires_grad:
             return
         x, key = inputs[0].detach(), id(module.weight)
         if x.dim() < 2 or x.shape[0] != rows:  # e.g. an adapter applied to a [1, ...] tensor shared by the batch:
@@ -541,9 +548,13 @@ class PerSampleGradientComputer:
         the loss still takes it)."""
         store: dict[int, torch.Tensor] = {}
         self._store, self._rows = store, int(input_ids.shape[0])
+        self._fired = set()
         try:
             logits = (self.model(input_ids=input_ids, attention_mask=attention_mask) if model_mask
                       else self.model(input_ids=input_ids)).logits
+            if len(self._fired) != len(self._handles):  # a LoRA layer ran without its hook: its gradients would be 0
+                raise ValueError(f"{len(self._handles) - len(self._fired)} of {len(self._handles)} LoRA layers ran "
+                                 "without their per-sample hook (a compiled or replaced module?); pass the eager model")
             losses = (self.loss(logits, input_ids, attention_mask) if labels is None
                       else self.loss(logits, input_ids, attention_mask, labels))
             rows = int(losses.shape[0])

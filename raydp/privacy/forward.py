@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from raydp.errors import ConfigError
+from raydp.privacy.clipping import refuse_compiled
 from raydp.privacy.guard import BudgetExhausted
 
 FORWARD_RELEASE = "embedding"
@@ -63,6 +64,7 @@ class ForwardNoiseLayer(nn.Module):
         self.autoencoder = autoencoder
         self.noise = noise
         self.sigma: float | None = None
+        self.calls = 0  # passes through the layer: a DP step checks that its forward pass went through it
 
     @property
     def sensitivity(self) -> float:
@@ -71,6 +73,7 @@ class ForwardNoiseLayer(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # encode, clip and noise in float32 (the autoencoder is float32; bf16 would round the clip and the
         # noise), then back to the model's dtype
+        self.calls += 1
         h = hidden.float()
         z = self.autoencoder.encode(h) if self.autoencoder is not None else h
         z = clip_frobenius(z, self.clip)
@@ -159,7 +162,12 @@ class ForwardLDPStep:
             self.ledger.record_gaussian(1.0, self.sigmas[epoch] / math.sqrt(self.records_per_unit),
                                         name=FORWARD_RELEASE, step=epoch)
         self.layer.sigma = self.sigmas[epoch]
+        refuse_compiled(model)
+        calls = self.layer.calls
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        if self.layer.calls == calls:  # the pass skipped the noise hook (a compiled graph): nothing was noised
+            raise ValueError("the forward pass did not go through the noise layer (a compiled or replaced block?): "
+                             "the embeddings were not noised; pass the eager model")
         losses = self.loss(logits, batch.input_ids, batch.attention_mask, batch.labels)
         loss = losses.mean()
         loss.backward()

@@ -10,6 +10,7 @@ study run again is. A resumed study must be the study that ran (:func:`check_res
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import uuid
 from dataclasses import replace
@@ -24,7 +25,7 @@ from raydp.errors import ConfigError
 from raydp.files import atomic_write, locked
 from raydp.model.embedded import ensure_embedded_model, is_embedded_name
 from raydp.privacy.lifetime import read_budget
-from raydp.recipe import shipped_table
+from raydp.recipe import TABLE_FORMAT, shipped_table
 from raydp.runner.local_setup import is_local, plan_local_run
 from raydp.runner.privacy_setup import (LifetimeCharge, build_strategy, plan_key, plan_private_run, plan_record,
                                         training_units)
@@ -169,13 +170,53 @@ RESUMABLE_CHANGES = ("description", "resources", "wandb", "max_failures")
 RECIPE_TABLE_KEY = "recipe_table"
 
 
+def recipe_table_id() -> str:
+    """The shipped recipe table's version and a digest of its entries (an edit that kept the version shows too)."""
+    table = shipped_table()
+    entries = json.dumps(table.model_dump(mode="json"), sort_keys=True).encode()
+    return f"{table.version} sha256:{hashlib.sha256(entries).hexdigest()[:16]}"
+
+
 def study_record(study: StudyConfig) -> str:
-    """study.json: the study's values, and under ``recipe: auto`` the version of the recipe table its trials take
-    their unset settings from (:func:`check_resumed_study` refuses a resume under another table)."""
+    """study.json: the study's values, and under ``recipe: auto`` the recipe table its trials take their unset
+    settings from (:func:`recipe_table_id`; :func:`check_resumed_study` refuses a resume under another table)."""
     values = study.model_dump(mode="json")
     if (study.base or {}).get("recipe", "auto") == "auto":
-        values[RECIPE_TABLE_KEY] = shipped_table().version
+        values[RECIPE_TABLE_KEY] = recipe_table_id()
     return json.dumps(values, indent=2)
+
+
+def _trials_tables(study_dir: Path) -> set[str]:
+    """The recipe tables the trials of a study directory recorded taking settings from (``recipe_applied.table``)."""
+    tables = set()
+    for config in Path(study_dir).glob("trials/*/config.json"):
+        try:
+            applied = json.loads(config.read_text()).get("recipe_applied")
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(applied, dict) and applied.get("table"):
+            tables.add(str(applied["table"]))
+    return tables
+
+
+def check_recipe_table(saved: dict, study: StudyConfig, study_dir: Path) -> None:
+    """A study that ran under ``recipe: auto`` resumes only under the recipe table it started with. A study.json
+    from before the table was recorded is accepted when every trial that took a recipe named this table's version
+    (the digest was not recorded then)."""
+    recorded = saved.pop(RECIPE_TABLE_KEY, None)
+    if (saved.get("base") or {}).get("recipe", "auto") != "auto" or (study.base or {}).get("recipe", "auto") != "auto":
+        return  # not a recipe: auto study (a changed base.recipe is the study file's change, said as one)
+    now = recipe_table_id()
+    if recorded == now:
+        return
+    if recorded is None:
+        tables = _trials_tables(study_dir)
+        if tables <= {f"{TABLE_FORMAT} {shipped_table().version}"}:
+            return
+    ran = f"the recipe table {recorded}" if recorded else "a recipe table it did not record"
+    raise ConfigError(f"{study_dir} ran under {ran}, and this raydp ships {now}: resumed, its trials would take "
+                      "other settings; resume it with the raydp it started with, or run it again into another "
+                      "--results-dir")
 
 
 def attack_rule_of(saved: dict) -> dict:
@@ -203,12 +244,7 @@ def check_resumed_study(study: StudyConfig, study_dir: Path) -> None:
         raise ConfigError(f"{study_dir} has no study.json: it cannot be resumed (nothing says which study ran there)")
     saved = upgrade_study_values(json.loads(saved_path.read_text()))  # an older study.json may carry base.rldp
     saved = {**saved, **attack_rule_of(saved)}  # a study.json from before `attack`: it attacked every trial
-    table = saved.pop(RECIPE_TABLE_KEY, None)
-    if (study.base or {}).get("recipe", "auto") == "auto" and table != shipped_table().version:
-        ran = f"recipe table {table}" if table else "a recipe table it did not record"
-        raise ConfigError(f"{study_dir} ran under the {ran}, and this raydp ships {shipped_table().version}: resumed, "
-                          "its trials would take other settings; resume it with the raydp it started with, or run it "
-                          "again into another --results-dir")
+    check_recipe_table(saved, study, study_dir)
     now = json.loads(json.dumps(study.model_dump(mode="json")))
     changed = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
     if changed:
