@@ -9,7 +9,10 @@ Writes two private tables into OUT, each as a user would bring them:
     use, and than the verbalised records the embedded model was pre-trained on), one to four per patient, in columns
     ``letter`` (the text) and ``patient`` (a string id, the privacy unit). A patient's letters share their injury,
     side, therapist and goal, and their pain scores fall over the sessions, so a model has structure to learn.
-Both are deterministic in ``--seed``. They are synthetic and describe no real patient.
+  * ``unseen-holdout.csv``: 1,000 more encounters of the same hospital (the ``unseen`` population drawn at seed + 1:
+    the same parameters, other patients), the held-out records arm (d) of the campaign tunes on without noise, given
+    to its search as ``public_validation`` (raydp refuses the file if it shares a patient with the private table).
+All are deterministic in ``--seed``. They are synthetic and describe no real patient.
 
 Run: python experiments/recipe-proof/make_data.py OUT [--records 5000] [--patients 1500] [--seed 0]
 """
@@ -71,6 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--records", type=int, default=5000, help="encounters in unseen.csv")
+    parser.add_argument("--holdout", type=int, default=1000, help="encounters in unseen-holdout.csv")
     parser.add_argument("--patients", type=int, default=1500, help="patients in letters.csv")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -78,10 +82,17 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    generate_records(args.records, args.seed, population="unseen", progress=False).to_csv(out / "unseen.csv",
-                                                                                         index=False)
+    records = generate_records(args.records, args.seed, population="unseen", progress=False)
+    records.to_csv(out / "unseen.csv", index=False)
+    # the same hospital's other patients: drawn at seed + 1, their ids moved past the private table's (two draws of
+    # a population number their patients from the same base)
+    holdout = generate_records(args.holdout, args.seed + 1, population="unseen", progress=False)
+    holdout["patient_nbr"] += int(records["patient_nbr"].max())
+    holdout["encounter_id"] += int(records["encounter_id"].max())
+    holdout.to_csv(out / "unseen-holdout.csv", index=False)
     letters(args.patients, args.seed).to_csv(out / "letters.csv", index=False)
-    print(f"wrote {out / 'unseen.csv'} ({args.records} encounters) and {out / 'letters.csv'} "
+    print(f"wrote {out / 'unseen.csv'} ({args.records} encounters), {out / 'unseen-holdout.csv'} ({args.holdout}) "
+          f"and {out / 'letters.csv'} "
           f"({args.patients} patients)")
 
 
