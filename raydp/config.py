@@ -14,7 +14,7 @@ from pydantic import Field, field_validator, model_validator
 
 from raydp.settings import StrictModel, load_yaml_mapping, validate_config  # noqa: F401  (re-exported)
 from raydp.control.transports import transport_for
-from raydp.recipe import RECIPE_FIELDS, resolve
+from raydp.recipe import COMPUTE_TIERS, RECIPE_FIELDS, resolve
 from raydp.strategies.registry import (NONPRIVATE, SPECS, STRATEGY_CHOICES, get_spec, settings_model, strategy_class,
                                        strategy_settings, with_capability)
 
@@ -179,6 +179,10 @@ class TrainConfig(StrictModel):
         "auto: every recipe setting left unset (batch_size, epochs, lr, lr_decay, lr_end, warmup_steps, weight_decay, "
         "clip) takes the package's recipe for this model, strategy and epsilon, searched on PUBLIC data "
         "(raydp.recipe; no budget), where the table has one; none: today's defaults"))
+    compute: Literal[COMPUTE_TIERS] = Field("default", description=(
+        "the compute tier whose recipe entry fills the unset settings: default (today's records processed per run, "
+        "3 epochs of the train split) or 3x (three times them; a strategy whose 3x tier was not searched takes its "
+        "default entry with the epochs x3); needs recipe: auto"))
     #: what the recipe filled: written by validation, kept in config.json (the summary names it too)
     recipe_applied: dict | None = Field(None, description=(
         "the recipe entry this config took and the fields it filled (None: none); written by validation"),
@@ -236,9 +240,15 @@ class TrainConfig(StrictModel):
                 raise ValueError("recipe_applied is written by validation: it must record the values this config "
                                  "holds, under recipe: auto (remove it to let validation write it)")
             return self
-        if self.recipe == "none" or self.strategy not in STRATEGY_CHOICES:
+        if self.recipe == "none":
+            if self.compute != "default":
+                raise ValueError(f"compute: {self.compute} selects the recipe's {self.compute} tier: it needs recipe: "
+                                 "auto (with recipe: none, set epochs yourself)")
+            return self
+        if self.strategy not in STRATEGY_CHOICES:
             return self  # an unknown strategy: _consistent names it
-        resolved = resolve(self.model, self.strategy, self.epsilon)  # public config values only: no data is read
+        # public config values only: no data is read
+        resolved = resolve(self.model, self.strategy, self.epsilon, tier=self.compute)
         if resolved is None:
             return self
         unset = [k for k in RECIPE_FIELDS if k not in self.model_fields_set and k in resolved.settings]

@@ -498,8 +498,11 @@ def test_the_proof_data_builds_as_a_users_tables(tmp_path):
     for out in ("a", "b"):
         subprocess.run([sys.executable, str(script), str(tmp_path / out), "--records", "400", "--patients", "60"],
                        check=True, capture_output=True)
-    for name in ("unseen.csv", "letters.csv"):
+    for name in ("unseen.csv", "unseen-holdout.csv", "letters.csv"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    records, holdout = (pd.read_csv(tmp_path / "a" / n) for n in ("unseen.csv", "unseen-holdout.csv"))
+    assert len(holdout) == 1000 and not set(holdout["patient_nbr"]) & set(records["patient_nbr"])
+    assert not set(holdout["encounter_id"]) & set(records["encounter_id"])
     letters = pd.read_csv(tmp_path / "a" / "letters.csv")
     assert letters["patient"].nunique() == 60 and len(letters) > 60
     for _, own in letters.groupby("patient"):
@@ -512,3 +515,62 @@ def test_the_proof_data_builds_as_a_users_tables(tmp_path):
     build_text_dataset(tmp_path / "texts", source=tmp_path / "a" / "letters.csv", text_column="letter",
                        unit_column="patient")
     assert load_manifest(tmp_path / "records")["dataset_id"] != load_manifest(tmp_path / "texts")["dataset_id"]
+
+
+# -- compute tiers -----------------------------------------------------------------------------------------------------
+
+def test_a_tier_without_its_own_entry_takes_the_default_entry_with_three_times_the_epochs():
+    default, tripled = TrainConfig(**PAIRWISE), TrainConfig(**PAIRWISE, compute="3x")
+    assert tripled.epochs == 3 * default.epochs == 9.0
+    assert {k: getattr(tripled, k) for k in RECIPE_FIELDS if k != "epochs"} == \
+        {k: getattr(default, k) for k in RECIPE_FIELDS if k != "epochs"}
+    record = tripled.recipe_applied
+    assert record["compute_tier"] == "3x" and "not searched for static-pairwise" in record["tier_note"]
+    assert default.recipe_applied["compute_tier"] == "default" and "tier_note" not in default.recipe_applied
+    assert TrainConfig(**PAIRWISE, compute="3x", epochs=4).epochs == 4  # a flag still wins
+
+
+def test_a_tier_with_its_own_entry_takes_it(own_table):
+    table = _table([(2.0, {"batch_size": 16, "epochs": 3.0, "lr": 1e-3})], model="embedded")
+    own = table.entries[0].model_copy(update={"compute_tier": "3x", "points": [
+        table.entries[0].points[0].model_copy(update={"settings": table.entries[0].points[0].settings.model_copy(
+            update={"batch_size": 64, "epochs": 9.0, "lr": 4e-3})})]})
+    own_table(table.model_copy(update={"entries": [table.entries[0], own]}))
+    config = TrainConfig(**PAIRWISE, compute="3x")
+    assert (config.batch_size, config.epochs, config.lr) == (64, 9.0, 4e-3)
+    assert config.recipe_applied["entry"] == "embedded/static-pairwise/3x" and "tier_note" not in config.recipe_applied
+    assert (TrainConfig(**PAIRWISE).batch_size, TrainConfig(**PAIRWISE).lr) == (16, 1e-3)
+
+
+def test_a_tier_needs_the_recipe_and_a_bad_tier_is_a_one_line_error():
+    with pytest.raises(Exception, match="compute: 3x selects the recipe's 3x tier: it needs recipe: auto"):
+        validate_config(TrainConfig, {**PAIRWISE, "compute": "3x", "recipe": "none"})
+    with pytest.raises(Exception, match="compute"):
+        validate_config(TrainConfig, {**PAIRWISE, "compute": "10x"})
+    args = build_parser().parse_args(["train", "--strategy", "static-pairwise", "--epsilon", "2", "--compute", "3x",
+                                      "--output", "unused"])
+    assert train_config_from_args(args).epochs == 9.0
+
+
+def test_the_terminal_names_the_recipe_and_its_tier():
+    from raydp.cli import recipe_line
+
+    line = recipe_line(TrainConfig(**PAIRWISE, compute="3x").recipe_applied)
+    assert line.startswith("embedded/static-pairwise/default (raydp-recipes ") and "3x tier (scaled: not searched)" in line
+    assert "epochs 9" in line and "public search, no budget" in line
+    assert recipe_line(TrainConfig(**PAIRWISE, recipe="none").recipe_applied).startswith("none")
+
+
+def test_the_batch_size_is_searched_on_public_data_only():
+    from raydp.study.config import StudyConfig
+    from raydp.study.grid import trial_config
+    from raydp.study.trial import Trial
+
+    values = {"name": "s", "models": ["embedded"], "epsilons": [2.0], "seeds": [0], "strategies": ["static-pairwise"],
+              "search": "optuna", "search_space": {"static-pairwise": {"batch_size": {"choices": [16, 64]}}},
+              "private_data": False, "base": {"data": {"source": "public"}, "recipe": "none"}}
+    study = validate_config(StudyConfig, values)
+    trial = Trial(model="embedded", strategy="static-pairwise", epsilon=2.0, seed=0, search={"batch_size": 64})
+    assert trial_config(study, trial).batch_size == 64
+    with pytest.raises(Exception, match="batch_size is searched on public data only"):
+        validate_config(StudyConfig, {**values, "private_data": True, "base": {"recipe": "none"}})

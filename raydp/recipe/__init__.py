@@ -5,5 +5,5 @@ in ``recipe_applied``. A lookup reads public config values and this package's ta
 """
 
 from raydp.recipe.table import (  # noqa: F401
-    FORMAT_VERSIONS, RECIPE_CHOICES, RECIPE_FIELDS, RECIPES_FILE, TABLE_FORMAT, RecipeEntry, RecipeTable, Resolved,
-    find_entry, load_table, resolve, shipped_table)
+    COMPUTE_TIERS, FORMAT_VERSIONS, RECIPE_CHOICES, RECIPE_FIELDS, RECIPES_FILE, TABLE_FORMAT, RecipeEntry, RecipeTable, Resolved,
+    TIER_FACTORS, find_entry, load_table, resolve, shipped_table)

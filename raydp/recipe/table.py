@@ -2,7 +2,7 @@
 
 ``recipes.json`` (beside this module, in the wheel) holds the table: a format version, the table's own version, and
 entries. An entry names a model and a strategy exactly, the compute tier it was searched at ("default": today's
-records processed per run), the train-set size it was searched at, its points (an epsilon and the settings the
+records processed per run, 3 epochs of the train split; "3x": three times them), the train-set size it was searched at, its points (an epsilon and the settings the
 search chose there; a non-private strategy has one point without an epsilon) and its provenance: the study file
 that searched it, the public dataset ids it ran on, the commit, the criterion, which settings were searched and
 which were not (those keep the values they had in the search, today's defaults).
@@ -13,7 +13,9 @@ privacy budget. Between two points an epsilon is interpolated in log epsilon: lo
 (``lr``, ``clip``), linear for ``lr_end`` and ``weight_decay`` (they may be 0), the nearer point's value for the
 categorical and integer ones (``batch_size``, ``epochs``, ``warmup_steps``, ``lr_decay``; a tie takes the smaller
 epsilon's). Outside the searched range the nearest point's settings are taken, and the resolved record says the
-epsilon was clamped.
+epsilon was clamped. A run asks for a tier (``TrainConfig.compute``); where the table has no entry at that tier for the
+(model, strategy) but one at the default tier, the default entry's settings are taken with its epochs multiplied by the
+tier's factor, and the record says the tier was not searched for that strategy.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -46,6 +48,9 @@ LINEAR = ("lr_end", "weight_decay")
 NEAREST = ("batch_size", "epochs", "warmup_steps", "lr_decay")
 
 RECIPE_CHOICES = ("auto", "none")
+#: compute tiers: records processed per run, as a multiple of the default tier's (3 epochs of the train split)
+TIER_FACTORS = {"default": 1, "3x": 3}
+COMPUTE_TIERS = tuple(TIER_FACTORS)
 
 
 class RecipeSettings(StrictModel):
@@ -106,7 +111,7 @@ class SearchedAt(StrictModel):
 class RecipeEntry(StrictModel):
     model: str
     strategy: str
-    compute_tier: Literal["default"] = "default"
+    compute_tier: Literal["default", "3x"] = "default"
     searched_at: SearchedAt
     points: list[RecipePoint] = Field(min_length=1)
     provenance: Provenance
@@ -180,14 +185,16 @@ class Resolved:
     how: str  # "at epsilon 2", "between epsilon 0.5 and 2 (log-epsilon interpolation)", "clamped: ..."
     clamped: bool
     settings: dict  # field: value, only the fields the entry sets
+    tier: str = "default"  # the compute tier the run asked for
+    tier_note: str | None = None  # set where the tier's settings were scaled from the default tier's entry
 
     def record(self, filled: dict) -> dict:
         """What a run records (config.json ``recipe_applied``, the summary's ``recipe``): the entry, how the
         epsilon was placed, and the fields the recipe ``filled`` (those the run left unset) with their values."""
         provenance = self.entry.provenance
         return {"entry": self.entry.key, "table": f"{TABLE_FORMAT} {self.table_version}",
-                "compute_tier": self.entry.compute_tier, "epsilon": self.epsilon, "how": self.how,
-                "clamped": self.clamped,
+                "compute_tier": self.tier, "epsilon": self.epsilon, "how": self.how,
+                "clamped": self.clamped, **({"tier_note": self.tier_note} if self.tier_note else {}),
                 "filled": {k: filled[k] for k in RECIPE_FIELDS if k in filled},
                 "searched": [k for k in RECIPE_FIELDS if k in filled and k in provenance.searched],
                 "not_searched": [k for k in RECIPE_FIELDS if k in filled and k in provenance.not_searched],
@@ -217,14 +224,32 @@ def find_entry(table: RecipeTable, model: str, strategy: str, tier: str = "defau
     return next((e for e in table.entries if (e.model, e.strategy, e.compute_tier) == (model, strategy, tier)), None)
 
 
-def resolve(model: str, strategy: str, epsilon: float | None, table: RecipeTable | None = None) -> Resolved | None:
-    """The recipe of a run of ``strategy`` on ``model`` at ``epsilon`` (None for a non-private run), from public
-    config values only; None where the table has no entry for the exact (model, strategy), or a DP entry is asked
-    without an epsilon."""
+def resolve(model: str, strategy: str, epsilon: float | None, table: RecipeTable | None = None,
+            tier: str = "default") -> Resolved | None:
+    """The recipe of a run of ``strategy`` on ``model`` at ``epsilon`` (None for a non-private run) and compute
+    ``tier``, from public config values only; None where the table has no entry for the exact (model, strategy), or
+    a DP entry is asked without an epsilon. A tier without its own entry takes the default tier's, its epochs scaled
+    by :data:`TIER_FACTORS` (recorded in ``tier_note``)."""
+    if tier not in TIER_FACTORS:
+        raise ConfigError(f"compute tier {tier!r} is not one of {', '.join(COMPUTE_TIERS)}")
     table = shipped_table() if table is None else table
-    entry = find_entry(table, model, strategy)
+    entry = find_entry(table, model, strategy, tier)
+    note = None
+    if entry is None and tier != "default":
+        entry = find_entry(table, model, strategy)
+        note = (f"the {tier} tier was not searched for {strategy}: the default tier's settings with its epochs x"
+                f"{TIER_FACTORS[tier]}")
     if entry is None:
         return None
+    found = _resolve_entry(table, entry, epsilon)
+    if found is None:
+        return None
+    if note is not None and "epochs" in found.settings:
+        found = replace(found, settings={**found.settings, "epochs": found.settings["epochs"] * TIER_FACTORS[tier]})
+    return replace(found, tier=tier, tier_note=note)
+
+
+def _resolve_entry(table: RecipeTable, entry: RecipeEntry, epsilon: float | None) -> Resolved | None:
     points = entry.points
     if points[0].epsilon is None:  # a non-private entry: its one point
         return Resolved(table.version, entry, None, "non-private (no epsilon)", False,

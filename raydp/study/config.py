@@ -26,7 +26,7 @@ from raydp.errors import ConfigError
 from raydp.evaluation.results import EvalConfig
 from raydp.strategies.registry import (SPECS, STRATEGY_CHOICES, capability_names, get_spec, strategy_class,
                                        with_capability)
-from raydp.study.grid import SEARCHABLE_RUN_FIELDS
+from raydp.study.grid import PUBLIC_ONLY_SEARCH_FIELDS, SEARCHABLE_RUN_FIELDS
 from raydp.study.routes import SEARCH_SPACE_VALUES, SEARCH_VALUES
 
 
@@ -266,9 +266,9 @@ class StudyConfig(StrictModel):
     optuna: OptunaSettings = OptunaSettings()
     bandit: BanditSettings = BanditSettings()
     search_space: dict[str, dict[str, SearchDimension]] = Field(default_factory=dict, description=(
-        "search: optuna: per strategy, the settings (and run fields lr, lr_decay, lr_end, warmup_steps, "
-        "rescale_moments) Optuna searches, one search of optuna.num_samples trials per model and epsilon at the "
-        "study's one seed; e.g. {clip-schedule: {clip: {low: 0.1, high: 10, log: true}, lr: {...}}}. Without it, "
+        "search: optuna: per strategy, the settings (and run fields lr, lr_decay, lr_end, warmup_steps, weight_decay, "
+        "rescale_moments, and on public data batch_size) Optuna searches, one search of optuna.num_samples trials "
+        "per model and epsilon at the study's one seed; e.g. {clip-schedule: {clip: {low: 0.1, high: 10, log: true}, lr: {...}}}. Without it, "
         "search: optuna searches RLDP's SAC cell"))
     pbt: PBTStudySettings = PBTStudySettings()
     policy: Literal["per-trial", "shared"] = Field(
@@ -513,6 +513,9 @@ class StudyConfig(StrictModel):
                     raise ValueError(f"search_space.{strategy}.{name}: not a setting of {strategy} "
                                      f"({', '.join(sorted(fields)) or 'none'}) nor a searchable run field "
                                      f"({', '.join(SEARCHABLE_RUN_FIELDS)})")
+                if name in PUBLIC_ONLY_SEARCH_FIELDS and self.private_data:
+                    raise ValueError(f"search_space.{strategy}.{name} is searched on public data only (private_data: "
+                                     "false): it changes each trial's sampling rate and steps, its privacy plan")
                 fixed = set(self.strategy_settings.get(strategy) or {}) | set(self.settings_grid.get(strategy) or {})
                 if name in fixed:
                     raise ValueError(f"search_space.{strategy}.{name} is also fixed in strategy_settings or "

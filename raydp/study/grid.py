@@ -28,7 +28,10 @@ if TYPE_CHECKING:
 
 #: TrainConfig fields a search_space may vary beside a strategy's settings (public choices of the run; the
 #: batch size and epochs are not among them: they change q and the steps, so the plan)
-SEARCHABLE_RUN_FIELDS = ("lr", "lr_decay", "lr_end", "warmup_steps", "weight_decay", "rescale_moments")
+SEARCHABLE_RUN_FIELDS = ("lr", "lr_decay", "lr_end", "warmup_steps", "weight_decay", "rescale_moments", "batch_size")
+#: searchable on public data only: the expected batch sets the sampling rate and the steps, so each trial's privacy
+#: plan; on private data a study's trials (and its tuning-aware epsilon) are planned from one batch size per cell
+PUBLIC_ONLY_SEARCH_FIELDS = ("batch_size",)
 
 
 def optuna_trial(study: StudyConfig, t_rl: int, b_sac: int, k: int, trial_id: str) -> Trial:
