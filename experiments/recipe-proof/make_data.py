@@ -12,6 +12,7 @@ Writes two private tables into OUT, each as a user would bring them:
   * ``unseen-holdout.csv``: 1,000 more encounters of the same hospital (the ``unseen`` population drawn at seed + 1:
     the same parameters, other patients), the held-out records arm (d) of the campaign tunes on without noise, given
     to its search as ``public_validation`` (raydp refuses the file if it shares a patient with the private table).
+  * ``letters-holdout.csv``: letters of 300 other patients (ids beginning ``H``), the held-out texts for arm (d).
 All are deterministic in ``--seed``. They are synthetic and describe no real patient.
 
 Run: python experiments/recipe-proof/make_data.py OUT [--records 5000] [--patients 1500] [--seed 0]
@@ -76,6 +77,7 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=5000, help="encounters in unseen.csv")
     parser.add_argument("--holdout", type=int, default=1000, help="encounters in unseen-holdout.csv")
     parser.add_argument("--patients", type=int, default=1500, help="patients in letters.csv")
+    parser.add_argument("--holdout-patients", type=int, default=300, help="patients in letters-holdout.csv")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     from raydp.data.synthetic import generate_records
@@ -90,10 +92,17 @@ def main() -> None:
     holdout["patient_nbr"] += int(records["patient_nbr"].max())
     holdout["encounter_id"] += int(records["encounter_id"].max())
     holdout.to_csv(out / "unseen-holdout.csv", index=False)
-    letters(args.patients, args.seed).to_csv(out / "letters.csv", index=False)
-    print(f"wrote {out / 'unseen.csv'} ({args.records} encounters), {out / 'unseen-holdout.csv'} ({args.holdout}) "
-          f"and {out / 'letters.csv'} "
-          f"({args.patients} patients)")
+    private_letters = letters(args.patients, args.seed)
+    private_letters.to_csv(out / "letters.csv", index=False)
+    # other patients' letters (drawn at seed + 1, ids marked H); a letter that happens to repeat a private one word
+    # for word is dropped, as raydp refuses public records that hold a private text
+    held = letters(args.holdout_patients, args.seed + 1)
+    held["patient"] = "H" + held["patient"]
+    held = held[~held["letter"].isin(set(private_letters["letter"]))]
+    held.to_csv(out / "letters-holdout.csv", index=False)
+    print(f"wrote {out / 'unseen.csv'} ({args.records} encounters), {out / 'unseen-holdout.csv'} ({args.holdout}), "
+          f"{out / 'letters.csv'} ({args.patients} patients) and {out / 'letters-holdout.csv'} "
+          f"({args.holdout_patients} patients)")
 
 
 if __name__ == "__main__":
