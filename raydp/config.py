@@ -7,6 +7,8 @@ before any data is built or any model is loaded.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pathlib import Path
 from typing import Literal
 
@@ -236,9 +238,11 @@ class TrainConfig(StrictModel):
             # the record of values this config holds, under recipe: auto; validation writes it, a user does not
             filled = self.recipe_applied.get("filled") if isinstance(self.recipe_applied, dict) else None
             if self.recipe != "auto" or not isinstance(filled, dict) or \
-                    any(k not in RECIPE_FIELDS or getattr(self, k) != v for k, v in filled.items()):
+                    any(k not in RECIPE_FIELDS or getattr(self, k) != v for k, v in filled.items()) or \
+                    self.recipe_applied.get("compute_tier", "default") != self.compute:
                 raise ValueError("recipe_applied is written by validation: it must record the values this config "
-                                 "holds, under recipe: auto (remove it to let validation write it)")
+                                 "holds and its compute tier, under recipe: auto (remove it to let validation write "
+                                 "it)")
             return self
         if self.recipe == "none":
             if self.compute != "default":
@@ -250,7 +254,13 @@ class TrainConfig(StrictModel):
         # public config values only: no data is read
         resolved = resolve(self.model, self.strategy, self.epsilon, tier=self.compute)
         if resolved is None:
+            if self.compute != "default":  # nothing would give the tier its compute: say so rather than run 1x
+                raise ValueError(f"compute: {self.compute}: the recipe table has no entry for model {self.model!r} "
+                                 f"and strategy {self.strategy!r}, so no tier to apply (set epochs yourself)")
             return self
+        if resolved.tier_note and "epochs" in self.model_fields_set:  # the tier's scaling did not happen: say so
+            resolved = replace(resolved, tier_note=f"{resolved.tier_note}, but the run gave its epochs "
+                                                   f"({self.epochs:g}): not scaled")
         unset = [k for k in RECIPE_FIELDS if k not in self.model_fields_set and k in resolved.settings]
         if "clip" in unset and ("clip" in self.settings or "clip" not in
                                 getattr(settings_model(self.strategy), "model_fields", {})):

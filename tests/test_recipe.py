@@ -547,6 +547,13 @@ def test_a_tier_needs_the_recipe_and_a_bad_tier_is_a_one_line_error():
         validate_config(TrainConfig, {**PAIRWISE, "compute": "3x", "recipe": "none"})
     with pytest.raises(Exception, match="compute"):
         validate_config(TrainConfig, {**PAIRWISE, "compute": "10x"})
+    from raydp.errors import ConfigError
+    with pytest.raises(ConfigError, match="compute tier '10x' is not one of default, 3x"):
+        resolve("embedded", "static-pairwise", 2.0, tier="10x")
+    # a strategy the table has no entry for: the tier cannot be applied, so the run is refused rather than run at 1x
+    with pytest.raises(Exception, match="compute: 3x: the recipe table has no entry for model 'embedded' and strategy "
+                                        "'static'"):
+        validate_config(TrainConfig, {"strategy": "static", "epsilon": 2.0, "compute": "3x"})
     args = build_parser().parse_args(["train", "--strategy", "static-pairwise", "--epsilon", "2", "--compute", "3x",
                                       "--output", "unused"])
     assert train_config_from_args(args).epochs == 9.0
@@ -574,3 +581,45 @@ def test_the_batch_size_is_searched_on_public_data_only():
     assert trial_config(study, trial).batch_size == 64
     with pytest.raises(Exception, match="batch_size is searched on public data only"):
         validate_config(StudyConfig, {**values, "private_data": True, "base": {"recipe": "none"}})
+
+
+def test_a_tier_run_that_gave_its_epochs_says_they_were_not_scaled_and_reads_back():
+    config = TrainConfig(**PAIRWISE, compute="3x", epochs=4)
+    assert config.epochs == 4 and "epochs" not in config.recipe_applied["filled"]
+    assert config.recipe_applied["tier_note"].endswith("but the run gave its epochs (4): not scaled")
+    stored = json.loads(json.dumps(TrainConfig(**PAIRWISE, compute="3x").model_dump(mode="json")))
+    again = validate_config(TrainConfig, stored)  # config.json read back: the record and the tier stay
+    assert again.recipe_applied == stored["recipe_applied"] and again.epochs == 9.0 and again.compute == "3x"
+    with pytest.raises(Exception, match="its compute tier"):  # a record of another tier than the config's
+        validate_config(TrainConfig, {**stored, "compute": "default"})
+
+
+def test_dp_training_takes_no_compute_tier():
+    pytest.importorskip("transformers")
+    from raydp.errors import ConfigError
+    from raydp.integrations.transformers import DPTraining
+
+    data, tokenizer = [{"input_ids": [1, 2, 3]}] * 64, SimpleNamespace(pad_token_id=0)
+    with pytest.raises(ConfigError, match="DPTraining takes no recipe nor compute tier"):
+        DPTraining(torch.nn.Linear(2, 2), data, tokenizer, strategy="static-pairwise", epsilon=2.0, compute="3x")
+    dp = DPTraining(torch.nn.Linear(2, 2), data, tokenizer, config=TrainConfig(**PAIRWISE, compute="3x"))
+    assert dp.config.compute == "default" and dp.config.recipe_applied is None
+    assert dp.config.epochs == TrainConfig(**PAIRWISE, recipe="none").epochs
+
+
+def test_a_batch_size_search_takes_choices():
+    from raydp.study.config import StudyConfig
+
+    values = {"name": "s", "models": ["embedded"], "epsilons": [2.0], "seeds": [0], "strategies": ["static-pairwise"],
+              "search": "optuna", "search_space": {"static-pairwise": {"batch_size": {"low": 16, "high": 64}}},
+              "private_data": False, "base": {"data": {"source": "public"}, "recipe": "none"}}
+    with pytest.raises(Exception, match="batch_size: give its values as choices"):
+        validate_config(StudyConfig, values)
+
+
+def test_the_studys_recipe_record_changes_with_the_tiers(monkeypatch):
+    import raydp.study.prepare as prepare
+
+    before = prepare.recipe_table_id()
+    monkeypatch.setattr(prepare, "TIER_FACTORS", {"default": 1, "3x": 4})
+    assert prepare.recipe_table_id() != before and prepare.recipe_table_id().split()[0] == before.split()[0]

@@ -9,14 +9,18 @@ over the epsilon cells of a comparison.
 
 An arm is LABEL=STUDY_DIR[:STRATEGY] (the study's trials of that strategy; default: its one DP strategy, or
 nonprivate for a reference). ``--metric eval`` reads the private eval split (reference only, not a DP release),
-``public`` the selection split (the study's public validation records). The untrained model's value is each trial's
-step-0 evaluation (the same for every trial of one dataset; checked).
+``public`` the selection split (the study's public validation records). ``--quantity value-nll`` is the value-token
+NLL in nats per record (structured records); ``log-perplexity`` is the log of the perplexity, nats per token, for free
+text (whose runs report no value spans): times the eval split's tokens per text it is the NLL per text, and a share
+of the gain is the same in either. The untrained model's value is each trial's step-0 evaluation (the same for every
+trial of one dataset; checked). ``--unprotected LABEL`` marks an arm chosen without privacy (printed NOT PRIVATE).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -24,7 +28,13 @@ from pathlib import Path
 from scipy import stats
 
 
-def read_arm(spec: str, reference: bool, metric: str) -> tuple[str, dict, float]:
+def value(summary: dict, when: str, metric: str, quantity: str) -> float:
+    if quantity == "value-nll":
+        return summary[f"{when}_{metric}_value_nll"]
+    return math.log(summary[f"{when}_{metric}_perplexity"])
+
+
+def read_arm(spec: str, reference: bool, metric: str, quantity: str, seeds: set | None) -> tuple[str, dict, float]:
     """LABEL=DIR[:STRATEGY] -> (label, {epsilon or None: {seed: value}}, the untrained value)."""
     label, _, where = spec.partition("=")
     directory, _, strategy = where.partition(":")
@@ -35,10 +45,12 @@ def read_arm(spec: str, reference: bool, metric: str) -> tuple[str, dict, float]
             continue
         if not strategy and (config["strategy"] == "nonprivate") != reference:
             continue
+        if seeds is not None and config["seed"] not in seeds:
+            continue
         summary = json.loads(summary_file.read_text())
         epsilon = None if config["strategy"] == "nonprivate" else float(config["epsilon"])
-        cells[epsilon][config["seed"]] = summary[f"final_{metric}_value_nll"]
-        untrained.add(round(summary[f"initial_{metric}_value_nll"], 6))
+        cells[epsilon][config["seed"]] = value(summary, "final", metric, quantity)
+        untrained.add(round(value(summary, "initial", metric, quantity), 6))
     if not cells:
         raise SystemExit(f"{spec}: no finished trial")
     if len(untrained) != 1:
@@ -46,10 +58,14 @@ def read_arm(spec: str, reference: bool, metric: str) -> tuple[str, dict, float]
     return label, dict(cells), untrained.pop()
 
 
+DIGITS = {"value-nll": 3, "log-perplexity": 5}
+digits = 3
+
+
 def mean_sd(values) -> str:
     values = list(values)
     sd = statistics.stdev(values) if len(values) > 1 else float("nan")
-    return f"{statistics.mean(values):.3f} ± {sd:.3f}"
+    return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f}"
 
 
 def holm(pvalues: list[float]) -> list[float]:
@@ -67,16 +83,23 @@ def main() -> None:
     parser.add_argument("--arm", action="append", default=[], help="LABEL=STUDY_DIR[:STRATEGY]")
     parser.add_argument("--reference", action="append", default=[], help="LABEL=STUDY_DIR[:STRATEGY] (non-private)")
     parser.add_argument("--compare", action="append", default=[], help="A:B, Welch per epsilon, Holm over them")
+    parser.add_argument("--quantity", choices=("value-nll", "log-perplexity"), default="value-nll")
+    parser.add_argument("--seeds", help="only these seeds, e.g. 0,1,2 (default: every finished one)")
+    parser.add_argument("--unprotected", action="append", default=[], help="an arm chosen without privacy")
     args = parser.parse_args()
-    arms = [read_arm(a, False, args.metric) for a in args.arm]
-    refs = [read_arm(r, True, args.metric) for r in args.reference]
+    global digits
+    digits = DIGITS[args.quantity]
+    seeds = None if args.seeds is None else {int(x) for x in args.seeds.split(",")}
+    arms = [read_arm(a, False, args.metric, args.quantity, seeds) for a in args.arm]
+    refs = [read_arm(r, True, args.metric, args.quantity, seeds) for r in args.reference]
     untrained = {u for _, _, u in arms + refs}
     if len(untrained) != 1:
         raise SystemExit(f"the arms were evaluated on different data (untrained {sorted(untrained)})")
     zero = untrained.pop()
     ref_means = {label: statistics.mean(next(iter(cells.values())).values()) for label, cells, _ in refs}
     split = "private eval split (not a DP release)" if args.metric == "eval" else "public validation records"
-    print(f"final value-token NLL, {split}, nats per record; untrained {zero:.3f}")
+    unit = ("value-token NLL", "nats per record") if args.quantity == "value-nll" else ("log perplexity", "nats per token")
+    print(f"final {unit[0]}, {split}, {unit[1]}; untrained {zero:.4f}")
     for label, cells, _ in refs:
         (values,) = cells.values()
         print(f"  non-private {label}: {mean_sd(values.values())} (seeds {sorted(values)}), gain {zero - ref_means[label]:.3f}")
@@ -90,7 +113,8 @@ def main() -> None:
                 continue
             values = list(cells[epsilon].values())
             shares = [(zero - statistics.mean(values)) / (zero - m) for m in ref_means.values()]
-            print(f"| {epsilon:g} | {label} | {len(values)} | {mean_sd(values)} |" + "".join(f" {s:.1%} |" for s in shares))
+            name = f"{label} (NOT PRIVATE: chosen without noise)" if label in args.unprotected else label
+            print(f"| {epsilon:g} | {name} | {len(values)} | {mean_sd(values)} |" + "".join(f" {s:.1%} |" for s in shares))
     named = {label: cells for label, cells, _ in arms}
     for pair in args.compare:
         a, b = pair.split(":")
@@ -101,7 +125,7 @@ def main() -> None:
         print(f"\n{a} - {b}: Welch's t per epsilon, Holm over the {len(epsilons)} cells (negative: {a} lower, better)")
         for e, t, p in zip(epsilons, tests, adjusted):
             diff = statistics.mean(named[a][e].values()) - statistics.mean(named[b][e].values())
-            print(f"  epsilon {e:g}: {diff:+.3f} nats (t = {t.statistic:.2f}, p = {t.pvalue:.3g}, Holm p = {p:.3g})")
+            print(f"  epsilon {e:g}: {diff:+.{digits}f} nats (t = {t.statistic:.2f}, p = {t.pvalue:.3g}, Holm p = {p:.3g})")
 
 
 if __name__ == "__main__":

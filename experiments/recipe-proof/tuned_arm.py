@@ -1,7 +1,7 @@
 """Arm (d) of the recipe's proof: write tuned-eps{E}.yaml, the 5-seed study of each epsilon's search winner.
 
-Reads each search's ``study_summary.json`` (``search_best``: the lowest final held-out value-token NLL of its 16
-trials, chosen without noise: NOT private) and writes a grid study that runs those values at seeds 0-4 on the same
+Reads each search's ``study_summary.json`` (``search_best``: the lowest final held-out metric of its 16 trials,
+the value-token NLL for the records, perplexity for the letters, chosen without noise: NOT private) and writes a grid study that runs those values at seeds 0-4 on the same
 data and base as the other arms. ``tuned_from`` reads public searches only, so the values are written out.
 
 Run: python experiments/recipe-proof/tuned_arm.py runs/studies [--letters]   (the directory holding the searches)
@@ -51,7 +51,8 @@ def main() -> None:
         (cell,) = [c for c in summary["search_best"] if c["epsilon"] == eps]
         out = HERE / f"{prefix.removeprefix('proof-')}tuned-eps{eps:g}.yaml"
         out.write_text(study_file(cell["best"], eps, search, kind))
-        print(f"wrote {out}: {cell['best']} (held-out value NLL {cell['final_public_value_nll']:.3f})")
+        (metric,) = [k for k in cell if k.startswith("final_public_")]  # the metric the search selected on
+        print(f"wrote {out}: {cell['best']} (held-out {metric.removeprefix('final_public_')} {cell[metric]:.4f})")
 
 
 if __name__ == "__main__":

@@ -40,9 +40,10 @@ class TrainerRecipe:
     resolved: Resolved
 
     @classmethod
-    def of(cls, model: str, strategy: str, epsilon: float | None) -> TrainerRecipe:
-        """The shipped table's entry for ``model`` and ``strategy`` at ``epsilon`` (one-line ConfigError for none)."""
-        resolved = resolve(model, strategy, epsilon)
+    def of(cls, model: str, strategy: str, epsilon: float | None, tier: str = "default") -> TrainerRecipe:
+        """The shipped table's entry for ``model`` and ``strategy`` at ``epsilon`` and compute ``tier`` (one-line
+        ConfigError for none)."""
+        resolved = resolve(model, strategy, epsilon, tier=tier)
         if resolved is None:
             raise ConfigError(f"the recipe table has no entry for model {model!r} and strategy {strategy!r}"
                               + ("" if epsilon is not None else " without an epsilon"))

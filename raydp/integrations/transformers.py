@@ -151,15 +151,16 @@ class DPTraining:
         # the Trainer trains its own model, not ``config.model``: a recipe looked up by the config's model (the embedded
         # one unless set) would give its clip to another model, so DPTraining takes no recipe (``recipe: none``)
         if config is None:
-            if config_fields.get("recipe", "none") != "none":
-                raise ConfigError("DPTraining takes no recipe (it is looked up by the config's model, not the "
-                                  "Trainer's): leave recipe unset and give the settings you want")
+            if config_fields.get("recipe", "none") != "none" or config_fields.get("compute", "default") != "default":
+                raise ConfigError("DPTraining takes no recipe nor compute tier (a recipe is looked up by the config's "
+                                  "model, not the Trainer's): leave recipe and compute unset and give the settings "
+                                  "you want (TrainerRecipe builds them from a named entry)")
             config = TrainConfig(**{**config_fields, "recipe": "none"})
         elif config.recipe != "none" or config.recipe_applied is not None:
             # the fields the user set, without what a recipe filled (a config.json read back lists those as set)
             filled = set((config.recipe_applied or {}).get("filled") or {})
             config = TrainConfig(**{k: getattr(config, k) for k in config.model_fields_set
-                                    if k not in {"recipe", "recipe_applied", *filled}}, recipe="none")
+                                    if k not in {"recipe", "recipe_applied", "compute", *filled}}, recipe="none")
         self.config = config
         if not self.config.is_private:
             raise ConfigError("DPTraining needs a DP strategy (strategy='static', 'static-pairwise', ...)")

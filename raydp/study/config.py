@@ -515,7 +515,11 @@ class StudyConfig(StrictModel):
                                      f"({', '.join(SEARCHABLE_RUN_FIELDS)})")
                 if name in PUBLIC_ONLY_SEARCH_FIELDS and self.private_data:
                     raise ValueError(f"search_space.{strategy}.{name} is searched on public data only (private_data: "
-                                     "false): it changes each trial's sampling rate and steps, its privacy plan")
+                                     "false): it sets each trial's sampling rate and steps, privacy parameters a "
+                                     "search would choose from private results")
+                if name in PUBLIC_ONLY_SEARCH_FIELDS and space[name].choices is None:
+                    raise ValueError(f"search_space.{strategy}.{name}: give its values as choices (a batch size is "
+                                     "a whole number)")
                 fixed = set(self.strategy_settings.get(strategy) or {}) | set(self.settings_grid.get(strategy) or {})
                 if name in fixed:
                     raise ValueError(f"search_space.{strategy}.{name} is also fixed in strategy_settings or "

@@ -26,11 +26,14 @@ from raydp.study.trial import Trial
 if TYPE_CHECKING:
     from raydp.study.config import MutationRange, StudyConfig
 
-#: TrainConfig fields a search_space may vary beside a strategy's settings (public choices of the run; the
-#: batch size and epochs are not among them: they change q and the steps, so the plan)
+#: TrainConfig fields a search_space may vary beside a strategy's settings (public choices of the run; the epochs
+#: are not among them: a compute tier fixes them)
 SEARCHABLE_RUN_FIELDS = ("lr", "lr_decay", "lr_end", "warmup_steps", "weight_decay", "rescale_moments", "batch_size")
-#: searchable on public data only: the expected batch sets the sampling rate and the steps, so each trial's privacy
-#: plan; on private data a study's trials (and its tuning-aware epsilon) are planned from one batch size per cell
+#: searchable on public data only (as choices): the expected batch sets the sampling rate and the steps, so each trial's
+#: privacy parameters, and a search picks a trial's values from earlier trials' results. On private data that would
+#: choose privacy parameters adaptively, which the study's composition of per-trial curves does not cover (it would
+#: need a privacy filter: Feldman & Zrnic, NeurIPS 2021). A settings_grid fixes them in advance: each grid trial is
+#: planned from its own config, and the composition covers it.
 PUBLIC_ONLY_SEARCH_FIELDS = ("batch_size",)
 
 

@@ -25,7 +25,7 @@ from raydp.errors import ConfigError
 from raydp.files import atomic_write, locked
 from raydp.model.embedded import ensure_embedded_model, is_embedded_name
 from raydp.privacy.lifetime import read_budget
-from raydp.recipe import TABLE_FORMAT, shipped_table
+from raydp.recipe import TABLE_FORMAT, TIER_FACTORS, shipped_table
 from raydp.runner.local_setup import is_local, plan_local_run
 from raydp.runner.privacy_setup import (LifetimeCharge, build_strategy, plan_key, plan_private_run, plan_record,
                                         training_units)
@@ -171,9 +171,10 @@ RECIPE_TABLE_KEY = "recipe_table"
 
 
 def recipe_table_id() -> str:
-    """The shipped recipe table's version and a digest of its entries (an edit that kept the version shows too)."""
+    """The shipped recipe table's version and a digest of its entries and of the compute tiers' factors (an edit that
+    kept the version shows too, and so does a changed tier)."""
     table = shipped_table()
-    entries = json.dumps(table.model_dump(mode="json"), sort_keys=True).encode()
+    entries = json.dumps({**table.model_dump(mode="json"), "tier_factors": TIER_FACTORS}, sort_keys=True).encode()
     return f"{table.version} sha256:{hashlib.sha256(entries).hexdigest()[:16]}"
 
 
