@@ -68,7 +68,7 @@ def own_table(tmp_path, monkeypatch):
 
 def test_the_shipped_table_loads_and_every_point_is_a_valid_run():
     table = shipped_table()
-    assert table.format == "raydp-recipes" and table.format_version == 1 and table.version == "v0.2"
+    assert table.format == "raydp-recipes" and table.format_version == 1 and table.version == "v1"
     assert [e.key for e in table.entries] == ["embedded/static-pairwise/default", "embedded/nonprivate/default"]
     for entry in table.entries:
         assert all(i.startswith("public:") for i in entry.provenance.dataset_ids)
@@ -81,21 +81,34 @@ def test_the_shipped_table_loads_and_every_point_is_a_valid_run():
             assert {k: getattr(config, k) for k in settings} == settings
 
 
-def test_v0_is_the_public_searchs_choice_and_todays_defaults_elsewhere():
-    """No number is invented: the searched settings are the tuning record's search_best, the others today's
-    defaults (the values the search ran with), and the provenance says which is which."""
+def test_v1_is_the_public_searches_choice_and_todays_defaults_elsewhere():
+    """No number is invented: at epsilon 0.5 and 8 the searched settings are the structured search's search_best, at 2
+    v0's (trials/schedule-search.yaml's; the check of trials/recipe/check-v1.yaml kept them there), the others the
+    values the searches ran with, and the provenance says which is which."""
     entry = shipped_table().entries[0]
     record = json.loads((REPO / entry.provenance.tuning_record).read_text())
     best = {float(b["epsilon"]): b for b in record["search_best"] if b["strategy"] == "static-pairwise"}
+    v0 = {float(b["epsilon"]): b for b in json.loads((REPO / "trials/tuned/schedule-search.json").read_text())[
+        "search_best"] if b["strategy"] == "static-pairwise"}
     assert [p.epsilon for p in entry.points] == sorted(best) == [0.5, 2.0, 8.0]
-    assert sorted(entry.provenance.searched) == sorted(next(iter(best.values()))["best"]) == ["clip", "lr", "lr_decay"]
+    assert sorted(entry.provenance.searched) == sorted(best[0.5]["best"]) == \
+        ["clip", "lr", "lr_decay", "lr_end", "warmup_steps"]
     assert entry.provenance.dataset_ids == record["dataset_ids"]
     for point in entry.points:
         settings = point.settings.model_dump(exclude_none=True)
-        assert {k: settings[k] for k in entry.provenance.searched} == best[point.epsilon]["best"]
-        assert point.public_value_nll == best[point.epsilon]["final_public_value_nll"]
+        chosen = best[point.epsilon] if point.epsilon != 2.0 else v0[2.0]
+        searched = {**({"lr_end": 0.0, "warmup_steps": 20} if point.epsilon == 2.0 else {}), **chosen["best"]}
+        assert {k: settings[k] for k in entry.provenance.searched} == searched
+        assert point.public_value_nll == chosen["final_public_value_nll"] and point.trial == chosen["trial"]
         assert {k: settings[k] for k in entry.provenance.not_searched} == \
             {k: v for k, v in _defaults().items() if k in entry.provenance.not_searched}
+    assert "check-v1.yaml" in entry.provenance.criterion and "keeps v0's point" in entry.provenance.note
+
+
+def test_a_tie_in_log_epsilon_takes_the_smaller_epsilons_categorical_settings():
+    entry = shipped_table().entries[0]
+    at4 = resolve("embedded", "static-pairwise", 4.0).settings  # exactly halfway between 2 and 8 in log epsilon
+    assert at4["warmup_steps"] == entry.points[1].settings.warmup_steps != entry.points[2].settings.warmup_steps
 
 
 @pytest.mark.parametrize("change, words", [
@@ -173,12 +186,12 @@ def test_auto_fills_every_unset_field_and_records_the_entry():
     assert {k: getattr(config, k) for k in RECIPE_FIELDS} == point.settings.model_dump()
     assert config.strategy_settings().clip == point.settings.clip  # where --clip lands: the strategy's clip
     applied = config.recipe_applied
-    assert applied["entry"] == "embedded/static-pairwise/default" and applied["table"] == "raydp-recipes v0.2"
+    assert applied["entry"] == "embedded/static-pairwise/default" and applied["table"] == "raydp-recipes v1"
     assert applied["how"] == "at epsilon 2" and not applied["clamped"] and applied["compute_tier"] == "default"
     assert list(applied["filled"]) == list(RECIPE_FIELDS)
-    assert sorted(applied["searched"]) == ["clip", "lr", "lr_decay"]
-    assert sorted(applied["not_searched"]) == ["batch_size", "epochs", "lr_end", "warmup_steps", "weight_decay"]
-    assert "trials/schedule-search.yaml" in applied["source"]
+    assert sorted(applied["searched"]) == ["clip", "lr", "lr_decay", "lr_end", "warmup_steps"]
+    assert sorted(applied["not_searched"]) == ["batch_size", "epochs", "weight_decay"]
+    assert "trials/recipe/search-structured.yaml" in applied["source"]
 
 
 def test_recipe_none_gives_todays_defaults_exactly():

@@ -216,7 +216,7 @@ def _interpolate(low: RecipePoint, high: RecipePoint, epsilon: float) -> dict:
         elif key in LINEAR:
             out[key] = float((1 - t) * a[key] + t * b[key])
         else:  # NEAREST: the nearer point in log epsilon, a tie the smaller epsilon's
-            out[key] = a[key] if t <= 0.5 else b[key]
+            out[key] = a[key] if t <= 0.5 + 1e-9 else b[key]  # log rounding: epsilon 4 between 2 and 8 is a tie
     return out
 
 
