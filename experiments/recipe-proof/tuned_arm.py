@@ -18,18 +18,18 @@ import yaml
 HERE = Path(__file__).resolve().parent
 RUN_FIELDS = ("lr", "lr_decay", "lr_end", "warmup_steps")
 #: the two tables: the study names' prefix, the private data and the held-out records
-KINDS = {"structured": ("proof-", {"source": "data/unseen.csv"}, "data/unseen-holdout.csv"),
+KINDS = {"structured": ("proof-", {"source": "data/unseen.csv"}, "data/unseen-holdout.csv", "the hospital's held-out records"),
          "letters": ("proof-letters-", {"source": "data/letters.csv", "text_column": "letter",
-                                        "unit_column": "patient"}, "data/letters-holdout.csv")}
+                                        "unit_column": "patient"}, "data/letters-holdout.csv", "held-out letters")}
 
 
 def study_file(best: dict, epsilon: float, search: str, kind: str) -> str:
-    prefix, data, holdout = KINDS[kind]
+    prefix, data, holdout, _ = KINDS[kind]
     base = {"recipe": "none", "data": data, "public_validation": holdout, "epochs": 3, "batch_size": 16, "weight_decay": 0.0,
             **{k: best[k] for k in RUN_FIELDS}}
     study = {"name": f"{prefix}tuned-eps{epsilon:g}",
-             "description": f"arm (d) - the values static-pairwise's search chose on the hospital's held-out records "
-                            f"without noise (NOT private), epsilon {epsilon:g}, 5 seeds",
+             "description": f"arm (d) - the values static-pairwise's search chose on {KINDS[kind][3]} without noise "
+                            f"(NOT private), epsilon {epsilon:g}, 5 seeds",
              "models": ["embedded"], "epsilons": [epsilon], "seeds": [0, 1, 2, 3, 4],
              "strategies": ["static-pairwise"], "strategy_settings": {"static-pairwise": {"clip": best["clip"]}},
              "resources": {"cpus_per_trial": 1}, "private_data": True, "base": base}
