@@ -68,8 +68,9 @@ def own_table(tmp_path, monkeypatch):
 
 def test_the_shipped_table_loads_and_every_point_is_a_valid_run():
     table = shipped_table()
-    assert table.format == "raydp-recipes" and table.format_version == 1 and table.version == "v1"
-    assert [e.key for e in table.entries] == ["embedded/static-pairwise/default", "embedded/nonprivate/default"]
+    assert table.format == "raydp-recipes" and table.format_version == 1 and table.version == "v1.1"
+    assert [e.key for e in table.entries] == ["embedded/static-pairwise/default", "embedded/static-pairwise/3x",
+                                              "embedded/nonprivate/default"]
     for entry in table.entries:
         assert all(i.startswith("public:") for i in entry.provenance.dataset_ids)
         assert (REPO / entry.provenance.study_file).is_file() and (REPO / entry.provenance.tuning_record).is_file()
@@ -186,7 +187,7 @@ def test_auto_fills_every_unset_field_and_records_the_entry():
     assert {k: getattr(config, k) for k in RECIPE_FIELDS} == point.settings.model_dump()
     assert config.strategy_settings().clip == point.settings.clip  # where --clip lands: the strategy's clip
     applied = config.recipe_applied
-    assert applied["entry"] == "embedded/static-pairwise/default" and applied["table"] == "raydp-recipes v1"
+    assert applied["entry"] == "embedded/static-pairwise/default" and applied["table"] == "raydp-recipes v1.1"
     assert applied["how"] == "at epsilon 2" and not applied["clamped"] and applied["compute_tier"] == "default"
     assert list(applied["filled"]) == list(RECIPE_FIELDS)
     assert sorted(applied["searched"]) == ["clip", "lr", "lr_decay", "lr_end", "warmup_steps"]
@@ -532,15 +533,29 @@ def test_the_proof_data_builds_as_a_users_tables(tmp_path):
 
 # -- compute tiers -----------------------------------------------------------------------------------------------------
 
+def test_the_3x_entry_is_its_searchs_choice_at_nine_epochs():
+    entry = shipped_table().entries[1]
+    record = json.loads((REPO / entry.provenance.tuning_record).read_text())
+    (best,) = record["search_best"]
+    (point,) = entry.points
+    settings = point.settings.model_dump(exclude_none=True)
+    assert entry.compute_tier == "3x" and point.epsilon == best["epsilon"] == 2.0 and settings["epochs"] == 9.0
+    assert {k: settings[k] for k in entry.provenance.searched} == best["best"]
+    assert point.public_value_nll == best["final_public_value_nll"] and record["dataset_ids"][0].startswith("public:")
+    config = TrainConfig(**PAIRWISE, compute="3x")
+    assert config.recipe_applied["entry"] == "embedded/static-pairwise/3x" and "tier_note" not in config.recipe_applied
+    assert (config.batch_size, config.epochs) == (best["best"]["batch_size"], 9.0)
+
+
 def test_a_tier_without_its_own_entry_takes_the_default_entry_with_three_times_the_epochs():
-    default, tripled = TrainConfig(**PAIRWISE), TrainConfig(**PAIRWISE, compute="3x")
+    default, tripled = TrainConfig(strategy="nonprivate"), TrainConfig(strategy="nonprivate", compute="3x")
     assert tripled.epochs == 3 * default.epochs == 9.0
     assert {k: getattr(tripled, k) for k in RECIPE_FIELDS if k != "epochs"} == \
         {k: getattr(default, k) for k in RECIPE_FIELDS if k != "epochs"}
     record = tripled.recipe_applied
-    assert record["compute_tier"] == "3x" and "not searched for static-pairwise" in record["tier_note"]
+    assert record["compute_tier"] == "3x" and "not searched for nonprivate" in record["tier_note"]
     assert default.recipe_applied["compute_tier"] == "default" and "tier_note" not in default.recipe_applied
-    assert TrainConfig(**PAIRWISE, compute="3x", epochs=4).epochs == 4  # a flag still wins
+    assert TrainConfig(strategy="nonprivate", compute="3x", epochs=4).epochs == 4  # a flag still wins
 
 
 def test_a_tier_with_its_own_entry_takes_it(own_table):
@@ -575,8 +590,8 @@ def test_a_tier_needs_the_recipe_and_a_bad_tier_is_a_one_line_error():
 def test_the_terminal_names_the_recipe_and_its_tier():
     from raydp.cli import recipe_line
 
-    line = recipe_line(TrainConfig(**PAIRWISE, compute="3x").recipe_applied)
-    assert line.startswith("embedded/static-pairwise/default (raydp-recipes ") and "3x tier (scaled: not searched)" in line
+    line = recipe_line(TrainConfig(strategy="nonprivate", compute="3x").recipe_applied)
+    assert line.startswith("embedded/nonprivate/default (raydp-recipes ") and "3x tier (scaled: not searched)" in line
     assert "epochs 9" in line and "public search, no budget" in line
     assert recipe_line(TrainConfig(**PAIRWISE, recipe="none").recipe_applied).startswith("none")
 
@@ -597,7 +612,7 @@ def test_the_batch_size_is_searched_on_public_data_only():
 
 
 def test_a_tier_run_that_gave_its_epochs_says_they_were_not_scaled_and_reads_back():
-    config = TrainConfig(**PAIRWISE, compute="3x", epochs=4)
+    config = TrainConfig(strategy="nonprivate", compute="3x", epochs=4)
     assert config.epochs == 4 and "epochs" not in config.recipe_applied["filled"]
     assert config.recipe_applied["tier_note"].endswith("but the run gave its epochs (4): not scaled")
     stored = json.loads(json.dumps(TrainConfig(**PAIRWISE, compute="3x").model_dump(mode="json")))
