@@ -7,7 +7,7 @@ over the epsilon cells of a comparison.
       --reference default=runs/studies/schedule-final:nonprivate --reference tuned=runs/studies/recipe-check-nonprivate \\
       --compare v1:v0
 
-An arm is LABEL=STUDY_DIR[:STRATEGY] (the study's trials of that strategy; default: its one DP strategy, or
+An arm is LABEL=STUDY_DIR[,STUDY_DIR...][:STRATEGY] (the studies' trials of that strategy; default: its one DP strategy, or
 nonprivate for a reference). ``--metric eval`` reads the private eval split (reference only, not a DP release),
 ``public`` the selection split (the study's public validation records). ``--quantity value-nll`` is the value-token
 NLL in nats per record (structured records); ``log-perplexity`` is the log of the perplexity, nats per token, for free
@@ -37,9 +37,10 @@ def value(summary: dict, when: str, metric: str, quantity: str) -> float:
 def read_arm(spec: str, reference: bool, metric: str, quantity: str, seeds: set | None) -> tuple[str, dict, float]:
     """LABEL=DIR[:STRATEGY] -> (label, {epsilon or None: {seed: value}}, the untrained value)."""
     label, _, where = spec.partition("=")
-    directory, _, strategy = where.partition(":")
+    directories, _, strategy = where.partition(":")
     cells, untrained = defaultdict(dict), set()
-    for summary_file in sorted(Path(directory, "trials").glob("*/summary.json")):
+    files = [f for d in directories.split(",") for f in sorted(Path(d, "trials").glob("*/summary.json"))]
+    for summary_file in files:
         config = json.loads(summary_file.with_name("config.json").read_text())
         if strategy and config["strategy"] != strategy:
             continue
