@@ -328,7 +328,9 @@ def recipe_line(record: dict | None) -> str:
         return "none (every recipe setting given, or recipe: none: today's defaults)"
     filled = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record["filled"].items())
     tier = f"{record.get('compute_tier', 'default')} tier" + (" (scaled: not searched)" if record.get("tier_note") else "")
-    return f"{record['entry']} ({record['table']}, {tier}, {record['how']}; public search, no budget): {filled}"
+    chosen = "; chosen on DP runs of a benchmark's synthetic records" if record.get("selected_on") else ""
+    return (f"{record['entry']} ({record['table']}, {tier}, {record['how']}; searched on public data{chosen}, "
+            f"no budget on your data): {filled}")
 
 
 def cmd_train(args) -> int:

@@ -180,7 +180,7 @@ class TrainConfig(StrictModel):
     recipe: Literal["auto", "none"] = Field("auto", description=(
         "auto: every recipe setting left unset (batch_size, epochs, lr, lr_decay, lr_end, warmup_steps, weight_decay, "
         "clip) takes the package's recipe for this model, strategy and epsilon, searched on PUBLIC data "
-        "(raydp.recipe; no budget), where the table has one; none: today's defaults"))
+        "(raydp.recipe; no budget on your data), where the table has one; none: today's defaults"))
     compute: Literal[COMPUTE_TIERS] = Field("default", description=(
         "the compute tier whose recipe entry fills the unset settings: default (today's records processed per run, "
         "3 epochs of the train split) or 3x (three times them; a strategy whose 3x tier was not searched takes its "
@@ -258,14 +258,20 @@ class TrainConfig(StrictModel):
                 raise ValueError(f"compute: {self.compute}: the recipe table has no entry for model {self.model!r} "
                                  f"and strategy {self.strategy!r}, so no tier to apply (set epochs yourself)")
             return self
-        if resolved.tier_note and "epochs" in self.model_fields_set:  # the tier's scaling did not happen: say so
-            resolved = replace(resolved, tier_note=f"{resolved.tier_note}, but the run gave its epochs "
-                                                   f"({self.epochs:g}): not scaled")
+        tier_epochs = resolved.settings.get("epochs")
+        if self.compute != "default" and "epochs" in self.model_fields_set and tier_epochs != self.epochs:
+            # the tier's compute did not happen: say so (scaled from the default tier or the tier's own entry)
+            note = resolved.tier_note or f"the {self.compute} tier's entry"
+            resolved = replace(resolved, tier_note=f"{note}, but the run gave its epochs ({self.epochs:g}), not the "
+                                                   f"tier's ({tier_epochs:g})")
         unset = [k for k in RECIPE_FIELDS if k not in self.model_fields_set and k in resolved.settings]
         if "clip" in unset and ("clip" in self.settings or "clip" not in
                                 getattr(settings_model(self.strategy), "model_fields", {})):
             unset.remove("clip")  # the strategy's own settings.clip wins over the run's clip (as for --clip)
         if not unset:
+            if self.compute != "default":
+                raise ValueError(f"compute: {self.compute} has nothing to fill: every recipe setting is given (drop "
+                                 "compute, or leave epochs to the tier)")
             return self
         filled = {k: resolved.settings[k] for k in unset}
         for key, value in filled.items():  # validated by the table's model (TrainConfig's constraints)

@@ -68,7 +68,7 @@ def own_table(tmp_path, monkeypatch):
 
 def test_the_shipped_table_loads_and_every_point_is_a_valid_run():
     table = shipped_table()
-    assert table.format == "raydp-recipes" and table.format_version == 1 and table.version == "v1.1"
+    assert table.format == "raydp-recipes" and table.format_version == 1 and table.version == "v1.2"
     assert [e.key for e in table.entries] == ["embedded/static-pairwise/default", "embedded/static-pairwise/3x",
                                               "embedded/nonprivate/default"]
     for entry in table.entries:
@@ -104,6 +104,8 @@ def test_v1_is_the_public_searches_choice_and_todays_defaults_elsewhere():
         assert {k: settings[k] for k in entry.provenance.not_searched} == \
             {k: v for k, v in _defaults().items() if k in entry.provenance.not_searched}
     assert "check-v1.yaml" in entry.provenance.criterion and "keeps v0's point" in entry.provenance.note
+    assert entry.points[1].source.startswith("trials/schedule-search.yaml") and entry.points[1].searched == \
+        ["clip", "lr", "lr_decay"] and entry.points[0].source is None
 
 
 def test_a_tie_in_log_epsilon_takes_the_smaller_epsilons_categorical_settings():
@@ -187,12 +189,18 @@ def test_auto_fills_every_unset_field_and_records_the_entry():
     assert {k: getattr(config, k) for k in RECIPE_FIELDS} == point.settings.model_dump()
     assert config.strategy_settings().clip == point.settings.clip  # where --clip lands: the strategy's clip
     applied = config.recipe_applied
-    assert applied["entry"] == "embedded/static-pairwise/default" and applied["table"] == "raydp-recipes v1.1"
+    assert applied["entry"] == "embedded/static-pairwise/default" and applied["table"] == "raydp-recipes v1.2"
     assert applied["how"] == "at epsilon 2" and not applied["clamped"] and applied["compute_tier"] == "default"
     assert list(applied["filled"]) == list(RECIPE_FIELDS)
-    assert sorted(applied["searched"]) == ["clip", "lr", "lr_decay", "lr_end", "warmup_steps"]
-    assert sorted(applied["not_searched"]) == ["batch_size", "epochs", "weight_decay"]
-    assert "trials/recipe/search-structured.yaml" in applied["source"]
+    # epsilon 2 is v0's point: its own search (trials/schedule-search.yaml) searched clip, lr and decay only
+    assert sorted(applied["searched"]) == ["clip", "lr", "lr_decay"]
+    assert sorted(applied["not_searched"]) == ["batch_size", "epochs", "lr_end", "warmup_steps", "weight_decay"]
+    assert applied["source"].startswith("trials/schedule-search.yaml") and "00fc4e8" in applied["source"]
+    assert "SYNTHETIC private records" in applied["selected_on"]
+    at8 = TrainConfig(strategy="static-pairwise", epsilon=8.0).recipe_applied
+    assert at8["source"].startswith("trials/recipe/search-structured.yaml") and "lr_end" in at8["searched"]
+    between = TrainConfig(strategy="static-pairwise", epsilon=4.0).recipe_applied  # both points' sources, and a
+    assert ";" in between["source"] and "lr_end" not in between["searched"]  # setting searched only where both were
 
 
 def test_recipe_none_gives_todays_defaults_exactly():
@@ -592,7 +600,8 @@ def test_the_terminal_names_the_recipe_and_its_tier():
 
     line = recipe_line(TrainConfig(strategy="nonprivate", compute="3x").recipe_applied)
     assert line.startswith("embedded/nonprivate/default (raydp-recipes ") and "3x tier (scaled: not searched)" in line
-    assert "epochs 9" in line and "public search, no budget" in line
+    assert "epochs 9" in line and "searched on public data, no budget on your data" in line
+    assert "chosen on DP runs of a benchmark's synthetic records" in recipe_line(TrainConfig(**PAIRWISE).recipe_applied)
     assert recipe_line(TrainConfig(**PAIRWISE, recipe="none").recipe_applied).startswith("none")
 
 
@@ -614,7 +623,12 @@ def test_the_batch_size_is_searched_on_public_data_only():
 def test_a_tier_run_that_gave_its_epochs_says_they_were_not_scaled_and_reads_back():
     config = TrainConfig(strategy="nonprivate", compute="3x", epochs=4)
     assert config.epochs == 4 and "epochs" not in config.recipe_applied["filled"]
-    assert config.recipe_applied["tier_note"].endswith("but the run gave its epochs (4): not scaled")
+    assert config.recipe_applied["tier_note"].endswith("but the run gave its epochs (4), not the tier's (9)")
+    own = TrainConfig(**PAIRWISE, compute="3x", epochs=3)  # the tier's searched entry, its epochs overridden
+    assert own.recipe_applied["tier_note"] == "the 3x tier's entry, but the run gave its epochs (3), not the tier's (9)"
+    every = {k: v for k, v in TrainConfig(**PAIRWISE, recipe="none").model_dump().items() if k in RECIPE_FIELDS}
+    with pytest.raises(Exception, match="compute: 3x has nothing to fill"):
+        validate_config(TrainConfig, {**PAIRWISE, **every, "compute": "3x"})
     stored = json.loads(json.dumps(TrainConfig(**PAIRWISE, compute="3x").model_dump(mode="json")))
     again = validate_config(TrainConfig, stored)  # config.json read back: the record and the tier stay
     assert again.recipe_applied == stored["recipe_applied"] and again.epochs == 9.0 and again.compute == "3x"

@@ -75,6 +75,9 @@ class RecipePoint(StrictModel):
     public_value_nll: float | None = Field(None, description="the chosen trial's final public validation "
                                            "value-token NLL, nats per record")
     trial: str | None = Field(None, description="the chosen trial of the search")
+    # a point whose values come from another search than its entry's says so (None: the entry's provenance)
+    source: str | None = Field(None, description="the study file and commit this point's values come from")
+    searched: list[str] | None = Field(None, description="the settings that search varied at this point")
 
 
 class Provenance(StrictModel):
@@ -89,6 +92,9 @@ class Provenance(StrictModel):
     searched: list[str]  # the settings the search varied
     not_searched: dict[str, str]  # setting: why its value is what it is
     note: str | None = None
+    # where the choice between candidates read DP runs on data other than the public population (a benchmark's
+    # synthetic private records): what, and the composed epsilon on that data. Never a user's data.
+    selected_on: str | None = None
 
     @model_validator(mode="after")
     def _public(self):
@@ -132,6 +138,8 @@ class RecipeEntry(StrictModel):
         if len(names) != 1:
             raise ValueError("every point of an entry sets the same settings")
         set_here = set(next(iter(names)))
+        if any(p.searched is not None and not set(p.searched) <= set_here for p in self.points):
+            raise ValueError("a point's searched settings must be settings the entry sets")
         said = set(self.provenance.searched) | set(self.provenance.not_searched)
         if set_here != said:
             raise ValueError(f"provenance must say, for each setting the entry sets ({', '.join(sorted(set_here))}), "
@@ -187,18 +195,26 @@ class Resolved:
     settings: dict  # field: value, only the fields the entry sets
     tier: str = "default"  # the compute tier the run asked for
     tier_note: str | None = None  # set where the tier's settings were scaled from the default tier's entry
+    points: tuple = ()  # the entry's points the settings came from (one, or two when interpolated)
 
     def record(self, filled: dict) -> dict:
         """What a run records (config.json ``recipe_applied``, the summary's ``recipe``): the entry, how the
         epsilon was placed, and the fields the recipe ``filled`` (those the run left unset) with their values."""
         provenance = self.entry.provenance
+        default_source = f"{provenance.study_file} on {', '.join(provenance.dataset_ids)} at {provenance.commit}"
+        points = self.points or tuple(self.entry.points)
+        sources = list(dict.fromkeys(p.source or default_source for p in points))
+        # a setting counts as searched only where every point it came from searched it
+        searched = set.intersection(*(set(p.searched if p.searched is not None else provenance.searched)
+                                      for p in points))
         return {"entry": self.entry.key, "table": f"{TABLE_FORMAT} {self.table_version}",
                 "compute_tier": self.tier, "epsilon": self.epsilon, "how": self.how,
                 "clamped": self.clamped, **({"tier_note": self.tier_note} if self.tier_note else {}),
                 "filled": {k: filled[k] for k in RECIPE_FIELDS if k in filled},
-                "searched": [k for k in RECIPE_FIELDS if k in filled and k in provenance.searched],
-                "not_searched": [k for k in RECIPE_FIELDS if k in filled and k in provenance.not_searched],
-                "source": f"{provenance.study_file} on {', '.join(provenance.dataset_ids)} at {provenance.commit}",
+                "searched": [k for k in RECIPE_FIELDS if k in filled and k in searched],
+                "not_searched": [k for k in RECIPE_FIELDS if k in filled and k not in searched],
+                "source": "; ".join(sources),
+                **({"selected_on": provenance.selected_on} if provenance.selected_on else {}),
                 "searched_at_train_records": list(self.entry.searched_at.train_records)}
 
 
@@ -253,7 +269,7 @@ def _resolve_entry(table: RecipeTable, entry: RecipeEntry, epsilon: float | None
     points = entry.points
     if points[0].epsilon is None:  # a non-private entry: its one point
         return Resolved(table.version, entry, None, "non-private (no epsilon)", False,
-                        points[0].settings.model_dump(exclude_none=True))
+                        points[0].settings.model_dump(exclude_none=True), points=(points[0],))
     if epsilon is None:
         return None
     lowest, highest = points[0].epsilon, points[-1].epsilon
@@ -263,11 +279,11 @@ def _resolve_entry(table: RecipeTable, entry: RecipeEntry, epsilon: float | None
         side = "below" if epsilon < lowest else "above"
         return Resolved(table.version, entry, epsilon, f"clamped: epsilon {_fmt(epsilon)} is {side} {searched}, so "
                         f"the settings of epsilon {_fmt(point.epsilon)}", True,
-                        point.settings.model_dump(exclude_none=True))
+                        point.settings.model_dump(exclude_none=True), points=(point,))
     for point in points:
         if math.isclose(point.epsilon, epsilon, rel_tol=1e-12):
             return Resolved(table.version, entry, epsilon, f"at epsilon {_fmt(point.epsilon)}", False,
-                            point.settings.model_dump(exclude_none=True))
+                            point.settings.model_dump(exclude_none=True), points=(point,))
     low, high = next((a, b) for a, b in zip(points, points[1:]) if a.epsilon < epsilon < b.epsilon)
     return Resolved(table.version, entry, epsilon, f"between epsilon {_fmt(low.epsilon)} and {_fmt(high.epsilon)} "
-                    "(log-epsilon interpolation)", False, _interpolate(low, high, epsilon))
+                    "(log-epsilon interpolation)", False, _interpolate(low, high, epsilon), points=(low, high))
