@@ -322,17 +322,6 @@ def cmd_data_budget(args) -> int:
     return 0
 
 
-def recipe_line(record: dict | None) -> str:
-    """A run's recipe in one line: the entry, the table, the compute tier, where the epsilon fell, what it filled."""
-    if not record:
-        return "none (every recipe setting given, or recipe: none: today's defaults)"
-    filled = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record["filled"].items())
-    tier = f"{record.get('compute_tier', 'default')} tier" + (" (scaled: not searched)" if record.get("tier_note") else "")
-    chosen = "; chosen on DP runs of a benchmark's synthetic records" if record.get("selected_on") else ""
-    return (f"{record['entry']} ({record['table']}, {tier}, {record['how']}; searched on public data{chosen}, "
-            f"no budget on your data): {filled}")
-
-
 def cmd_train(args) -> int:
     from raydp.runner.launch import train  # lazy: `raydp --help` loads no pandas
 
@@ -352,6 +341,8 @@ def cmd_train(args) -> int:
     print("  (eval_*: private eval split, not a DP release; public_*: public validation; a classification "
           "task's perplexity is its label perplexity)" if "final_eval_accuracy" in summary else
           "  (eval_perplexity: private eval split, not a DP release; public_perplexity: public validation)")
+    from raydp.recipe import recipe_line  # lazy, as the train import above
+
     print(f"  {'recipe':<26} {recipe_line(summary.get('recipe'))}")
     privacy = summary["privacy"]
     if privacy.get("epsilon") is not None and privacy.get("guarantee") == "local":

@@ -596,10 +596,11 @@ def test_a_tier_needs_the_recipe_and_a_bad_tier_is_a_one_line_error():
 
 
 def test_the_terminal_names_the_recipe_and_its_tier():
-    from raydp.cli import recipe_line
+    from raydp.recipe import recipe_line
 
     line = recipe_line(TrainConfig(strategy="nonprivate", compute="3x").recipe_applied)
-    assert line.startswith("embedded/nonprivate/default (raydp-recipes ") and "3x tier (scaled: not searched)" in line
+    assert line.startswith("embedded/nonprivate/default (raydp-recipes ") and \
+        "3x tier (the 3x tier was not searched for nonprivate: the default tier's settings with its epochs x3)" in line
     assert "epochs 9" in line and "searched on public data, no budget on your data" in line
     assert "chosen on DP runs of a benchmark's synthetic records" in recipe_line(TrainConfig(**PAIRWISE).recipe_applied)
     assert recipe_line(TrainConfig(**PAIRWISE, recipe="none").recipe_applied).startswith("none")

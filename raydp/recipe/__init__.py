@@ -6,4 +6,4 @@ in ``recipe_applied``. A lookup reads public config values and this package's ta
 
 from raydp.recipe.table import (  # noqa: F401
     COMPUTE_TIERS, FORMAT_VERSIONS, RECIPE_CHOICES, RECIPE_FIELDS, RECIPES_FILE, TABLE_FORMAT, RecipeEntry, RecipeTable, Resolved,
-    TIER_FACTORS, find_entry, load_table, resolve, shipped_table)
+    TIER_FACTORS, find_entry, load_table, recipe_line, resolve, shipped_table)

@@ -287,3 +287,14 @@ def _resolve_entry(table: RecipeTable, entry: RecipeEntry, epsilon: float | None
     low, high = next((a, b) for a, b in zip(points, points[1:]) if a.epsilon < epsilon < b.epsilon)
     return Resolved(table.version, entry, epsilon, f"between epsilon {_fmt(low.epsilon)} and {_fmt(high.epsilon)} "
                     "(log-epsilon interpolation)", False, _interpolate(low, high, epsilon), points=(low, high))
+
+
+def recipe_line(record: dict | None) -> str:
+    """A run's recipe in one line: the entry, the table, the compute tier, where the epsilon fell, what it filled."""
+    if not record:
+        return "none (every recipe setting given, or recipe: none: today's defaults)"
+    filled = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record["filled"].items())
+    tier = f"{record.get('compute_tier', 'default')} tier" + (f" ({record['tier_note']})" if record.get("tier_note") else "")
+    chosen = "; chosen on DP runs of a benchmark's synthetic records" if record.get("selected_on") else ""
+    return (f"{record['entry']} ({record['table']}, {tier}, {record['how']}; searched on public data{chosen}, "
+            f"no budget on your data): {filled}")
